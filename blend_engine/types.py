@@ -1,0 +1,135 @@
+"""Frozen dataclasses at the engine's boundary. No tensors here except in `PrefillState`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Mode(str, Enum):
+    BLEND = "blend"
+    FULL_PREFILL = "full_prefill"
+    PREFIX_CACHE = "prefix_cache"
+    FULL_REUSE = "full_reuse"
+
+    @classmethod
+    def parse(cls, value: str | Mode) -> Mode:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown mode {value!r}; expected one of {[m.value for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class SelectionPolicy:
+    """Which tokens are recomputed after the check layer.
+
+    - check_layer: the layer whose fresh K/V are compared to the cache (every layer up to and
+      including it is recomputed for all tokens). Layer 0 measures nothing: its K/V depend
+      only on token and position.
+    - metric: "k", "v" or "kv" deviation between fresh and cached values.
+    - check_multiplier: at the check layer keep ratio x multiplier of the passage tokens.
+    - schedule: gradual filtering, ((layer, multiplier), ...) with increasing layers: at each
+      listed layer the current set is narrowed to ratio x multiplier by that layer's deviation.
+    - sink_tokens: EPIC-style, always recompute the first k tokens of every passage.
+    - use_deviation: False gives pure EPIC (only sinks, plus uncached tokens).
+    """
+
+    check_layer: int = 1
+    metric: str = "kv"
+    check_multiplier: float = 1.0
+    schedule: tuple[tuple[int, float], ...] = ()
+    sink_tokens: int = 0
+    use_deviation: bool = True
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("k", "v", "kv"):
+            raise ValueError(f"metric must be 'k', 'v' or 'kv', not {self.metric!r}")
+        if self.check_layer < 0:
+            raise ValueError("check_layer must be >= 0")
+        layers = [lay for lay, _ in self.schedule]
+        if layers != sorted(layers) or any(lay <= self.check_layer for lay in layers):
+            raise ValueError("schedule layers must increase and come after the check layer")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """What to prefill: `| sys | passage_1 .. passage_k | question |` and how.
+
+    recompute_ratio None means: let the engine's controller (or its default) choose.
+    """
+
+    passages: tuple[str, ...]
+    question: str
+    mode: Mode = Mode.BLEND
+    recompute_ratio: float | None = None
+    system_prompt: str | None = None
+    policy: SelectionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        object.__setattr__(self, "passages", tuple(self.passages))
+        if not self.passages:
+            raise ValueError("a blend plan needs at least one passage")
+        if any(not isinstance(p, str) or not p.strip() for p in self.passages):
+            raise ValueError("passages must be non-empty strings")
+        if not isinstance(self.question, str) or not self.question.strip():
+            raise ValueError("question must be a non-empty string")
+        r = self.recompute_ratio
+        if r is not None and not (0.0 <= r <= 1.0):
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {r}")
+
+
+@dataclass(frozen=True)
+class BlendReport:
+    """What one prefill did. Times in milliseconds."""
+
+    mode: str
+    recompute_ratio: float
+    ratio_source: str  # "request", "default", "controller", "mode"
+    context_tokens: int
+    recomputed_tokens: int
+    recomputed_positions: tuple[int, ...]
+    selected_per_layer: tuple[int, ...]
+    cache_hits: int
+    cache_misses: int
+    prefix_tokens_reused: int
+    repaired_chunks: int
+    assemble_ms: float
+    recompute_ms: float
+    load_ms: float
+    load_wait_ms: float
+    prefill_ms: float
+    layer_load_ms: tuple[float, ...] = ()
+    layer_compute_ms: tuple[float, ...] = ()
+
+    @property
+    def load_hidden_ms(self) -> float:
+        return max(0.0, self.load_ms - self.load_wait_ms)
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length"
+    report: BlendReport
+    ttft_ms: float
+    total_ms: float
