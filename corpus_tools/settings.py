@@ -1,0 +1,66 @@
+"""Configuration shared by the service and the batch CLI: `BLENDSERVE_*` variables and `.env`.
+
+Bad values fail fast at start-up with pydantic's message naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from blend_engine.types import Mode
+
+SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "sample_corpus" / "hotpotqa_sample.jsonl"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BLENDSERVE_", env_file=".env", extra="ignore")
+
+    # service
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = None
+    max_queue: int = Field(16, ge=1, description="requests waiting for the engine before 503")
+    workers: int = Field(1, ge=1, le=16, description="engine worker threads")
+    request_timeout_s: float = Field(120.0, gt=0)
+    # storage
+    data_dir: Path = Path("data")
+    kv_format: Literal["fp16", "fp32", "int8"] = "fp16"
+    memory_cache_mb: int = Field(1024, ge=0)
+    disk_cache_mb: int = Field(20480, ge=0)
+    redis_url: str | None = None
+    redis_timeout_s: float = Field(0.5, gt=0)
+    # model and engine
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    default_mode: Mode = Mode.BLEND
+    recompute_ratio: float | None = Field(None, ge=0, le=1, description="fixed ratio; unset = controller")
+    ratio_floor: float = Field(0.15, ge=0, le=1)
+    ratio_max: float = Field(0.5, ge=0, le=1)
+    # retrieval and ingestion
+    embedder: str = Field("", description="sentence-transformers directory; empty = bundled all-MiniLM-L6-v2")
+    index_type: Literal["flat", "hnsw", "ivf"] = "flat"
+    chunk_tokens: int = Field(256, ge=16, le=4096)
+    top_k: int = Field(5, ge=1, le=50)
+    placement: Literal["score", "best_last"] = "best_last"
+    sample_corpus: Path | None = SAMPLE_CORPUS
+    ingest_sample_on_start: bool = True
+
+    @field_validator("redis_url", "api_key", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _ratio_bounds(self) -> Settings:
+        if self.ratio_floor > self.ratio_max:
+            raise ValueError("ratio_floor must not exceed ratio_max")
+        return self
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.data_dir / "kv"
