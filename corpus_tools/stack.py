@@ -1,0 +1,110 @@
+"""The heavy objects, built once (service lifespan / CLI start) from `Settings`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import KVStore
+from blend_engine.kv_store.factory import build_loader, build_store
+from blend_engine.model import ModelRunner
+from corpus_tools.documents import Reader
+from corpus_tools.pipeline import IngestPipeline, IngestSummary
+from corpus_tools.settings import Settings
+from retrieval.embedder import Embedder
+from retrieval.index import IndexParams
+from retrieval.passages import PassageDB
+from retrieval.retriever import Retriever, open_index
+
+logger = logging.getLogger(__name__)
+
+DB_FILE = "passages.sqlite3"
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    runner: ModelRunner
+    store: KVStore
+    engine: BlendEngine
+    retriever: Retriever
+    pipeline: IngestPipeline
+
+    def close(self) -> None:
+        """Persist the index, close the passage store and the KV store. Safe to call twice."""
+        try:
+            self.pipeline.index.save(self.pipeline.index_dir)
+        except OSError as exc:
+            logger.warning("could not save the index on close: %s", exc)
+        self.pipeline.db.close()
+        self.store.close()
+
+
+def index_params(settings: Settings) -> IndexParams:
+    return IndexParams(kind=settings.index_type, hnsw_m=settings.hnsw_m, hnsw_ef_search=settings.hnsw_ef_search,
+                       ivf_nlist=settings.ivf_nlist, ivf_nprobe=settings.ivf_nprobe,
+                       ivf_min_train=settings.ivf_min_train)
+
+
+def build_store_from(settings: Settings) -> KVStore:
+    return build_store(
+        kv_format=settings.kv_format,
+        memory_bytes=settings.memory_cache_mb << 20,
+        disk_dir=settings.kv_dir,
+        disk_bytes=settings.disk_cache_mb << 20,
+        redis_url=settings.redis_url,
+        redis_timeout_s=settings.redis_timeout_s,
+    )
+
+
+def build_controller(settings: Settings):
+    """The bandwidth-aware ratio controller when no fixed ratio is configured (None if unavailable)."""
+    if settings.recompute_ratio is not None:
+        return None
+    try:
+        from blend_engine.kv_store.controller import BandwidthController
+    except ImportError:
+        logger.info("no BandwidthController available; using the fixed default ratio")
+        return None
+    return BandwidthController(floor=settings.ratio_floor, cap=settings.ratio_max)
+
+
+def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
+    config = EngineConfig(kv_format=settings.kv_format,
+                          default_ratio=settings.recompute_ratio if settings.recompute_ratio is not None
+                          else settings.ratio_floor)
+    return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))
+
+
+def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder: Embedder | None = None,
+                store: KVStore | None = None) -> Stack:
+    """Everything from settings; `runner`, `embedder` and `store` may be passed in (tests, reuse)."""
+    data_dir = settings.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype)
+    store = store or build_store_from(settings)
+    engine = build_engine(settings, runner, store)
+    embedder = embedder or Embedder(settings.embedder, batch_size=settings.embed_batch_size)
+    db = PassageDB(data_dir / DB_FILE)
+    index, info = open_index(data_dir, db, embedder, index_params(settings))
+    logger.info("index: %d vectors (%s; loaded=%s, reconciled +%d -%d)", len(index), index.kind,
+                info["loaded"], info["added"], info["removed"])
+    retriever = Retriever(embedder, index, db, settings.placement)
+    pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size)
+    return Stack(settings, runner, store, engine, retriever, pipeline)
+
+
+def ingest_sample_on_first_start(stack: Stack, progress: bool = False) -> IngestSummary | None:
+    """Ingest Settings.sample_corpus when enabled and the passage store is empty; else None."""
+    s = stack.settings
+    if not s.ingest_sample_on_start or s.sample_corpus is None or stack.pipeline.db.counts()["passages"]:
+        return None
+    if not s.sample_corpus.exists():
+        logger.warning("sample corpus %s not found; starting with an empty corpus", s.sample_corpus)
+        return None
+    reader = Reader()
+    summary = stack.pipeline.ingest(reader.read([s.sample_corpus]), progress=progress)
+    logger.info("sample corpus ingested: %d passages, %d tokens in %.1f s",
+                summary.passages, summary.tokens, summary.seconds)
+    return summary

@@ -1,0 +1,109 @@
+"""Question -> passages: embed, search the FAISS index, fetch rows, order them for the prompt."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from blend_engine.layout import format_passage
+from retrieval.embedder import Embedder
+from retrieval.index import IndexParams, VectorIndex
+from retrieval.passages import PassageDB, PassageRow
+
+logger = logging.getLogger(__name__)
+
+PLACEMENTS = ("score", "best_last")
+
+
+@dataclass(frozen=True)
+class RetrievedPassage:
+    id: str
+    doc_id: str
+    title: str
+    text: str
+    score: float
+
+    @property
+    def passage(self) -> str:
+        """The string handed to the engine (same as at ingestion, so its cache key matches)."""
+        return format_passage(self.text, self.title)
+
+
+def place(passages: list[RetrievedPassage], placement: str) -> list[RetrievedPassage]:
+    """Prompt order. 'score': best first. 'best_last': best nearest the question (last)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+    ranked = sorted(passages, key=lambda p: (-p.score, p.id))
+    return ranked if placement == "score" else ranked[::-1]
+
+
+def embed_text(row_title: str, row_text: str) -> str:
+    """What is embedded for a passage: its title line and its text, as the engine sees it."""
+    return format_passage(row_text, row_title)
+
+
+class Retriever:
+    def __init__(self, embedder: Embedder, index: VectorIndex, db: PassageDB, placement: str = "best_last") -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+        self.embedder = embedder
+        self.index = index
+        self.db = db
+        self.placement = placement
+
+    def search(self, question: str, k: int) -> list[RetrievedPassage]:
+        """Top-k passages with cosine scores, already in placement order."""
+        if not question.strip():
+            raise ValueError("question is empty")
+        if k <= 0:
+            return []
+        q = self.embedder.encode([question])  # [1, dim]
+        scores, ids = self.index.search(q, k)  # [1, k] each
+        pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+        rows = self.db.by_vec_ids([i for i, _ in pairs])
+        found = [_to_result(rows[i], s) for i, s in pairs if i in rows]
+        if len(found) < len(pairs):
+            logger.warning("%d index entries have no passage row; run `corpus_tools verify --repair`",
+                           len(pairs) - len(found))
+        return place(found, self.placement)
+
+
+def _to_result(row: PassageRow, score: float) -> RetrievedPassage:
+    return RetrievedPassage(id=row.id, doc_id=row.doc_id, title=row.title, text=row.text, score=score)
+
+
+def open_index(folder: Path, db: PassageDB, embedder: Embedder, params: IndexParams,
+               batch_size: int = 256) -> tuple[VectorIndex, dict]:
+    """Load the persisted index and reconcile it with SQLite (the source of truth).
+
+    Vectors of passages the index lacks are re-embedded and added; vectors no passage owns are
+    removed. Returns (index, {"loaded", "added", "removed"}); saves the index when it changed.
+    """
+    index = VectorIndex.load(folder, embedder.dim, params, embedder.name)
+    loaded = index is not None
+    if index is None:
+        index = VectorIndex(embedder.dim, params, embedder.name)
+    added, removed = reconcile(index, db, embedder, batch_size)
+    if added or removed or not loaded:
+        index.save(folder)
+    if added or removed:
+        logger.info("index reconciled with the passage store: %d added, %d removed", added, removed)
+    return index, {"loaded": loaded, "added": added, "removed": removed}
+
+
+def reconcile(index: VectorIndex, db: PassageDB, embedder: Embedder, batch_size: int = 256) -> tuple[int, int]:
+    """Make the index hold exactly the passages in SQLite. Returns (added, removed)."""
+    want = db.vec_ids()
+    have = set(index.ids().tolist())
+    extra = np.asarray(sorted(have - want), dtype=np.int64)
+    removed = index.remove(extra) if len(extra) else 0
+    missing = sorted(want - have)
+    added = 0
+    for start in range(0, len(missing), batch_size):
+        rows = list(db.by_vec_ids(missing[start:start + batch_size]).values())
+        vecs = embedder.encode([embed_text(r.title, r.text) for r in rows])
+        added += index.add(np.asarray([r.vec_id for r in rows], dtype=np.int64), vecs)
+    return added, removed
