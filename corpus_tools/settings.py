@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     placement: Literal["score", "best_last"] = "best_last"
     sample_corpus: Path | None = SAMPLE_CORPUS
     ingest_sample_on_start: bool = True
+    ingest_batch_size: int = Field(32, ge=1, le=4096, description="passages per SQLite transaction / index save")
+    embed_batch_size: int = Field(64, ge=1, le=4096)
+    hnsw_m: int = Field(32, ge=4, le=256)
+    hnsw_ef_search: int = Field(64, ge=1)
+    ivf_nlist: int = Field(0, ge=0, description="0 = about 4*sqrt(n) when trained")
+    ivf_nprobe: int = Field(16, ge=1)
+    ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
     @field_validator("redis_url", "api_key", mode="before")
     @classmethod
