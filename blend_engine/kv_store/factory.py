@@ -1,12 +1,17 @@
-"""Build the configured store stack. Extended by the tiered store work (disk, Redis)."""
+"""Build the configured store stack: memory over local disk (when disk_dir) over Redis (when redis_url)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from blend_engine.kv_store.base import KVStore
+from blend_engine.kv_store.blob import BlobStore
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.kv_store.memory import MemoryStore
+from blend_engine.kv_store.tiered import TieredStore
+
+logger = logging.getLogger(__name__)
 
 
 def build_store(
@@ -17,10 +22,29 @@ def build_store(
     disk_bytes: int = 20 << 30,
     redis_url: str | None = None,
     redis_timeout_s: float = 0.5,
+    fingerprint: str = "",
 ) -> KVStore:
-    """Memory tier on top of local disk (when disk_dir) on top of Redis (when redis_url)."""
-    return MemoryStore(memory_bytes, kv_format=kv_format)
+    """Memory tier on top of local disk (when disk_dir) on top of Redis (when redis_url).
+
+    `fingerprint` (the engine's `store_fingerprint`) is written into disk and Redis entries;
+    entries of another fingerprint are misses. Empty: keys alone separate models.
+    """
+    tiers: list[BlobStore] = [MemoryStore(memory_bytes, kv_format=kv_format, fingerprint=fingerprint)]
+    if disk_dir is not None:
+        from blend_engine.kv_store.disk import DiskStore
+
+        tiers.append(DiskStore(Path(disk_dir), disk_bytes, kv_format=kv_format, fingerprint=fingerprint))
+    if redis_url:
+        from blend_engine.kv_store.redis_store import RedisStore
+
+        redis_tier = RedisStore(redis_url, kv_format=kv_format, fingerprint=fingerprint, timeout_s=redis_timeout_s)
+        if not redis_tier.ping():
+            logger.warning("redis %s is not answering at start-up; local tiers serve until it does", redis_tier.url)
+        tiers.append(redis_tier)
+    logger.info("KV store tiers: %s (%s)", " > ".join(t.name for t in tiers), kv_format)
+    return TieredStore(tiers)
 
 
 def build_loader(store: KVStore, prefetch_depth: int = 2) -> LayerLoader:
-    return LayerLoader(store)
+    """A loader that reads `prefetch_depth` layers ahead on a background thread (0: synchronous)."""
+    return LayerLoader(store, prefetch_depth=prefetch_depth)

@@ -1,12 +1,16 @@
 """Layer-wise loading: the engine consumes one layer of every chunk at a time.
 
 `LayerStream` is an iterator over layers; each item is the list of (k, v) [H, T, D] for the
-requested chunks in order. Whether layer i+1 is read while layer i is computed is a scheduling
-choice of the loader, invisible to the engine.
+requested chunks in order. `PrefetchStream` reads layers i+1.. on a background thread while the
+engine computes layer i (bounded read-ahead); `LayerStream` reads synchronously. Either way a
+missing or corrupt chunk is recomputed through `repair(key)`, stored again, and counted.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from blend_engine.kv_store.base import ChunkKV, KVStore
+from blend_engine.kv_store.codec import FORMATS, roundtrip
 
+logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -40,16 +46,23 @@ class LayerStream:
         self._fixed: dict[str, ChunkKV] = {}
         self.trace = LoadTrace()
 
+    def _fix(self, key: str) -> ChunkKV:
+        """Recompute a chunk from its text, store it again, and use it as the store would return it."""
+        kv = self._repair(key)
+        self._store.put(key, kv)
+        fmt = getattr(self._store, "kv_format", None)
+        if fmt in FORMATS:
+            kv = roundtrip(fmt, kv)  # same values a later cached load gives
+        self._fixed[key] = kv
+        self.trace.repaired.append(key)
+        return kv
+
     def _read(self, layer: int) -> LayerKV:
         out: LayerKV = []
         for key in self._keys:
             got = self._fixed[key].layer(layer) if key in self._fixed else self._store.get_layer(key, layer)
             if got is None:  # missing or corrupt mid-stream: recompute from text, re-store, go on
-                kv = self._repair(key)
-                self._fixed[key] = kv
-                self._store.put(key, kv)
-                self.trace.repaired.append(key)
-                got = kv.layer(layer)
+                got = self._fix(key).layer(layer)
             self.trace.bytes_read += got[0].numel() * got[0].element_size() * 2
             out.append(got)
         return out
@@ -67,9 +80,70 @@ class LayerStream:
         pass
 
 
+class PrefetchStream(LayerStream):
+    """Reads ahead on a background thread, at most `depth` layers beyond what was consumed.
+
+    trace.read_s[i]: time the reader spent on layer i; trace.wait_s[i]: time the consumer blocked
+    for it. Reader errors are raised in the consumer. `close()` stops and joins the reader.
+    """
+
+    def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair, depth: int) -> None:
+        super().__init__(store, keys, n_layers, repair)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="kv-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            self._store.prefetch(self._keys)
+            for layer in range(self._n_layers):
+                if self._stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                item = self._read(layer)
+                self.trace.read_s.append(time.perf_counter() - t0)
+                self._offer((item, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._offer((None, exc))
+
+    def _offer(self, msg: tuple) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(msg, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[LayerKV]:
+        for _ in range(self._n_layers):
+            t0 = time.perf_counter()
+            item, exc = self._queue.get()
+            self.trace.wait_s.append(time.perf_counter() - t0)
+            if exc is not None:
+                raise exc
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+
+
 class LayerLoader:
-    def __init__(self, store: KVStore) -> None:
+    """Opens layer streams on a store; prefetch_depth 0 reads synchronously."""
+
+    def __init__(self, store: KVStore, prefetch_depth: int = 0) -> None:
+        if prefetch_depth < 0:
+            raise ValueError("prefetch_depth must be >= 0")
         self.store = store
+        self.prefetch_depth = prefetch_depth
 
     def stream(self, keys: Sequence[str], n_layers: int, repair: Repair) -> LayerStream:
-        return LayerStream(self.store, keys, n_layers, repair)
+        if self.prefetch_depth == 0:
+            return LayerStream(self.store, keys, n_layers, repair)
+        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth)

@@ -1,81 +1,91 @@
-"""In-memory tier: a byte-budgeted LRU. The hot tier, and the test double for the others."""
+"""In-memory tier: a byte-budgeted LRU of per-layer blobs. The hot tier, and the test double.
+
+Float formats decode to views of the stored bytes (no copy): callers must not modify them.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import torch
+from blend_engine.kv_store.base import StoreStats
+from blend_engine.kv_store.blob import Blob, BlobStore
+from blend_engine.kv_store.codec import ChunkMeta
 
-from blend_engine.kv_store.base import ChunkKV, KVStore, StoreStats
-
-STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STORAGE_FORMATS = ("fp32", "fp16", "bf16", "int8")
 
 
-class MemoryStore(KVStore):
-    def __init__(self, budget_bytes: int = 2 << 30, kv_format: str = "fp16", name: str = "memory") -> None:
-        if kv_format not in STORAGE_DTYPES:
-            raise ValueError(f"memory store supports {sorted(STORAGE_DTYPES)}, not {kv_format!r}")
-        self.name = name
-        self._dtype = STORAGE_DTYPES[kv_format]
+@dataclass
+class _Entry:
+    meta: ChunkMeta
+    blobs: list[Blob]
+
+
+class MemoryStore(BlobStore):
+    def __init__(self, budget_bytes: int = 2 << 30, kv_format: str = "fp16", name: str = "memory",
+                 fingerprint: str = "") -> None:
+        if kv_format not in STORAGE_FORMATS:
+            raise ValueError(f"memory store supports {list(STORAGE_FORMATS)}, not {kv_format!r}")
+        super().__init__(name, kv_format, fingerprint)
         self._budget = budget_bytes
-        self._items: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._items: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = StoreStats(name=name, bytes_budget=budget_bytes)
 
-    def contains(self, key: str) -> bool:
+    def meta(self, key: str) -> ChunkMeta | None:
         with self._lock:
-            return key in self._items
+            e = self._items.get(key)
+            return None if e is None else e.meta
 
-    def put(self, key: str, kv: ChunkKV) -> bool:
-        stored = ChunkKV(kv.k.detach().to("cpu", self._dtype).contiguous(), kv.v.detach().to("cpu", self._dtype).contiguous())
-        size = stored.nbytes()
+    def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
+        self.check_meta(meta)
+        size = meta.nbytes
         with self._lock:
             if size > self._budget:
                 self._stats.skipped_puts += 1
                 return False
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._stats.bytes_used -= old.nbytes()
+            self._drop(key)
             while self._items and self._stats.bytes_used + size > self._budget:
-                _, evicted = self._items.popitem(last=False)
-                self._stats.bytes_used -= evicted.nbytes()
+                evicted = next(iter(self._items))
+                self._drop(evicted)
                 self._stats.evictions += 1
-            self._items[key] = stored
+            self._items[key] = _Entry(meta, list(blobs))
             self._stats.bytes_used += size
             self._stats.puts += 1
             self._stats.entries = len(self._items)
             return True
 
-    def get(self, key: str) -> ChunkKV | None:
+    def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
         with self._lock:
-            kv = self._items.get(key)
-            if kv is None:
-                self._stats.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self._stats.hits += 1
-            return kv
-
-    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        with self._lock:
-            kv = self._items.get(key)
-            if kv is None or layer >= kv.n_layers:
-                self._stats.misses += 1
+            e = self._items.get(key)
+            if e is None or layer >= e.meta.n_layers:
+                if layer == 0:
+                    self._stats.misses += 1
                 return None
             if layer == 0:
                 self._items.move_to_end(key)
                 self._stats.hits += 1
-            return kv.layer(layer)
+            self._stats.bytes_read += e.meta.layer_nbytes
+            return e.meta, e.blobs[layer]
+
+    def keys(self) -> list[str]:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return list(self._items)
+
+    def _drop(self, key: str) -> bool:
+        e = self._items.pop(key, None)
+        if e is None:
+            return False
+        self._stats.bytes_used -= e.meta.nbytes
+        self._stats.entries = len(self._items)
+        return True
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            kv = self._items.pop(key, None)
-            if kv is None:
-                return False
-            self._stats.bytes_used -= kv.nbytes()
-            self._stats.entries = len(self._items)
-            return True
+            return self._drop(key)
 
     def stats(self) -> StoreStats:
         with self._lock:

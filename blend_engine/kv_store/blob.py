@@ -1,0 +1,76 @@
+"""`BlobStore`: a KV store built on three byte-level primitives every tier implements.
+
+- meta(key): the chunk's `ChunkMeta` (None when absent, or stored by another fingerprint/format);
+- get_blob(key, layer): (meta, that layer's verified blob) or None (miss, corrupt -> dropped);
+- put_blobs(key, meta, blobs): store every layer's blob; False when skipped.
+
+Tiers exchange blobs, never re-encode, so a promoted int8 chunk stays bit-identical.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from blend_engine.kv_store.base import ChunkKV, KVStore
+from blend_engine.kv_store.codec import ChunkMeta, check_format, decode_chunk, decode_layer, encode_chunk
+
+Blob = bytearray
+
+
+class BlobStore(KVStore):
+    def __init__(self, name: str, kv_format: str, fingerprint: str = "") -> None:
+        self.name = name
+        self.kv_format = check_format(kv_format)
+        self.fingerprint = fingerprint
+
+    # ------------------------------------------------------------------ primitives
+    @abstractmethod
+    def meta(self, key: str) -> ChunkMeta | None: ...
+
+    @abstractmethod
+    def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None: ...
+
+    @abstractmethod
+    def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool: ...
+
+    def check_meta(self, meta: ChunkMeta) -> None:
+        """Fail loudly when a caller hands this tier blobs of another format."""
+        if meta.fmt != self.kv_format:
+            raise ValueError(f"{self.name} stores {self.kv_format}, was given {meta.fmt} blobs")
+
+    def accepts(self, meta: ChunkMeta) -> bool:
+        """A stored entry is usable only in this store's format and (when set) fingerprint."""
+        return meta.fmt == self.kv_format and (not self.fingerprint or meta.fingerprint == self.fingerprint)
+
+    # ------------------------------------------------------------------ KVStore
+    def contains(self, key: str) -> bool:
+        return self.meta(key) is not None
+
+    def put(self, key: str, kv: ChunkKV) -> bool:
+        meta, blobs = encode_chunk(self.kv_format, kv, self.fingerprint)
+        return self.put_blobs(key, meta, blobs)
+
+    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        got = self.get_blob(key, layer)
+        if got is None:
+            return None
+        return decode_layer(*got)  # [H, T, D] each
+
+    def get_blobs(self, key: str) -> tuple[ChunkMeta, list[Blob]] | None:
+        meta = self.meta(key)
+        if meta is None:
+            return None
+        blobs: list[Blob] = []
+        for layer in range(meta.n_layers):
+            got = self.get_blob(key, layer)
+            if got is None or got[0] != meta:
+                return None
+            blobs.append(got[1])
+        return meta, blobs
+
+    def get(self, key: str) -> ChunkKV | None:
+        got = self.get_blobs(key)
+        return None if got is None else decode_chunk(*got)

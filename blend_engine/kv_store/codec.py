@@ -1,0 +1,147 @@
+"""Stored precision of chunk KV: fp16 (default), fp32, bf16, and int8 per-token-per-head.
+
+Every tier stores a chunk as one byte blob per layer (layer-major), so layer i can be read,
+checked and decoded without touching the others. A blob is the concatenation of raw arrays:
+
+- fp16 / fp32 / bf16: k [H, T, D] then v [H, T, D] in that dtype;
+- int8: k_q [H, T, D] int8, v_q [H, T, D] int8, k_scale [H, T] fp16, v_scale [H, T] fp16, with
+  symmetric quantization x ~= q * scale and scale = max|x| / 127 over each token's head vector.
+
+No pickle anywhere: blobs are raw little-endian arrays; `ChunkMeta` is plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from blend_engine.kv_store.base import ChunkKV
+
+FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FORMATS = (*FLOAT_FORMATS, "int8")
+_INT8_MAX = 127.0
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a stored chunk is: format, shape, per-layer checksums, owner fingerprint. No tensors."""
+
+    fmt: str
+    n_layers: int
+    n_heads: int
+    n_tokens: int
+    head_dim: int
+    checksums: tuple[int, ...]
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown KV format {self.fmt!r}; expected one of {FORMATS}")
+        if len(self.checksums) != self.n_layers:
+            raise ValueError(f"{len(self.checksums)} checksums for {self.n_layers} layers")
+
+    @property
+    def layer_nbytes(self) -> int:
+        return layer_nbytes(self.fmt, self.n_heads, self.n_tokens, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layer_nbytes * self.n_layers
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["checksums"] = list(self.checksums)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ChunkMeta:
+        d = json.loads(text)
+        d["checksums"] = tuple(int(c) for c in d["checksums"])
+        return cls(**d)
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown KV format {fmt!r}; expected one of {FORMATS}")
+    return fmt
+
+
+def layer_nbytes(fmt: str, n_heads: int, n_tokens: int, head_dim: int) -> int:
+    n = n_heads * n_tokens * head_dim
+    if fmt == "int8":
+        return 2 * n + 2 * 2 * n_heads * n_tokens
+    return 2 * n * FLOAT_FORMATS[fmt].itemsize
+
+
+def checksum(blob: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(blob)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [H, T, D] -> (q int8 [H, T, D], scale fp16 [H, T])."""
+    xf = x.float()  # [H, T, D]
+    scale = (xf.abs().amax(dim=-1) / _INT8_MAX).to(torch.float16)  # [H, T]
+    safe = scale.float().clamp_min(1e-8).unsqueeze(-1)  # [H, T, 1]
+    q = torch.round(xf / safe).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)  # [H, T, D]
+    return q, scale
+
+
+def encode_layer(fmt: str, k: torch.Tensor, v: torch.Tensor) -> bytearray:
+    """One layer's k, v [H, T, D] -> its stored blob."""
+    k, v = k.detach().cpu(), v.detach().cpu()
+    if fmt == "int8":
+        kq, ks = _quantize(k)  # [H, T, D], [H, T]
+        vq, vs = _quantize(v)  # [H, T, D], [H, T]
+        return bytearray().join((_raw(kq), _raw(vq), _raw(ks), _raw(vs)))
+    dt = FLOAT_FORMATS[fmt]
+    return bytearray().join((_raw(k.to(dt)), _raw(v.to(dt))))
+
+
+def decode_layer(meta: ChunkMeta, blob: bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored blob -> (k, v) [H, T, D]. Float formats return views of `blob` (no copy): read-only by contract."""
+    H, T, D = meta.n_heads, meta.n_tokens, meta.head_dim
+    if len(blob) != meta.layer_nbytes:
+        raise ValueError(f"layer blob of {len(blob)} bytes, expected {meta.layer_nbytes}")
+    raw = torch.frombuffer(blob, dtype=torch.uint8)  # [bytes]
+    n = H * T * D
+    if meta.fmt == "int8":
+        kq = raw[:n].view(torch.int8).view(H, T, D)  # [H, T, D]
+        vq = raw[n:2 * n].view(torch.int8).view(H, T, D)  # [H, T, D]
+        ks = raw[2 * n:2 * n + 2 * H * T].view(torch.float16).view(H, T, 1).float()  # [H, T, 1]
+        vs = raw[2 * n + 2 * H * T:].view(torch.float16).view(H, T, 1).float()  # [H, T, 1]
+        return kq.float() * ks, vq.float() * vs  # [H, T, D] each, fp32
+    dt = FLOAT_FORMATS[meta.fmt]
+    half = n * dt.itemsize
+    k = raw[:half].view(dt).view(H, T, D)  # [H, T, D]
+    v = raw[half:].view(dt).view(H, T, D)  # [H, T, D]
+    return k, v
+
+
+def encode_chunk(fmt: str, kv: ChunkKV, fingerprint: str = "") -> tuple[ChunkMeta, list[bytearray]]:
+    """A chunk -> (meta, one blob per layer)."""
+    check_format(fmt)
+    blobs = [encode_layer(fmt, *kv.layer(i)) for i in range(kv.n_layers)]
+    L, H, T, D = kv.k.shape
+    meta = ChunkMeta(fmt, L, H, T, D, tuple(checksum(b) for b in blobs), fingerprint)
+    return meta, blobs
+
+
+def decode_chunk(meta: ChunkMeta, blobs: Sequence[bytearray]) -> ChunkKV:
+    layers = [decode_layer(meta, b) for b in blobs]
+    k = torch.stack([kl for kl, _ in layers])  # [L, H, T, D]
+    v = torch.stack([vl for _, vl in layers])  # [L, H, T, D]
+    return ChunkKV(k, v)
+
+
+def roundtrip(fmt: str, kv: ChunkKV) -> ChunkKV:
+    """What a chunk looks like after a store/load cycle in `fmt` (used for repaired chunks)."""
+    meta, blobs = encode_chunk(fmt, kv)
+    return decode_chunk(meta, blobs)
