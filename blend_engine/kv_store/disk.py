@@ -265,7 +265,7 @@ class DiskStore(BlobStore):
                     if attempt or not self._index:
                         self._stats.skipped_puts += 1
                         return False
-                    self._evict_until(size + max(size, self._stats.bytes_used // 4))
+                    self._evict_bytes(size)
         with self._lock:
             self._index[key] = _DiskEntry(nbytes=size, meta=meta, data_offset=len(header))
             self._stats.bytes_used += size
@@ -297,6 +297,15 @@ class DiskStore(BlobStore):
     def _evict_until(self, incoming: int) -> None:
         while self._index and self._stats.bytes_used + incoming > self._budget:
             self._drop_entry(next(iter(self._index)))
+            self._stats.evictions += 1
+
+    def _evict_bytes(self, n: int) -> None:
+        """Free at least n bytes (or everything), oldest first, whatever the budget says."""
+        freed = 0
+        while self._index and freed < n:
+            key = next(iter(self._index))
+            freed += self._index[key].nbytes
+            self._drop_entry(key)
             self._stats.evictions += 1
 
     def _forget(self, key: str) -> None:

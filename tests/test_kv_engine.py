@@ -1,0 +1,118 @@
+"""The store stack under a real (tiny, random) engine: disk equals memory, corruption is repaired."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.keys import store_fingerprint
+from blend_engine.kv_store import MemoryStore
+from blend_engine.kv_store.controller import BandwidthController
+from blend_engine.kv_store.factory import build_loader, build_store
+from blend_engine.model import ModelRunner
+from blend_engine.types import BlendPlan
+
+PASSAGES = (
+    "Paris is the capital of France. It lies on the Seine and has about two million inhabitants.",
+    "The Danube flows through ten countries, more than any other river in the world, into the Black Sea.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, a dormant volcano with three cones.",
+)
+QUESTION = "Which river flows through ten countries?"
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_runner() -> ModelRunner:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = ModelRunner.load().tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return ModelRunner(LlamaForCausalLM(cfg), tok, "tiny")
+
+
+def engine_on(store, kv_format: str = "fp16", depth: int = 2, controller=None) -> BlendEngine:
+    return BlendEngine(tiny_runner(), store, EngineConfig(kv_format=kv_format), loader=build_loader(store, depth),
+                       controller=controller)
+
+
+def fingerprint(kv_format: str = "fp16") -> str:
+    return store_fingerprint(tiny_runner().fingerprint, kv_format)
+
+
+def plan(ratio: float | None = 0.3) -> BlendPlan:
+    return BlendPlan(passages=PASSAGES, question=QUESTION, recompute_ratio=ratio)
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "int8"])
+def test_blend_from_disk_equals_blend_from_memory(tmp_path, kv_format):
+    mem_engine = engine_on(MemoryStore(1 << 26, kv_format=kv_format), kv_format)
+    for p in PASSAGES:
+        mem_engine.ensure_cached(p)
+    from_memory = mem_engine.prefill(plan())
+
+    fp = fingerprint(kv_format)
+    writer = engine_on(build_store(kv_format=kv_format, disk_dir=tmp_path, fingerprint=fp), kv_format)
+    for p in PASSAGES:
+        writer.ensure_cached(p)
+    writer.store.close()
+    disk_only = build_store(kv_format=kv_format, disk_dir=tmp_path, fingerprint=fp)  # fresh process view: RAM empty
+    assert not disk_only.tiers[0].contains(mem_engine.key_of(mem_engine.passage_tokens(PASSAGES[0])))
+    from_disk = engine_on(disk_only, kv_format).prefill(plan())
+
+    assert from_disk.report.cache_hits >= 3 and from_disk.report.repaired_chunks == 0
+    assert torch.equal(from_disk.logits, from_memory.logits)
+    assert from_disk.report.recomputed_positions == from_memory.report.recomputed_positions
+    assert len(from_disk.report.layer_load_ms) == tiny_runner().shape.n_layers
+    assert disk_only.stats().extra["promotions"] >= 3  # the chunks moved up into memory
+
+
+def test_corrupted_byte_on_disk_is_repaired_by_recompute(tmp_path):
+    fp = fingerprint()
+    reference = engine_on(MemoryStore(1 << 26))
+    for p in PASSAGES:
+        reference.ensure_cached(p)
+    expected = reference.prefill(plan()).logits
+
+    writer = engine_on(build_store(disk_dir=tmp_path, fingerprint=fp))
+    for p in PASSAGES:
+        writer.ensure_cached(p)
+    key = writer.key_of(writer.passage_tokens(PASSAGES[1]))
+    path = writer.store.tier("disk").path(key)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # one byte of the last layer
+    path.write_bytes(data)
+
+    store = build_store(disk_dir=tmp_path, fingerprint=fp)
+    state = engine_on(store).prefill(plan())
+    assert state.report.repaired_chunks == 1
+    assert store.stats().corrupt == 1
+    assert torch.equal(state.logits, expected)  # repaired values are used in stored precision
+    assert store.tier("disk").contains(key) and store.tier("memory").contains(key)  # re-stored
+    again = engine_on(build_store(disk_dir=tmp_path, fingerprint=fp)).prefill(plan())
+    assert again.report.repaired_chunks == 0 and torch.equal(again.logits, expected)
+
+
+def test_wrong_fingerprint_on_disk_is_a_miss_for_the_engine(tmp_path):
+    writer = engine_on(build_store(disk_dir=tmp_path, fingerprint="another-model:fp16:v1"))
+    key = writer.key_of(writer.passage_tokens(PASSAGES[0]))
+    writer.store.put(key, writer.precompute(writer.passage_tokens(PASSAGES[0])))
+    reader = engine_on(build_store(disk_dir=tmp_path, fingerprint=fingerprint()))
+    assert reader.ensure_cached(PASSAGES[0])[2] is False  # miss: recomputed and stored under our fingerprint
+    assert reader.store.tier("disk").contains(key)
+
+
+def test_controller_drives_the_ratio_and_learns(tmp_path):
+    store = build_store(disk_dir=tmp_path, fingerprint=fingerprint())
+    ctl = BandwidthController(floor=0.15, cap=0.5)
+    eng = engine_on(store, controller=ctl)
+    for p in PASSAGES:
+        eng.ensure_cached(p)
+    result = eng.run(plan(ratio=None))
+    assert result.report.ratio_source == "controller"
+    assert 0.15 <= result.report.recompute_ratio <= 0.5
+    assert ctl.state().observations == 1
+    assert result.report.load_ms >= 0 and result.report.load_hidden_ms <= result.report.load_ms
