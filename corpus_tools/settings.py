@@ -26,6 +26,13 @@ class Settings(BaseSettings):
     max_queue: int = Field(16, ge=1, description="requests waiting for the engine before 503")
     workers: int = Field(1, ge=1, le=16, description="engine worker threads")
     request_timeout_s: float = Field(120.0, gt=0)
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="request bodies above this get 413")
+    max_question_chars: int = Field(4000, ge=1)
+    max_documents: int = Field(32, ge=1, description="documents per request (inline or ingested)")
+    max_document_chars: int = Field(100_000, ge=1)
+    max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
+    max_top_k: int = Field(50, ge=1)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # storage
     data_dir: Path = Path("data")
     kv_format: Literal["fp16", "fp32", "int8"] = "fp16"

@@ -1,0 +1,37 @@
+"""`python -m app` (what `make run` runs): read Settings, serve the API with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from corpus_tools.settings import Settings
+
+logger = logging.getLogger("app")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # fail fast, naming the variable
+        lines = [f"  BLENDSERVE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()]
+        logger.error("invalid configuration:\n%s", "\n".join(lines))
+        return 2
+    logging.getLogger().setLevel(settings.log_level.upper())
+
+    import uvicorn
+
+    from app.main import create_app
+
+    app = create_app(settings)
+    logger.info("serving on http://%s:%d (docs at /docs)", settings.host, settings.port)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Prometheus metrics on a per-app registry (several apps can live in one process)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from blend_engine.types import BlendReport
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+
+
+def _tiers(store) -> list:
+    """The store and, for a tiered store, each tier below it (attribute `tiers`, when present)."""
+    tiers = list(getattr(store, "tiers", None) or [])
+    return tiers if tiers else [store]
+
+
+class _StoreCollector(Collector):
+    """Reads the KV store's own counters at scrape time: hits and misses per tier."""
+
+    def __init__(self, get_store: Callable[[], object | None]) -> None:
+        self._get_store = get_store
+
+    def collect(self) -> Iterable[Metric]:
+        hits = CounterMetricFamily("blendserve_kv_store_hits", "KV store hits per tier", labels=["tier"])
+        misses = CounterMetricFamily("blendserve_kv_store_misses", "KV store misses per tier", labels=["tier"])
+        used = GaugeMetricFamily("blendserve_kv_store_bytes", "Bytes held per tier", labels=["tier"])
+        entries = GaugeMetricFamily("blendserve_kv_store_entries", "Entries held per tier", labels=["tier"])
+        store = self._get_store()
+        if store is not None:
+            for tier in _tiers(store):
+                try:
+                    st = tier.stats()
+                except Exception:  # noqa: BLE001 - a scrape must never fail on a flaky tier
+                    logger.debug("stats() failed for a store tier", exc_info=True)
+                    continue
+                hits.add_metric([st.name], st.hits)
+                misses.add_metric([st.name], st.misses)
+                used.add_metric([st.name], st.bytes_used)
+                entries.add_metric([st.name], st.entries)
+        yield from (hits, misses, used, entries)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "blendserve_requests", "Answered requests by endpoint and outcome", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "blendserve_ttft_seconds", "Time to first token per mode", ["mode"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "blendserve_request_latency_seconds", "End-to-end query latency per mode", ["mode"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.cache_lookups = Counter(
+            "blendserve_passage_cache_lookups", "Passage KV lookups made by queries (tier=engine) by result",
+            ["tier", "result"], registry=r,
+        )
+        self.recomputed_tokens = Counter(
+            "blendserve_recomputed_tokens", "Prompt tokens recomputed per mode", ["mode"], registry=r
+        )
+        self.context_tokens = Counter(
+            "blendserve_context_tokens", "Prompt tokens processed per mode", ["mode"], registry=r
+        )
+        self.ratio = Histogram(
+            "blendserve_recompute_ratio", "Chosen recompute ratio per mode", ["mode"], buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.last_ratio = Gauge("blendserve_recompute_ratio_last", "Last chosen blend ratio", registry=r)
+        self.queue_depth = Gauge("blendserve_queue_depth", "Requests waiting for an engine worker", registry=r)
+        self.running = Gauge("blendserve_engine_busy", "Requests running on engine workers", registry=r)
+        self.rejected = Counter("blendserve_rejected", "Requests refused because the queue was full", registry=r)
+        self.timeouts = Counter("blendserve_timeouts", "Requests that ran past the request timeout", registry=r)
+        self.ingested = Counter("blendserve_ingested_passages", "Passages ingested online", registry=r)
+
+    def bind_worker(self, worker) -> None:
+        self.queue_depth.set_function(lambda: worker.depth)
+        self.running.set_function(lambda: worker.running)
+
+    def bind_store(self, get_store: Callable[[], object | None]) -> None:
+        self.registry.register(_StoreCollector(get_store))
+
+    def observe_query(self, report: BlendReport, ttft_ms: float, total_ms: float) -> None:
+        mode = report.mode
+        self.ttft.labels(mode).observe(ttft_ms / 1e3)
+        self.latency.labels(mode).observe(total_ms / 1e3)
+        self.cache_lookups.labels("engine", "hit").inc(report.cache_hits)
+        self.cache_lookups.labels("engine", "miss").inc(report.cache_misses)
+        self.recomputed_tokens.labels(mode).inc(report.recomputed_tokens)
+        self.context_tokens.labels(mode).inc(report.context_tokens)
+        self.ratio.labels(mode).observe(report.recompute_ratio)
+        if mode == "blend":
+            self.last_ratio.set(report.recompute_ratio)

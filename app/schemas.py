@@ -1,0 +1,198 @@
+"""Request and response models. Static shape checks live here; limits that come from Settings
+(question length, documents, top_k, max_tokens) are checked in `app.main.check_limits`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ModeName = Literal["blend", "full_prefill", "prefix_cache", "full_reuse"]
+
+
+def _not_blank(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be empty or whitespace")
+    return v
+
+
+# ====================================================================== /v1/query
+class InlineDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = None
+    text: str = Field(min_length=1)
+
+    _text_not_blank = field_validator("text")(_not_blank)
+
+
+class QueryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"question": "Which city hosted the 1936 Summer Olympics?", "top_k": 5},
+    ]})
+
+    question: str = Field(min_length=1, description="the question to answer")
+    top_k: int = Field(5, ge=1, description="passages to retrieve when no documents are given")
+    documents: list[InlineDocument] | None = Field(
+        None, min_length=1, description="use exactly these passages, in this order, instead of retrieval"
+    )
+    mode: ModeName | None = Field(None, description="defaults to BLENDSERVE_DEFAULT_MODE (blend)")
+    recompute_ratio: float | None = Field(None, ge=0, le=1, description="blend only; null = server default")
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2)
+    stream: bool = False
+
+    _question_not_blank = field_validator("question")(_not_blank)
+
+
+class PassageOut(BaseModel):
+    id: str
+    title: str
+    score: float | None = None
+
+
+class Timings(BaseModel):
+    retrieval_ms: float
+    kv_load_ms: float
+    recompute_ms: float
+    ttft_ms: float
+    total_ms: float
+    queue_ms: float = 0.0
+
+
+class QueryStats(BaseModel):
+    context_tokens: int
+    recomputed_tokens: int
+    recompute_ratio: float
+    cache_hits: int
+    cache_misses: int
+    ratio_source: str = ""
+    completion_tokens: int = 0
+
+
+class QueryResponse(BaseModel):
+    answer: str
+    passages: list[PassageOut]
+    mode: ModeName
+    finish_reason: str
+    timings: Timings
+    stats: QueryStats
+
+
+# ====================================================================== documents
+class DocumentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1)
+    title: str = ""
+    doc_id: str | None = Field(None, min_length=1, max_length=200)
+
+    _text_not_blank = field_validator("text")(_not_blank)
+
+
+class IngestRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[DocumentIn] = Field(min_length=1)
+
+
+class IngestResponse(BaseModel):
+    documents: int
+    passages: int
+    new_passages: int
+    skipped: int
+    tokens: int
+    kv_bytes: int
+    seconds: float
+    errors: list[str] = []
+    doc_ids: list[str] = []
+    kv_computed: int = 0
+    kv_seconds: float = 0.0
+    embed_seconds: float = 0.0
+    index_seconds: float = 0.0
+
+
+# ====================================================================== OpenAI chat
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if not self.content:
+            return ""
+        return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's shape; unknown OpenAI fields are accepted and ignored. Blend extras may be sent
+    with the client's `extra_body`: top_k, documents, mode, recompute_ratio."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # blend extras
+    top_k: int = Field(5, ge=1)
+    documents: list[InlineDocument] | None = Field(None, min_length=1)
+    mode: ModeName | None = None
+    recompute_ratio: float | None = Field(None, ge=0, le=1)
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatChoiceMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    passages: list[PassageOut]
+    blend: dict[str, Any]
+
+
+# ====================================================================== health
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    status: str
+    model: str | None = None
+    index: dict[str, Any] | None = None
+    store: dict[str, Any] | None = None
+    error: str | None = None

@@ -1,0 +1,223 @@
+"""What the routes ask of the engine. Everything here that touches a model runs on an engine
+worker thread (`EngineWorker`); the async helpers only move results back to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from app.schemas import InlineDocument, PassageOut, QueryResponse, QueryStats, Timings
+from app.worker import Cancelled, EngineWorker, Job
+from blend_engine.layout import format_passage
+from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    status_code = 500
+    code = "internal_error"
+    headers: dict[str, str] | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ServiceError):
+    status_code = 400
+    code = "invalid_request"
+
+
+class Busy(ServiceError):
+    status_code = 503
+    code = "overloaded"
+    headers = {"Retry-After": "1"}
+
+
+class NotReady(ServiceError):
+    status_code = 503
+    code = "not_ready"
+    headers = {"Retry-After": "5"}
+
+
+class RequestTimeout(ServiceError):
+    status_code = 504
+    code = "timeout"
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """A query as the engine sees it, built from either endpoint's request."""
+
+    question: str
+    top_k: int
+    documents: tuple[InlineDocument, ...] | None
+    mode: Mode
+    recompute_ratio: float | None
+    gen: GenerationConfig
+    system_prompt: str | None = None
+
+
+@dataclass
+class QueryOutcome:
+    answer: str
+    passages: list[PassageOut]
+    report: BlendReport
+    finish_reason: str
+    completion_tokens: int
+    retrieval_ms: float
+    ttft_ms: float
+    total_ms: float
+    queue_ms: float
+
+    def response(self) -> QueryResponse:
+        r = self.report
+        return QueryResponse(
+            answer=self.answer,
+            passages=self.passages,
+            mode=r.mode,
+            finish_reason=self.finish_reason,
+            timings=Timings(
+                retrieval_ms=round(self.retrieval_ms, 3),
+                kv_load_ms=round(r.load_ms, 3),
+                recompute_ms=round(r.recompute_ms, 3),
+                ttft_ms=round(self.ttft_ms, 3),
+                total_ms=round(self.total_ms, 3),
+                queue_ms=round(self.queue_ms, 3),
+            ),
+            stats=QueryStats(
+                context_tokens=r.context_tokens,
+                recomputed_tokens=r.recomputed_tokens,
+                recompute_ratio=r.recompute_ratio,
+                cache_hits=r.cache_hits,
+                cache_misses=r.cache_misses,
+                ratio_source=r.ratio_source,
+                completion_tokens=self.completion_tokens,
+            ),
+        )
+
+
+# ====================================================================== worker-thread code
+def _passages(stack, spec: QuerySpec) -> tuple[list[str], list[PassageOut]]:
+    engine = stack.engine
+    if spec.documents is not None:
+        texts = [format_passage(d.text, d.title) for d in spec.documents]
+        out = [PassageOut(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None)
+               for t, d in zip(texts, spec.documents)]
+        return texts, out
+    hits = stack.retriever.search(spec.question, spec.top_k)
+    if not hits:
+        raise BadRequest("no passages to answer from: the index is empty; ingest documents or pass `documents`")
+    texts = [format_passage(h.text, h.title) for h in hits]
+    out = [PassageOut(id=str(h.id), title=h.title or "", score=float(h.score)) for h in hits]
+    return texts, out
+
+
+def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | None = None) -> QueryOutcome:
+    """Retrieve (unless documents are given), blend and generate. Runs on a worker thread.
+
+    Stops between tokens once the job is cancelled (timeout, client gone); the engine then skips
+    storing the passages that missed, so a failed request leaves the store as it was.
+    """
+    t0 = time.perf_counter()
+    try:
+        texts, passages = _passages(stack, spec)
+        retrieval_ms = (time.perf_counter() - t0) * 1e3
+        plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=spec.mode,
+                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt)
+        generation = stack.engine.generate(plan, spec.gen)
+        it = iter(generation)
+        try:
+            for delta in it:
+                if job.cancelled:
+                    raise Cancelled("request cancelled while generating")
+                if emit is not None:
+                    emit(delta)
+        finally:
+            it.close()
+    except ValueError as exc:  # the engine's and the plan's input errors (context overflow, ...)
+        raise BadRequest(str(exc)) from exc
+    result = generation.result
+    if result is None:
+        raise Cancelled("generation did not finish")
+    return QueryOutcome(
+        answer=result.text,
+        passages=passages,
+        report=result.report,
+        finish_reason=result.finish_reason,
+        completion_tokens=len(result.token_ids),
+        retrieval_ms=retrieval_ms,
+        ttft_ms=retrieval_ms + result.ttft_ms,
+        total_ms=retrieval_ms + result.total_ms,
+        queue_ms=job.queue_ms,
+    )
+
+
+# ====================================================================== event-loop side
+_DONE = object()
+
+
+class StreamHandle:
+    """A job whose deltas flow to the event loop through an asyncio queue.
+
+    `first()` waits for the first delta (or the end) so that errors raised before any token
+    (400, 504) can still become a plain HTTP error; `rest()` yields the remaining deltas.
+    """
+
+    def __init__(self, worker: EngineWorker, fn: Callable[[Job, Callable[[str], None]], Any], timeout_s: float,
+                 name: str = "stream") -> None:
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.job = worker.submit(lambda job: fn(job, self._emit), name)
+        self.job.future.add_done_callback(lambda _f: self._emit(_DONE))
+
+    def _emit(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:  # loop closed: the request is long gone
+            self.job.cancel()
+
+    async def _next(self):
+        remaining = self._deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(self._items.get(), remaining)
+        except (TimeoutError, asyncio.TimeoutError):
+            self.job.cancel()
+            raise RequestTimeout(f"request exceeded the timeout of {self.timeout_s:g} s") from None
+
+    async def first(self) -> str | None:
+        """The first delta, or None when the job ended without one (then `result()` is ready)."""
+        item = await self._next()
+        return None if item is _DONE else item
+
+    async def rest(self) -> AsyncIterator[str]:
+        while True:
+            item = await self._next()
+            if item is _DONE:
+                return
+            yield item
+
+    def result(self):
+        exc = self.job.future.exception()
+        if exc is not None:
+            raise exc
+        return self.job.future.result()
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+
+async def run_job(worker: EngineWorker, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
+    try:
+        return await worker.run(fn, timeout_s, name)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise RequestTimeout(f"request exceeded the timeout of {timeout_s:g} s") from None

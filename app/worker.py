@@ -1,0 +1,145 @@
+"""A bounded queue in front of engine worker threads.
+
+The event loop never runs model compute: routes submit a job (a plain function) and await its
+future. When `max_queue` jobs are already waiting, `submit` raises `QueueFull` at once (503).
+A job can be cancelled: a queued job is then skipped, a running one sees `job.cancelled` and
+stops at its next check (streaming jobs check between tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """Every worker is busy and the waiting queue is at capacity."""
+
+
+class Cancelled(Exception):
+    """The job was cancelled (timeout, client gone, shutdown) before or while it ran."""
+
+
+class Job:
+    """One unit of engine work. `fn(job)` runs on a worker thread; its return value is the result."""
+
+    def __init__(self, fn: Callable[[Job], Any], name: str = "job") -> None:
+        self.fn = fn
+        self.name = name
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
+        self._cancel = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def queue_ms(self) -> float:
+        end = self.started if self.started is not None else time.perf_counter()
+        return (end - self.submitted) * 1e3
+
+
+class EngineWorker:
+    """`workers` threads draining a queue of at most `max_queue` waiting jobs."""
+
+    def __init__(self, workers: int = 1, max_queue: int = 16, name: str = "engine") -> None:
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._active: set[Job] = set()
+        self._closed = False
+        self.max_queue = max_queue
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-worker-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def depth(self) -> int:
+        """Jobs waiting for a worker."""
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, fn: Callable[[Job], Any], name: str = "job") -> Job:
+        if self._closed:
+            raise QueueFull("the engine is shutting down")
+        job = Job(fn, name)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"engine queue is full ({self.max_queue} waiting)") from None
+        return job
+
+    async def run(self, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
+        """Submit and await the result; on timeout or caller cancellation the job is cancelled."""
+        job = self.submit(fn, name)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), timeout_s)
+        except BaseException:
+            job.cancel()
+            raise
+
+    # ------------------------------------------------------------------ the worker loop
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled or not job.future.set_running_or_notify_cancel():
+                if not job.future.done():
+                    job.future.set_exception(Cancelled(f"{job.name} cancelled while queued"))
+                continue
+            job.started = time.perf_counter()
+            with self._lock:
+                self._active.add(job)
+            try:
+                result = job.fn(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+            finally:
+                with self._lock:
+                    self._active.discard(job)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel waiting jobs, let running ones see their cancel flag, join the threads."""
+        self._closed = True
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(Cancelled("server shutting down"))
+        with self._lock:
+            for job in self._active:
+                job.cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                logger.warning("worker %s still busy at shutdown", t.name)

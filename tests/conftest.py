@@ -1,0 +1,79 @@
+"""Shared fixtures: the real default model (loaded once) and a tiny random Llama with its tokenizer."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def real_runner():
+    """SmolLM2-135M-Instruct (the default model), loaded once per test session."""
+    from blend_engine.model import ModelRunner
+
+    return ModelRunner.load()
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(real_runner):
+    """A 4-layer random Llama sharing the real tokenizer: fast, deterministic, not meaningful."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from blend_engine.model import ModelRunner
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return ModelRunner(LlamaForCausalLM(config), real_runner.tokenizer, "tiny")
+
+
+@pytest.fixture
+def tmp_settings(tmp_path: Path, monkeypatch):
+    """A factory of Settings on a fresh data dir, isolated from the environment and any `.env`."""
+    from corpus_tools.settings import Settings
+
+    def make(**overrides) -> Settings:
+        values = {"data_dir": tmp_path / "data", "ingest_sample_on_start": False, "memory_cache_mb": 256,
+                  "disk_cache_mb": 512, "redis_url": None, "api_key": None}
+        values.update(overrides)
+        return Settings(_env_file=None, **values)
+
+    for name in list(os.environ):
+        if name.startswith("BLENDSERVE_") and name != "BLENDSERVE_MODEL_CACHE_DIR":
+            monkeypatch.delenv(name)
+    return make
+
+
+@pytest.fixture
+def free_port():
+    """A function returning a currently free TCP port on 127.0.0.1."""
+
+    def pick() -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return pick
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The bundled sentence embedder (all-MiniLM-L6-v2), loaded once per session."""
+    from retrieval.embedder import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture(scope="session")
+def tiny_stack_factory(tiny_runner, embedder):
+    """`build_stack` with the tiny model and the shared embedder (a `stack_factory` for create_app)."""
+    from corpus_tools.stack import build_stack
+
+    def factory(settings):
+        return build_stack(settings, runner=tiny_runner, embedder=embedder)
+
+    return factory

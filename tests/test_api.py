@@ -1,0 +1,467 @@
+"""In-process API tests (FastAPI TestClient) on a real stack built with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from app.main import create_app
+from corpus_tools.settings import Settings
+
+MODES = ["blend", "full_prefill", "prefix_cache", "full_reuse"]
+FIXTURE_DOCS = [
+    {"doc_id": "paris", "title": "Paris", "text": "Paris is the capital and largest city of France. It hosts the Louvre."},
+    {"doc_id": "berlin", "title": "Berlin", "text": "Berlin is the capital of Germany and its most populous city."},
+    {"doc_id": "nile", "title": "Nile", "text": "The Nile is a major river in northeastern Africa, flowing into the "
+                                                 "Mediterranean Sea."},
+    {"doc_id": "everest", "title": "Mount Everest", "text": "Mount Everest is Earth's highest mountain above sea "
+                                                            "level, in the Himalayas."},
+]
+
+
+def make_settings(data_dir, **overrides) -> Settings:
+    values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 256, "disk_cache_mb": 512,
+              "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60}
+    values.update(overrides)
+    return Settings(_env_file=None, **values)
+
+
+def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = client.get("/readyz")
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.05)
+    raise AssertionError(f"not ready after {timeout}s: {r.json()}")
+
+
+def sse_events(text: str) -> list[tuple[str | None, str]]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, []
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+        events.append((name, "\n".join(data)))
+    return events
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, tiny_stack_factory):
+    app = create_app(make_settings(tmp_path_factory.mktemp("api") / "data"), tiny_stack_factory)
+    with TestClient(app) as c:
+        wait_ready(c)
+        r = c.post("/v1/documents", json={"documents": FIXTURE_DOCS})
+        assert r.status_code == 201, r.text
+        yield c
+
+
+def svc(client: TestClient):
+    return client.app.state.svc
+
+
+# ============================================================================ health, docs, settings
+def test_health_ready_and_docs(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["ready"] is True and ready["model"] == "tiny"
+    assert ready["index"]["documents"] >= len(FIXTURE_DOCS)
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    for p in ("/v1/query", "/v1/chat/completions", "/v1/documents", "/v1/documents/{doc_id}", "/healthz", "/readyz",
+              "/metrics"):
+        assert p in paths
+
+
+def test_readyz_is_503_until_the_stack_is_built(tmp_path, tiny_stack_factory):
+    release = threading.Event()
+
+    def slow_factory(settings):
+        assert release.wait(30)
+        return tiny_stack_factory(settings)
+
+    app = create_app(make_settings(tmp_path / "data"), slow_factory)
+    with TestClient(app) as c:
+        assert c.get("/healthz").status_code == 200
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        q = c.post("/v1/query", json={"question": "q?"})
+        assert q.status_code == 503 and q.headers["retry-after"]
+        release.set()
+        wait_ready(c)
+
+
+def test_startup_failure_is_reported_by_readyz(tmp_path):
+    def broken(settings):
+        raise RuntimeError("no model here")
+
+    with TestClient(create_app(make_settings(tmp_path / "data"), broken)) as c:
+        deadline = time.monotonic() + 10
+        while c.get("/readyz").json()["status"] != "error" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = c.get("/readyz")
+        assert r.status_code == 503 and "no model here" in r.json()["error"]
+        assert c.get("/healthz").status_code == 200
+
+
+def test_settings_fail_fast_naming_the_field(monkeypatch):
+    with pytest.raises(ValidationError, match="port"):
+        Settings(_env_file=None, port=0)
+    monkeypatch.setenv("BLENDSERVE_MAX_QUEUE", "zero")
+    with pytest.raises(ValidationError, match="max_queue"):
+        Settings(_env_file=None)
+    monkeypatch.delenv("BLENDSERVE_MAX_QUEUE")
+    monkeypatch.setenv("BLENDSERVE_DEFAULT_MODE", "turbo")
+    with pytest.raises(ValidationError, match="default_mode"):
+        Settings(_env_file=None)
+
+
+def test_several_apps_in_one_process_have_separate_registries(tmp_path):
+    a = create_app(make_settings(tmp_path / "a"))
+    b = create_app(make_settings(tmp_path / "b"))
+    assert a.state.svc.metrics.registry is not b.state.svc.metrics.registry
+
+
+# ============================================================================ /v1/query
+@pytest.mark.parametrize("mode", MODES)
+def test_query_with_retrieval(client, mode):
+    r = client.post("/v1/query", json={"question": "What is the capital of France?", "top_k": 2, "mode": mode,
+                                       "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["mode"] == mode and isinstance(body["answer"], str)
+    assert len(body["passages"]) == 2
+    assert all(isinstance(p["score"], float) for p in body["passages"])
+    # best_last placement: the best passage sits next to the question
+    assert body["passages"][-1]["title"] == "Paris"
+    assert body["passages"][-1]["score"] >= body["passages"][0]["score"]
+    assert set(body["timings"]) >= {"retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms"}
+    assert body["timings"]["retrieval_ms"] > 0 and body["timings"]["total_ms"] >= body["timings"]["ttft_ms"]
+    stats = body["stats"]
+    assert set(stats) >= {"context_tokens", "recomputed_tokens", "recompute_ratio", "cache_hits", "cache_misses"}
+    assert 0 < stats["recomputed_tokens"] <= stats["context_tokens"]
+    if mode == "full_prefill":
+        assert stats["recomputed_tokens"] == stats["context_tokens"] and stats["recompute_ratio"] == 1.0
+    if mode in ("blend", "full_reuse"):
+        assert stats["cache_hits"] == 3 and stats["cache_misses"] == 0  # system prefix + 2 ingested passages
+        assert stats["recomputed_tokens"] < stats["context_tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_query_with_inline_documents(client, mode):
+    engine = svc(client).stack.engine
+    docs = [{"title": f"Doc {mode}", "text": f"The password for {mode} is swordfish-{mode}."},
+            {"text": f"Unrelated filler text about {mode} and the weather."}]
+    payload = {"question": "What is the password?", "documents": docs, "mode": mode, "max_tokens": 4,
+               "recompute_ratio": 0.3}
+    r = client.post("/v1/query", json=payload)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    from blend_engine.layout import format_passage
+
+    keys = [engine.key_of(engine.passage_tokens(format_passage(d["text"], d.get("title")))) for d in docs]
+    assert [p["id"] for p in body["passages"]] == keys  # exactly these, in this order
+    assert [p["title"] for p in body["passages"]] == [f"Doc {mode}", ""]
+    assert all(p["score"] is None for p in body["passages"])
+    if mode in ("blend", "full_reuse"):
+        assert body["stats"]["cache_misses"] == 2
+        assert all(engine.store.contains(k) for k in keys)  # stored after answering
+        again = client.post("/v1/query", json=payload).json()
+        assert again["stats"]["cache_misses"] == 0 and again["stats"]["cache_hits"] == 3
+        if mode == "blend":
+            assert again["stats"]["recompute_ratio"] == pytest.approx(0.3)
+
+
+def test_query_stream(client):
+    r = client.post("/v1/query", json={"question": "Where is the Louvre?", "top_k": 2, "max_tokens": 6,
+                                       "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    deltas = [json.loads(d)["text"] for e, d in events if e == "delta"]
+    assert events[-1][0] == "done" and len(deltas) >= 1
+    final = json.loads(events[-1][1])
+    assert final["answer"] == "".join(deltas)
+    assert set(final) >= {"answer", "passages", "mode", "timings", "stats"}
+    assert final["timings"]["ttft_ms"] <= final["timings"]["total_ms"]
+
+
+def test_prompt_too_long_is_400_naming_sizes(client):
+    store = svc(client).stack.store
+    entries = store.stats().entries
+    doc = {"text": "lorem ipsum dolor " * 900}
+    for stream in (False, True):
+        r = client.post("/v1/query", json={"question": "What?", "documents": [doc], "stream": stream})
+        assert r.status_code == 400, r.text
+        assert "2048" in r.json()["detail"] and "tokens" in r.json()["detail"]
+    assert store.stats().entries == entries  # nothing stored by the failed requests
+
+
+def test_empty_index_is_400(tmp_path, tiny_stack_factory):
+    with TestClient(create_app(make_settings(tmp_path / "data"), tiny_stack_factory)) as c:
+        wait_ready(c)
+        r = c.post("/v1/query", json={"question": "Anything?"})
+        assert r.status_code == 400 and "index is empty" in r.json()["detail"]
+
+
+# ============================================================================ OpenAI chat completions
+def test_chat_completions_with_the_openai_client(client):
+    from openai import OpenAI
+
+    oa = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    extra = {"mode": "full_prefill", "top_k": 2}
+    messages = [{"role": "user", "content": "What is the capital of Germany?"}]
+    resp = oa.chat.completions.create(model="blendserve", messages=messages, max_tokens=5, temperature=0,
+                                      extra_body=extra)
+    assert resp.object == "chat.completion" and resp.model == "blendserve"
+    answer = resp.choices[0].message.content
+    assert isinstance(answer, str) and resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens >= 1 and resp.usage.prompt_tokens > resp.usage.completion_tokens
+    passages = resp.model_extra["passages"]
+    assert [p["title"] for p in passages][-1] == "Berlin"
+
+    stream = oa.chat.completions.create(model="blendserve", messages=messages, max_tokens=5, temperature=0,
+                                        stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer  # full_prefill at temperature 0 is deterministic
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["passages"] == passages
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+    models = oa.models.list()
+    assert [m.id for m in models.data] == [svc(client).settings.model]
+
+
+def test_chat_with_inline_documents_and_system_message(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "Answer tersely."},
+                     {"role": "user", "content": [{"type": "text", "text": "Which river?"}]}],
+        "documents": [{"title": "River", "text": "The Amazon river crosses Brazil."}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["passages"][0]["title"] == "River" and body["passages"][0]["score"] is None
+    assert body["blend"]["mode"] == "blend" and "ttft_ms" in body["blend"]["timings"]
+
+
+@pytest.mark.parametrize(("payload", "field"), [
+    ({"messages": [{"role": "system", "content": "hi"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "q?"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "q?"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "q?"}], "temperature": 5}, "temperature"),
+    ({"messages": [{"role": "robot", "content": "q?"}]}, "role"),
+])
+def test_chat_validation(client, payload, field):
+    r = client.post("/v1/chat/completions", json=payload)
+    assert r.status_code == 422, r.text
+    assert field in r.json()["error"]["message"]
+
+
+# ============================================================================ documents
+def test_ingest_get_and_delete_a_document(client):
+    engine = svc(client).stack.engine
+    doc = {"doc_id": "mars-note", "title": "Mars", "text": "Olympus Mons on Mars is the tallest volcano known."}
+    r = client.post("/v1/documents", json={"documents": [doc]})
+    assert r.status_code == 201, r.text
+    summary = r.json()
+    assert summary["doc_ids"] == ["mars-note"] and summary["new_passages"] == 1 and summary["errors"] == []
+    got = client.get("/v1/documents/mars-note")
+    assert got.status_code == 200
+    passages = got.json()["passages"]
+    assert passages[0]["text"] == doc["text"] and engine.store.contains(passages[0]["kv_key"])
+
+    q = client.post("/v1/query", json={"question": "Which is the tallest volcano on Mars?", "top_k": 1,
+                                       "max_tokens": 2}).json()
+    assert q["passages"][0]["id"] == passages[0]["id"] and q["stats"]["cache_hits"] == 2
+
+    again = client.post("/v1/documents", json={"documents": [doc]}).json()  # idempotent
+    assert again["new_passages"] == 0 and again["skipped"] == 1
+
+    assert client.delete("/v1/documents/mars-note").status_code == 204
+    assert client.get("/v1/documents/mars-note").status_code == 404
+    assert client.delete("/v1/documents/mars-note").status_code == 404
+    assert not engine.store.contains(passages[0]["kv_key"])
+    q = client.post("/v1/query", json={"question": "Which is the tallest volcano on Mars?", "top_k": 1,
+                                       "max_tokens": 2}).json()
+    assert q["passages"][0]["id"] != passages[0]["id"]
+
+
+# ============================================================================ validation and limits
+@pytest.mark.parametrize(("payload", "field"), [
+    ({}, "question"),
+    ({"question": ""}, "question"),
+    ({"question": "   "}, "question"),
+    ({"question": "x" * 4001}, "question"),
+    ({"question": "q?", "top_k": 0}, "top_k"),
+    ({"question": "q?", "top_k": 51}, "top_k"),
+    ({"question": "q?", "max_tokens": 0}, "max_tokens"),
+    ({"question": "q?", "max_tokens": 5000}, "max_tokens"),
+    ({"question": "q?", "mode": "turbo"}, "mode"),
+    ({"question": "q?", "recompute_ratio": 1.5}, "recompute_ratio"),
+    ({"question": "q?", "temperature": -1}, "temperature"),
+    ({"question": "q?", "stream": "maybe"}, "stream"),
+    ({"question": "q?", "documents": []}, "documents"),
+    ({"question": "q?", "documents": [{"title": "t"}]}, "documents.0.text"),
+    ({"question": "q?", "documents": [{"text": "  "}]}, "documents.0.text"),
+    ({"question": "q?", "documents": [{"text": "a"}] * 33}, "documents"),
+    ({"question": "q?", "documents": [{"text": "a" * 100_001}]}, "documents.0.text"),
+    ({"question": "q?", "surprise": 1}, "surprise"),
+])
+def test_query_validation_errors_are_422_naming_the_field(client, payload, field):
+    r = client.post("/v1/query", json=payload)
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert field in body["error"]["message"]
+    assert body["detail"] and body["error"]["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_422(client):
+    r = client.post("/v1/query", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_ingest_validation(client):
+    assert client.post("/v1/documents", json={"documents": []}).status_code == 422
+    r = client.post("/v1/documents", json={"documents": [{"text": "x" * 100_001}]})
+    assert r.status_code == 422 and "documents.0.text" in r.json()["error"]["message"]
+
+
+def test_body_too_large_is_413(tmp_path, tiny_stack_factory):
+    app = create_app(make_settings(tmp_path / "data", max_body_bytes=2048), tiny_stack_factory)
+    with TestClient(app) as c:
+        big = {"question": "q?", "documents": [{"text": "y" * 4000}]}
+        r = c.post("/v1/query", json=big)
+        assert r.status_code == 413 and "2048" in r.json()["detail"]
+
+        def chunks():  # no Content-Length: counted while reading
+            yield json.dumps(big).encode()
+
+        r = c.post("/v1/query", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+
+
+# ============================================================================ auth
+def test_api_key_guards_everything_but_health(tmp_path, tiny_stack_factory):
+    app = create_app(make_settings(tmp_path / "data", api_key="s3cret"), tiny_stack_factory)
+    with TestClient(app) as c:
+        wait_ready(c)
+        assert c.get("/healthz").status_code == 200
+        doc = {"documents": [{"text": "Secret text."}]}
+        for method, path, body in [("post", "/v1/query", {"question": "q?"}), ("get", "/metrics", None),
+                                   ("post", "/v1/documents", doc), ("get", "/v1/documents/x", None),
+                                   ("delete", "/v1/documents/x", None), ("get", "/openapi.json", None),
+                                   ("post", "/v1/chat/completions", {"messages": []})]:
+            kwargs = {"json": body} if body is not None else {}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+                r = c.request(method, path, headers=headers, **kwargs)
+                assert r.status_code == 401, (method, path, headers)
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post("/v1/documents", json=doc, headers=ok).status_code == 201
+        r = c.post("/v1/query", json={"question": "What is secret?", "max_tokens": 2}, headers=ok)
+        assert r.status_code == 200, r.text
+        assert c.get("/metrics", headers=ok).status_code == 200
+
+
+# ============================================================================ load: queue full, timeout
+def _occupy(worker, release: threading.Event, n_waiting: int) -> None:
+    """Block every worker thread and fill `n_waiting` queue slots with jobs waiting on `release`."""
+    worker.submit(lambda job: release.wait(30))
+    deadline = time.monotonic() + 5
+    while worker.running < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(n_waiting):
+        worker.submit(lambda job: release.wait(30))
+
+
+def test_full_queue_is_503_with_retry_after(tmp_path, tiny_stack_factory):
+    app = create_app(make_settings(tmp_path / "data", workers=1, max_queue=2), tiny_stack_factory)
+    with TestClient(app) as c:
+        wait_ready(c)
+        worker = c.app.state.svc.worker
+        release = threading.Event()
+        try:
+            _occupy(worker, release, 2)
+            assert worker.depth == 2
+            doc = {"documents": [{"text": "Queue text."}]}
+            for path, body in [("/v1/query", {"question": "q?", **doc}), ("/v1/query", {"question": "q?",
+                                                                                        "stream": True, **doc}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q?"}], **doc}),
+                               ("/v1/documents", doc)]:
+                r = c.post(path, json=body)
+                assert r.status_code == 503, (path, r.text)
+                assert int(r.headers["retry-after"]) >= 1
+            metrics = c.get("/metrics").text
+            assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 4.0" in metrics
+        finally:
+            release.set()
+        r = c.post("/v1/query", json={"question": "q?", "documents": [{"text": "After the storm."}], "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_request_timeout_is_504_and_frees_the_slot(tmp_path, tiny_stack_factory):
+    app = create_app(make_settings(tmp_path / "data", workers=1, request_timeout_s=0.3), tiny_stack_factory)
+    with TestClient(app) as c:
+        wait_ready(c)
+        worker = c.app.state.svc.worker
+        release = threading.Event()
+        try:
+            _occupy(worker, release, 0)
+            body = {"question": "q?", "documents": [{"text": "Timeout text."}], "max_tokens": 2}
+            assert c.post("/v1/query", json=body).status_code == 504
+            assert c.post("/v1/query", json={**body, "stream": True}).status_code == 504
+            assert worker.depth == 2  # both still queued behind the blocker, but cancelled
+        finally:
+            release.set()
+        deadline = time.monotonic() + 5
+        while (worker.depth or worker.running) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.depth == 0 and worker.running == 0
+        # the cancelled jobs never ran: their passage was not stored
+        engine = c.app.state.svc.stack.engine
+        from blend_engine.layout import format_passage
+
+        assert not engine.store.contains(engine.key_of(engine.passage_tokens(format_passage("Timeout text."))))
+        assert "blendserve_timeouts_total 2.0" in c.get("/metrics").text
+        c.app.state.svc.settings.request_timeout_s = 60
+        assert c.post("/v1/query", json=body).status_code == 200
+
+
+# ============================================================================ metrics, sample corpus
+def test_metrics_after_queries(client):
+    client.post("/v1/query", json={"question": "Highest mountain?", "top_k": 2, "max_tokens": 2, "mode": "blend"})
+    text = client.get("/metrics").text
+    for needle in ['blendserve_ttft_seconds_bucket{le="0.01",mode="blend"}',
+                   'blendserve_request_latency_seconds_count{mode="blend"}',
+                   'blendserve_passage_cache_lookups_total{result="hit",tier="engine"}',
+                   'blendserve_kv_store_hits_total{tier="memory"}',
+                   'blendserve_kv_store_misses_total{tier="disk"}',
+                   'blendserve_recomputed_tokens_total{mode="blend"}',
+                   'blendserve_recompute_ratio_bucket{le="0.15",mode="blend"}',
+                   "blendserve_recompute_ratio_last", "blendserve_queue_depth 0.0",
+                   'blendserve_requests_total{endpoint="/v1/query",status="200"}']:
+        assert needle in text, needle
+
+
+def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_factory, caplog):
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("\n".join(json.dumps({"title": f"T{i}", "text": f"Sample fact number {i}."})
+                                for i in range(3)) + "\n")
+    settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample)
+    caplog.set_level("INFO", logger="app.startup")
+    with TestClient(create_app(settings, tiny_stack_factory)) as c:
+        assert wait_ready(c)["index"]["documents"] == 3
+    assert "ingesting 3 sample documents" in caplog.text
+    caplog.clear()
+    with TestClient(create_app(settings, tiny_stack_factory)) as c:
+        assert wait_ready(c)["index"]["documents"] == 3
+    assert "sample documents" not in caplog.text
