@@ -314,16 +314,23 @@ class IngestPipeline:
                 self.store.delete(row.kv_key)
 
     def gc(self) -> dict:
-        """Drop KV entries that no passage (nor the system prefix) references, when the store can list keys."""
+        """Drop KV entries that no passage (nor the system prefix) references, where tiers can list keys."""
         with self._lock:
             keep = self.db.kv_keys() | {self.system_key()[0]}
-            lister = next((getattr(self.store, n) for n in ("keys", "list_keys", "iter_keys")
-                           if callable(getattr(self.store, n, None))), None)
-            if lister is None:
-                return {"supported": False, "referenced": len(keep), "dropped": 0, "freed_bytes": None,
+            listable, unlisted = _listable_tiers(self.store)
+            if not listable:
+                return {"supported": False, "referenced": len(keep), "dropped": 0, "unlisted_tiers": unlisted,
                         "message": f"store {self.store.name!r} cannot list its keys; nothing dropped"}
-            dropped = 0
-            for key in list(lister()):
-                if key not in keep and self.store.delete(key):
-                    dropped += 1
-            return {"supported": True, "referenced": len(keep), "dropped": dropped}
+            before = self.store.stats().bytes_used
+            candidates = {k for tier in listable for k in tier.keys()} - keep
+            dropped = sum(1 for key in sorted(candidates) if self.store.delete(key))
+            freed = before - self.store.stats().bytes_used
+            return {"supported": True, "referenced": len(keep), "dropped": dropped, "freed_bytes": freed,
+                    "tiers": [t.name for t in listable], "unlisted_tiers": unlisted}
+
+
+def _listable_tiers(store) -> tuple[list, list[str]]:
+    """(tiers that can list their keys, names of those that cannot). A plain store is its own tier."""
+    tiers = list(getattr(store, "tiers", None) or [store])
+    listable = [t for t in tiers if callable(getattr(t, "keys", None))]
+    return listable, [t.name for t in tiers if t not in listable]

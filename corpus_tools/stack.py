@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
@@ -47,7 +48,8 @@ def index_params(settings: Settings) -> IndexParams:
                        ivf_min_train=settings.ivf_min_train)
 
 
-def build_store_from(settings: Settings) -> KVStore:
+def build_store_from(settings: Settings, fingerprint: str = "") -> KVStore:
+    kwargs = {"fingerprint": fingerprint} if fingerprint else {}
     return build_store(
         kv_format=settings.kv_format,
         memory_bytes=settings.memory_cache_mb << 20,
@@ -55,6 +57,7 @@ def build_store_from(settings: Settings) -> KVStore:
         disk_bytes=settings.disk_cache_mb << 20,
         redis_url=settings.redis_url,
         redis_timeout_s=settings.redis_timeout_s,
+        **kwargs,
     )
 
 
@@ -83,7 +86,7 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype)
-    store = store or build_store_from(settings)
+    store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format))
     engine = build_engine(settings, runner, store)
     embedder = embedder or Embedder(settings.embedder, batch_size=settings.embed_batch_size)
     db = PassageDB(data_dir / DB_FILE)
