@@ -31,6 +31,7 @@ CREATE INDEX IF NOT EXISTS passages_doc ON passages(doc_id);
 CREATE INDEX IF NOT EXISTS passages_kv ON passages(kv_key);
 """
 _COLUMNS = ("id", "vec_id", "doc_id", "seq", "title", "text", "source", "token_count", "kv_key", "ingested_at")
+_UPDATE = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[1:])
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,17 @@ class PassageDB:
 
     # ------------------------------------------------------------------ writes (one transaction each)
     def upsert(self, rows: Sequence[PassageRow]) -> None:
-        """Insert or replace rows in one transaction: all of them are stored, or none."""
+        """Insert or update rows (by id) in one transaction: all of them are stored, or none.
+
+        A vec_id owned by another passage is an error (IntegrityError), never a silent replace."""
         now = time.time()
         values = [tuple(getattr(r, c) for c in _COLUMNS[:-1]) + (r.ingested_at or now,) for r in rows]
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 self._conn.executemany(
-                    f"INSERT OR REPLACE INTO passages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                    f"INSERT INTO passages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
+                    f"ON CONFLICT(id) DO UPDATE SET {_UPDATE}",
                     values,
                 )
                 self._conn.execute("COMMIT")
