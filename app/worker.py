@@ -111,15 +111,17 @@ class EngineWorker:
             job.started = time.perf_counter()
             with self._lock:
                 self._active.add(job)
+            error: BaseException | None = None
             try:
                 result = job.fn(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
-                job.future.set_exception(exc)
+                error, result = exc, None
+            with self._lock:  # free the slot before anyone can see the outcome
+                self._active.discard(job)
+            if error is not None:
+                job.future.set_exception(error)
             else:
                 job.future.set_result(result)
-            finally:
-                with self._lock:
-                    self._active.discard(job)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel waiting jobs, let running ones see their cancel flag, join the threads."""

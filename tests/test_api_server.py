@@ -1,0 +1,227 @@
+"""The API behind a real uvicorn server on a loopback port.
+
+- tiny model, uvicorn in a thread: concurrent clients, client disconnect mid-stream;
+- real default model, `python -m app` in a subprocess: ingestion, /v1/query streaming, the
+  official openai client (plain and streaming), auth, clean shutdown on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from app.main import create_app
+from blend_engine.layout import format_passage
+from corpus_tools.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [
+    {"doc_id": "france", "title": "France", "text": "France is a country in Western Europe. Its capital is Paris."},
+    {"doc_id": "japan", "title": "Japan", "text": "Japan is an island country in East Asia. Its capital is Tokyo."},
+    {"doc_id": "kenya", "title": "Kenya", "text": "Kenya is a country in East Africa. Its capital is Nairobi."},
+]
+
+
+class ThreadedServer:
+    def __init__(self, app, port: int) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        wait_ready(self.url, timeout=60)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def wait_ready(url: str, timeout: float, headers: dict | None = None, proc: subprocess.Popen | None = None) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}")
+        try:
+            r = httpx.get(f"{url}/readyz", headers=headers, timeout=2)
+            if r.status_code == 200:
+                return r.json()
+            last = r.text
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        time.sleep(0.1)
+    raise AssertionError(f"not ready after {timeout}s: {last}")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, tiny_stack_factory):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("srv") / "data", ingest_sample_on_start=False,
+                        workers=2, max_queue=16, memory_cache_mb=256, redis_url=None, api_key=None)
+    app = create_app(settings, tiny_stack_factory)
+    with ThreadedServer(app, port) as srv:
+        r = httpx.post(f"{srv.url}/v1/documents", json={"documents": DOCS}, timeout=60)
+        assert r.status_code == 201, r.text
+        srv.app = app
+        yield srv
+
+
+def test_concurrent_clients_without_errors(tiny_server):
+    modes = ["blend", "full_prefill", "prefix_cache", "full_reuse", "blend"]
+
+    def client_run(i: int) -> list[int]:
+        codes = []
+        with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+            for j, mode in enumerate(modes):
+                body = {"question": f"What is the capital of {DOCS[(i + j) % 3]['title']}?", "mode": mode,
+                        "max_tokens": 3, "top_k": 2}
+                if j == 1:
+                    body["documents"] = [{"title": f"Client {i}", "text": f"Client {i} lives in town {i}."}]
+                if j == 4:
+                    with c.stream("POST", "/v1/query", json={**body, "stream": True}) as r:
+                        text = "".join(r.iter_text())
+                        codes.append(r.status_code if "event: done" in text else -1)
+                    continue
+                r = c.post("/v1/query", json=body)
+                codes.append(r.status_code if r.json().get("answer") is not None else -1)
+        return codes
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(client_run, range(8)))
+    assert results == [[200] * 5] * 8
+    worker = tiny_server.app.state.svc.worker
+    assert worker.depth == 0 and worker.running == 0
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(tiny_server):
+    svc = tiny_server.app.state.svc
+    engine = svc.stack.engine
+    text = "A passage that is only ever streamed and abandoned."
+    key = engine.key_of(engine.passage_tokens(format_passage(text)))
+    body = {"question": "Tell me everything.", "documents": [{"text": text}], "max_tokens": 1000, "stream": True}
+    with httpx.Client(base_url=tiny_server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/query", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert svc.worker.running == 1
+    t0 = time.monotonic()
+    while svc.worker.running and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert svc.worker.running == 0, "the abandoned generation kept its worker"
+    # it stopped early: a finished generation would have stored the passage that missed the cache
+    assert not engine.store.contains(key)
+    r = httpx.post(f"{tiny_server.url}/v1/query", json={**body, "max_tokens": 2, "stream": False}, timeout=30)
+    assert r.status_code == 200
+
+
+# ============================================================================ real model, subprocess
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("e2e")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
+    if "BLENDSERVE_MODEL_CACHE_DIR" in os.environ:
+        env["BLENDSERVE_MODEL_CACHE_DIR"] = os.environ["BLENDSERVE_MODEL_CACHE_DIR"]
+    env.update({"BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_PORT": str(port), "BLENDSERVE_DATA_DIR": str(home / "data"),
+                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_API_KEY": "e2e-key",
+                "BLENDSERVE_MEMORY_CACHE_MB": "256", "BLENDSERVE_LOG_LEVEL": "info"})
+    log = (home / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout=180, proc=proc)
+        yield proc, url, {"Authorization": "Bearer e2e-key"}, home / "server.log"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
+    import openai
+
+    proc, url, auth, log_path = real_server
+    assert httpx.get(f"{url}/healthz").status_code == 200  # no auth for health
+    assert httpx.post(f"{url}/v1/query", json={"question": "q?"}).status_code == 401
+    r = httpx.post(f"{url}/v1/documents", json={"documents": DOCS}, headers=auth, timeout=120)
+    assert r.status_code == 201, r.text
+    assert r.json()["new_passages"] == 3
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="e2e-key", timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    resp = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"top_k": 1})
+    answer = resp.choices[0].message.content
+    assert "Paris" in answer
+    assert [p["title"] for p in resp.model_extra["passages"]] == ["France"]
+    assert resp.model_extra["blend"]["stats"]["cache_hits"] == 2  # system prefix + the passage
+
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"top_k": 1})
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == answer
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").chat.completions.create(model="m", messages=messages)
+
+    with httpx.stream("POST", f"{url}/v1/query", headers=auth, timeout=120, json={
+        "question": "What is the capital of Japan?", "top_k": 1, "max_tokens": 8, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    final = events[-1]
+    assert "Tokyo" in final["answer"] and final["answer"] == "".join(e["text"] for e in events[:-1])
+    assert final["passages"][0]["title"] == "Japan" and final["stats"]["cache_misses"] == 0
+
+    # inline documents (an evaluation's own contexts), in blend mode with the real model
+    r = httpx.post(f"{url}/v1/query", headers=auth, timeout=120, json={
+        "question": "Where does Ada live?", "max_tokens": 8,
+        "documents": [{"title": "Ada", "text": "Ada Lovelace lives in the city of Zurich."}]})
+    body = r.json()
+    assert r.status_code == 200 and "Zurich" in body["answer"]
+    assert body["stats"]["cache_misses"] == 1 and body["passages"][0]["score"] is None
+
+    metrics = httpx.get(f"{url}/metrics", headers=auth).text
+    assert 'blendserve_ttft_seconds_count{mode="blend"}' in metrics
+
+    proc.send_signal(signal.SIGTERM)  # graceful: uvicorn drains, the lifespan closes the stack
+    assert proc.wait(30) in (0, -signal.SIGTERM)
+    assert "shut down" in log_path.read_text()
+
+
+def test_bad_configuration_fails_fast_naming_the_variable(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
+    env["BLENDSERVE_PORT"] = "not-a-port"
+    r = subprocess.run([sys.executable, "-m", "app"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "BLENDSERVE_PORT" in r.stderr
