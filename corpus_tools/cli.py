@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def print_summary(s: IngestSummary, as_json: bool) -> None:
 
 
 def cmd_ingest(stack, args: argparse.Namespace) -> int:
-    reader = Reader(strict=args.strict)
+    reader = Reader(strict=args.strict, on_error=lambda m: err(f"warning: {m}"))
     try:
         summary = stack.pipeline.ingest(reader.read(args.paths), progress=not args.no_progress)
     except InputError as exc:
@@ -167,8 +168,20 @@ def cmd_gc(stack, args: argparse.Namespace) -> int:
 COMMANDS = {"ingest": cmd_ingest, "stats": cmd_stats, "verify": cmd_verify, "delete": cmd_delete, "gc": cmd_gc}
 
 
+def _quiet_libraries() -> None:
+    """No weight-loading progress bars from transformers in CLI output; our own bars stay."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _quiet_libraries()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -109,9 +109,10 @@ class Reader:
         if self.strict:
             raise InputError(message)
         self.errors.append(message)
-        logger.warning("%s", message)
         if self._on_error:
             self._on_error(message)
+        else:
+            logger.warning("%s", message)
 
     def read(self, paths: Iterable[str | Path]) -> Iterator[Document]:
         for raw in paths:
