@@ -186,8 +186,7 @@ async def readyz(request: Request) -> JSONResponse:
         body = Readiness(ready=False, status="error" if svc.error else "starting", error=svc.error)
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "5"})
     stack = svc.stack
-    index = await run_in_threadpool(stack.pipeline.stats)
-    store = stack.store.stats().as_dict()
+    index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
     body = Readiness(ready=True, status="ready", model=getattr(stack.engine.runner, "name", svc.settings.model),
                      index=jsonable_encoder(index), store=jsonable_encoder(store))
     return JSONResponse(body.model_dump())
@@ -335,7 +334,7 @@ async def delete_document(doc_id: str, request: Request) -> Response:
 @ops.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     registry = _svc(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(await run_in_threadpool(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
 
 # ====================================================================== small helpers
@@ -366,6 +365,12 @@ def _blend_extra(outcome: QueryOutcome) -> dict:
     return {"mode": r.mode, "timings": r.timings.model_dump(), "stats": r.stats.model_dump()}
 
 
+def _endpoint(request: Request) -> str:
+    """The route template (bounded label values), not the raw path."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "other"
+
+
 def _observe(svc: AppState, endpoint: str, outcome: QueryOutcome) -> None:
     svc.metrics.observe_query(outcome.report, outcome.ttft_ms, outcome.total_ms)
     svc.metrics.requests.labels(endpoint, "200").inc()
@@ -393,7 +398,7 @@ def _install_handlers(app: FastAPI) -> None:
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
         if isinstance(exc, RequestTimeout):
             request.app.state.svc.metrics.timeouts.inc()
-        request.app.state.svc.metrics.requests.labels(request.url.path, str(exc.status_code)).inc()
+        request.app.state.svc.metrics.requests.labels(_endpoint(request), str(exc.status_code)).inc()
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(_error_body(exc.message, exc.code, kind), status_code=exc.status_code, headers=exc.headers)
 
@@ -401,7 +406,7 @@ def _install_handlers(app: FastAPI) -> None:
     async def _full(request: Request, exc: QueueFull) -> JSONResponse:
         svc = request.app.state.svc
         svc.metrics.rejected.inc()
-        svc.metrics.requests.labels(request.url.path, "503").inc()
+        svc.metrics.requests.labels(_endpoint(request), "503").inc()
         return JSONResponse(_error_body(str(exc), "overloaded", "server_error"), status_code=503,
                             headers={"Retry-After": "1"})
 

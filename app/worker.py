@@ -92,8 +92,10 @@ class EngineWorker:
     async def run(self, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
         """Submit and await the result; on timeout or caller cancellation the job is cancelled."""
         job = self.submit(fn, name)
+        result = asyncio.wrap_future(job.future)
+        result.add_done_callback(_consume)  # an abandoned job's late error is not "never retrieved"
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(result), timeout_s)
         except BaseException:
             job.cancel()
             raise
@@ -145,3 +147,8 @@ class EngineWorker:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 logger.warning("worker %s still busy at shutdown", t.name)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

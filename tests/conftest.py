@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,24 +29,7 @@ def tiny_runner(real_runner):
     return ModelRunner(LlamaForCausalLM(config), real_runner.tokenizer, "tiny")
 
 
-@pytest.fixture
-def tmp_settings(tmp_path: Path, monkeypatch):
-    """A factory of Settings on a fresh data dir, isolated from the environment and any `.env`."""
-    from corpus_tools.settings import Settings
-
-    def make(**overrides) -> Settings:
-        values = {"data_dir": tmp_path / "data", "ingest_sample_on_start": False, "memory_cache_mb": 256,
-                  "disk_cache_mb": 512, "redis_url": None, "api_key": None}
-        values.update(overrides)
-        return Settings(_env_file=None, **values)
-
-    for name in list(os.environ):
-        if name.startswith("BLENDSERVE_") and name != "BLENDSERVE_MODEL_CACHE_DIR":
-            monkeypatch.delenv(name)
-    return make
-
-
-@pytest.fixture
+@pytest.fixture(scope="session")
 def free_port():
     """A function returning a currently free TCP port on 127.0.0.1."""
 

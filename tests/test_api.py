@@ -333,6 +333,10 @@ def test_ingest_validation(client):
     assert client.post("/v1/documents", json={"documents": []}).status_code == 422
     r = client.post("/v1/documents", json={"documents": [{"text": "x" * 100_001}]})
     assert r.status_code == 422 and "documents.0.text" in r.json()["error"]["message"]
+    r = client.post("/v1/documents", json={"documents": [{"text": "a"}] * 33})
+    assert r.status_code == 422 and "documents" in r.json()["error"]["message"]
+    r = client.post("/v1/documents", json={"documents": [{"text": "a", "doc_id": ""}]})
+    assert r.status_code == 422 and "doc_id" in r.json()["error"]["message"]
 
 
 def test_body_too_large_is_413(tmp_path, tiny_stack_factory):

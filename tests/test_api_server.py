@@ -70,12 +70,8 @@ def wait_ready(url: str, timeout: float, headers: dict | None = None, proc: subp
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory, tiny_stack_factory):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def tiny_server(tmp_path_factory, tiny_stack_factory, free_port):
+    port = free_port()
     settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("srv") / "data", ingest_sample_on_start=False,
                         workers=2, max_queue=16, memory_cache_mb=256, redis_url=None, api_key=None)
     app = create_app(settings, tiny_stack_factory)
@@ -137,12 +133,8 @@ def test_client_disconnect_mid_stream_frees_the_slot(tiny_server):
 
 # ============================================================================ real model, subprocess
 @pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def real_server(tmp_path_factory, free_port):
+    port = free_port()
     home = tmp_path_factory.mktemp("e2e")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
     if "BLENDSERVE_MODEL_CACHE_DIR" in os.environ:
