@@ -11,7 +11,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_BATCH = 25
+SAMPLE_BATCH = 10
 
 
 def _is_empty(stack) -> bool:
