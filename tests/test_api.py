@@ -408,6 +408,9 @@ def test_full_queue_is_503_with_retry_after(tmp_path, tiny_stack_factory):
             assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 4.0" in metrics
         finally:
             release.set()
+        deadline = time.monotonic() + 5
+        while (worker.depth or worker.running) and time.monotonic() < deadline:
+            time.sleep(0.01)
         r = c.post("/v1/query", json={"question": "q?", "documents": [{"text": "After the storm."}], "max_tokens": 2})
         assert r.status_code == 200
 
