@@ -314,7 +314,7 @@ async def ingest_documents(req: IngestRequest, request: Request) -> IngestRespon
     return body
 
 
-@docs.get("/v1/documents/{doc_id}", responses={404: {}})
+@docs.get("/v1/documents/{doc_id:path}", responses={404: {}})
 async def get_document(doc_id: str, request: Request) -> dict:
     stack = _svc(request).require_stack()
     doc = await run_in_threadpool(stack.pipeline.get_document, doc_id)
@@ -323,7 +323,7 @@ async def get_document(doc_id: str, request: Request) -> dict:
     return jsonable_encoder(doc)
 
 
-@docs.delete("/v1/documents/{doc_id}", status_code=204, responses={404: {}})
+@docs.delete("/v1/documents/{doc_id:path}", status_code=204, responses={404: {}})
 async def delete_document(doc_id: str, request: Request) -> Response:
     stack = _svc(request).require_stack()
     if not await run_in_threadpool(stack.pipeline.delete_document, doc_id):

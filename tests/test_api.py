@@ -286,6 +286,12 @@ def test_ingest_get_and_delete_a_document(client):
     again = client.post("/v1/documents", json={"documents": [doc]}).json()  # idempotent
     assert again["new_passages"] == 0 and again["skipped"] == 1
 
+    # ids from the file readers are relative paths: slashes and spaces work
+    nested = {"doc_id": "notes/solar system.md", "text": "Jupiter is the largest planet."}
+    assert client.post("/v1/documents", json={"documents": [nested]}).json()["doc_ids"] == [nested["doc_id"]]
+    assert client.get("/v1/documents/notes/solar system.md").json()["doc_id"] == nested["doc_id"]
+    assert client.delete("/v1/documents/notes/solar system.md").status_code == 204
+
     assert client.delete("/v1/documents/mars-note").status_code == 204
     assert client.get("/v1/documents/mars-note").status_code == 404
     assert client.delete("/v1/documents/mars-note").status_code == 404
