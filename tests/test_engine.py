@@ -1,0 +1,231 @@
+"""Blend engine: exactness at ratio 1, RoPE re-positioning, baselines, generation, bad input.
+
+Fast tests run on small random Llama / Qwen2 configs with the real tokenizer; the ones marked
+`slow` use the real default model (SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import MemoryStore
+from blend_engine.model import ModelRunner
+from blend_engine.sampling import Sampler, StreamDecoder
+from blend_engine.types import BlendPlan, GenerationConfig, Mode, SelectionPolicy
+
+PASSAGES = (
+    "Paris is the capital of France. The Louvre is a museum in Paris.",
+    "Berlin is the capital of Germany. The Spree flows through Berlin.",
+    "The Rhine flows through Basel, Strasbourg and Cologne before reaching the North Sea.",
+    "Mount Blanc is the highest mountain in the Alps, on the border of France and Italy.",
+)
+QUESTION = "Which river flows through Berlin?"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return ModelRunner.load().tokenizer
+
+
+def _tiny(kind: str, tokenizer) -> ModelRunner:
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    return ModelRunner(model, tokenizer, f"tiny-{kind}")
+
+
+def _engine(runner: ModelRunner, kv_format: str = "fp32") -> BlendEngine:
+    return BlendEngine(runner, MemoryStore(1 << 30, kv_format=kv_format), EngineConfig(kv_format=kv_format))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_engine(request, tokenizer) -> BlendEngine:
+    return _engine(_tiny(request.param, tokenizer))
+
+
+def _cache_all(engine: BlendEngine, passages=PASSAGES) -> None:
+    for p in passages:
+        engine.ensure_cached(p)
+
+
+# ---------------------------------------------------------------------- exactness
+def test_full_prefill_matches_transformers_forward(tiny_engine):
+    state = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    ids = torch.tensor([state.layout.token_ids()])
+    with torch.no_grad():
+        ref = tiny_engine.runner.model(ids).logits[0, -1]
+    assert torch.allclose(state.logits, ref, atol=1e-4)
+
+
+def test_blend_at_ratio_one_reproduces_full_prefill(tiny_engine):
+    _cache_all(tiny_engine)
+    full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    blend = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=1.0))
+    assert blend.report.cache_hits >= len(PASSAGES)
+    assert (blend.logits - full.logits).abs().max().item() < 1e-3
+
+
+def test_low_ratio_recomputes_a_subset_but_always_the_question(tiny_engine):
+    _cache_all(tiny_engine)
+    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15))
+    question = st.layout.segments[-1]
+    chosen = set(st.report.recomputed_positions)
+    assert set(range(question.offset, question.end)) <= chosen
+    assert st.report.recomputed_tokens < st.report.context_tokens
+    n_passage = sum(len(s.token_ids) for s in st.layout.segments if s.kind == "passage")
+    passage_chosen = [p for p in chosen if st.layout.segments[0].end <= p < question.offset]
+    assert 0 < len(passage_chosen) <= 0.15 * n_passage + 1
+
+
+def test_full_reuse_recomputes_only_uncached_tokens(tiny_engine):
+    _cache_all(tiny_engine)
+    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"))
+    uncached = [s for s in st.layout.segments if s.kind != "passage"]
+    assert st.report.recomputed_tokens <= sum(len(s.token_ids) for s in uncached)
+    assert st.report.selected_per_layer[0] == st.report.selected_per_layer[-1]
+
+
+def test_missed_passage_is_recomputed_in_context_then_stored(tokenizer):
+    engine = _engine(_tiny("llama", tokenizer))
+    engine.ensure_cached(PASSAGES[0])
+    result = engine.run(BlendPlan(PASSAGES[:2], QUESTION), GenerationConfig(max_tokens=2))
+    assert result.report.cache_misses >= 1
+    seg = engine.layout(BlendPlan(PASSAGES[:2], QUESTION)).segments[2]
+    assert set(range(seg.offset, seg.end)) <= set(result.report.recomputed_positions)
+    assert engine.store.contains(engine.key_of(engine.passage_tokens(PASSAGES[1])))
+
+
+def test_prefix_cache_reuses_exact_prefix_only_in_same_order(tiny_engine):
+    _cache_all(tiny_engine)
+    full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    first = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    again = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    assert again.report.prefix_tokens_reused == again.layout.segments[-2].end
+    assert (again.logits - full.logits).abs().max().item() < 1e-3
+    assert (first.logits - full.logits).abs().max().item() < 1e-3
+    shuffled = tiny_engine.prefill(BlendPlan(PASSAGES[::-1], QUESTION, mode="prefix_cache"))
+    assert shuffled.report.prefix_tokens_reused == shuffled.layout.segments[0].end  # the system prefix
+
+
+def test_gradual_filtering_narrows_the_set(tiny_engine):
+    _cache_all(tiny_engine)
+    policy = SelectionPolicy(check_layer=1, check_multiplier=3.0, schedule=((2, 2.0), (3, 1.0)))
+    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=policy))
+    sizes = st.report.selected_per_layer
+    assert sizes[0] == st.report.context_tokens
+    assert sizes[1] > sizes[2] > sizes[3]
+
+
+def test_epic_sinks_are_always_recomputed(tiny_engine):
+    _cache_all(tiny_engine)
+    policy = SelectionPolicy(use_deviation=False, sink_tokens=3)
+    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=policy))
+    chosen = set(st.report.recomputed_positions)
+    for seg in st.layout.segments:
+        if seg.kind == "passage":
+            assert {seg.offset, seg.offset + 1, seg.offset + 2} <= chosen
+            assert seg.offset + 3 not in chosen
+
+
+# ---------------------------------------------------------------------- RoPE
+def test_rotation_composes(tiny_engine):
+    r = tiny_engine.runner
+    k = torch.randn(r.shape.n_kv_heads, 7, r.shape.head_dim)  # [H, T, D]
+    two_steps = r.rotate_keys(r.rotate_keys(k, 13), 29)
+    assert torch.allclose(two_steps, r.rotate_keys(k, 42), atol=1e-5)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_chunk_moved_to_p_matches_layer0_keys_prefilled_at_p():
+    r = ModelRunner.load()
+    engine = _engine(r)
+    ids = engine.passage_tokens(PASSAGES[2])
+    alone = engine.precompute(ids)  # positions 0..T-1
+    p = 517
+    hidden = r.embed(torch.tensor(ids))  # [T, E]
+    cos, sin = r.rope(torch.arange(p, p + len(ids)))
+    _, k_at_p, v_at_p = r.qkv(0, hidden, cos, sin)  # [H, T, D]
+    moved = r.rotate_keys(alone.k[0], p)
+    assert torch.allclose(moved, k_at_p, atol=1e-3, rtol=1e-3)
+    assert (moved - k_at_p).abs().max() < 0.05 * (k_at_p - r.rotate_keys(alone.k[0], p + 1)).abs().max()
+    assert torch.allclose(alone.v[0], v_at_p, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- generation
+def test_generation_after_blend_equals_full_prefill_at_ratio_one(tiny_engine):
+    _cache_all(tiny_engine)
+    cfg = GenerationConfig(max_tokens=6)
+    full = tiny_engine.run(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"), cfg)
+    blend = tiny_engine.run(BlendPlan(PASSAGES, QUESTION, recompute_ratio=1.0), cfg)
+    assert len(full.token_ids) > 0
+    assert blend.token_ids == full.token_ids
+
+
+def test_streaming_deltas_concatenate_to_the_answer(tiny_engine):
+    gen = tiny_engine.generate(BlendPlan(PASSAGES, QUESTION), GenerationConfig(max_tokens=5))
+    text = "".join(gen)
+    assert gen.result is not None and text == gen.result.text
+    assert gen.result.ttft_ms <= gen.result.total_ms
+
+
+def test_sampling_is_reproducible_with_a_seed_and_top_p_restricts():
+    logits = torch.tensor([5.0, 4.9, 0.0, -3.0])
+    a = [Sampler(1.0, 1.0, seed=7)(logits) for _ in range(1)]
+    b = [Sampler(1.0, 1.0, seed=7)(logits) for _ in range(1)]
+    assert a == b
+    s = Sampler(1.0, 0.5, seed=1)
+    assert {s(logits) for _ in range(50)} <= {0, 1}
+    assert Sampler(0.0)(logits) == 0
+
+
+def test_stream_decoder_cuts_at_stop_string(tokenizer):
+    dec = StreamDecoder(tokenizer, stop=("\n",))
+    out, hit = "", False
+    for tid in tokenizer.encode("Berlin\nmore text", add_special_tokens=False):
+        delta, hit = dec.push(tid)
+        out += delta
+        if hit:
+            break
+    assert hit and out == "Berlin" and dec.text == "Berlin"
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(passages=(), question="q"), "at least one passage"),
+        (dict(passages=("p",), question="q", mode="turbo"), "unknown mode"),
+        (dict(passages=("p",), question="q", recompute_ratio=1.5), "within [0, 1]"),
+        (dict(passages=("p",), question="q", recompute_ratio=-0.1), "within [0, 1]"),
+        (dict(passages=("p",), question="  "), "question"),
+    ],
+)
+def test_bad_plans_raise_clear_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        BlendPlan(**kwargs)
+
+
+def test_prompt_longer_than_context_is_refused(tiny_engine):
+    long_passage = "word " * 1200
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        tiny_engine.prefill(BlendPlan((long_passage,), QUESTION))
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        tiny_engine.precompute(tiny_engine.passage_tokens(long_passage))
+
+
+def test_unsupported_architecture_is_refused(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelRunner(model, tokenizer)
+
+
+def test_mode_parse_accepts_enum_and_string():
+    assert Mode.parse("prefix_cache") is Mode.PREFIX_CACHE
+    assert Mode.parse(Mode.BLEND) is Mode.BLEND
