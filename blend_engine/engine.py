@@ -336,6 +336,7 @@ class BlendEngine:
         sizes: list[int] = []
         layer_times: list[float] = []
         layers = iter(stream) if stream is not None else None
+        placer = _Placer(r, cached, rotate)
 
         for layer in range(n_layers):
             t0 = time.perf_counter()
@@ -343,10 +344,8 @@ class BlendEngine:
             t1 = time.perf_counter()
             timer.wait += t1 - t0
             K, V = cache.k[layer], cache.v[layer]  # [H, C, D] each
-            for seg, (k_c, v_c) in zip(cached, kv_layer):
-                k_c = k_c.to(r.dtype)  # [H, T, D]
-                K[:, seg.offset:seg.end] = r.rotate_keys(k_c, seg.offset) if rotate else k_c  # [H, T, D]
-                V[:, seg.offset:seg.end] = v_c  # [H, T, D]
+            if kv_layer and not (sel is None and full_upto is not None and layer < full_upto):
+                placer.place(K, V, kv_layer)  # below the check layer everything is overwritten anyway
             t2 = time.perf_counter()
             timer.assemble += t2 - t1
 
@@ -358,7 +357,7 @@ class BlendEngine:
                 if sel is None:
                     out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
                 else:
-                    out = r.attend(q[:, sel], K[:, :N], V[:, :N], pos[None, :] <= sel[:, None])  # [S, Hq*D]
+                    out = _attend_selected(r, q[:, sel], K, V, sel)  # [S, Hq*D]
                     hidden = hidden[sel]  # [S, E]
             else:
                 q, k, v = r.qkv(layer, hidden, cos_all[sel], sin_all[sel])  # [Hq, S, D], [H, S, D] x2
@@ -369,7 +368,7 @@ class BlendEngine:
                 K[:, sel], V[:, sel] = k, v
                 if keep is not None:
                     q, hidden, sel = q[:, keep], hidden[keep], sel[keep]
-                out = r.attend(q, K[:, :N], V[:, :N], pos[None, :] <= sel[:, None])  # [S, Hq*D]
+                out = _attend_selected(r, q, K, V, sel)  # [S, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [S or N, E]
             sizes.append(N if sel is None else int(sel.numel()))
             t3 = time.perf_counter()
@@ -471,6 +470,58 @@ class Generation:
             ttft_ms=self.ttft_ms if self.ttft_ms is not None else total_ms,
             total_ms=total_ms,
         )
+
+
+class _Placer:
+    """Writes one layer of cached chunks into the request's cache at their new positions.
+
+    Rotation tables for every cached token's move (its segment's offset) are built once per
+    request; each layer then needs one concatenation and one fused rotation.
+    """
+
+    def __init__(self, runner: ModelRunner, cached: list[Segment], rotate: bool) -> None:
+        self._dtype = runner.dtype
+        spans = [(s.offset, s.end) for s in cached]
+        self._contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        self._start = spans[0][0] if spans else 0
+        self._end = spans[-1][1] if spans else 0
+        self._index = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device) if spans else None
+        self._rot = None
+        if rotate and spans:
+            deltas = torch.cat([torch.full((b - a,), a) for a, b in spans])  # [Tc]
+            cos, sin = runner.rotation(deltas)  # [Tc, D] each
+            self._rot = (cos.to(self._dtype), sin.to(self._dtype))
+
+    def place(self, K: torch.Tensor, V: torch.Tensor, kv_layer) -> None:
+        """K, V [H, C, D]; kv_layer: per cached chunk (k, v) [H, T, D] at positions 0..T-1."""
+        k = torch.cat([kc for kc, _ in kv_layer], dim=1).to(self._dtype)  # [H, Tc, D]
+        v = torch.cat([vc for _, vc in kv_layer], dim=1)  # [H, Tc, D]
+        if self._rot is not None:
+            k = ModelRunner.apply_rotation(k, *self._rot)  # [H, Tc, D]
+        if self._contiguous:
+            K[:, self._start:self._end] = k
+            V[:, self._start:self._end] = v
+        else:
+            K[:, self._index] = k
+            V[:, self._index] = v
+
+
+def _attend_selected(r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, sel: torch.Tensor,
+                     blocks: int = 4) -> torch.Tensor:
+    """Selected queries q [Hq, S, D] at positions sel [S] over the blended cache K, V [H, C, D].
+
+    Causal by absolute position. Queries are split into position-ordered blocks so each block
+    reads only the keys up to its last position: ~S x N / 2 work instead of S x N.
+    """
+    S = sel.numel()
+    groups = torch.tensor_split(torch.arange(S, device=sel.device), min(blocks, S))
+    outs = []
+    for idx in groups:
+        pos = sel[idx]  # [s]
+        hi = int(pos[-1]) + 1
+        mask = torch.arange(hi, device=sel.device)[None, :] <= pos[:, None]  # [s, hi]
+        outs.append(r.attend(q[:, idx], K[:, :hi], V[:, :hi], mask))  # [s, Hq*D]
+    return torch.cat(outs)  # [S, Hq*D]
 
 
 class _RankSpace:

@@ -229,14 +229,23 @@ class ModelRunner:
         cos, sin = self._rotary(probe, pos)  # [1, T, D]
         return cos[0], sin[0]
 
+    def rotation(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Relative rotation tables for moving keys by `deltas` positions: cos, sin [T, D]."""
+        cos, sin = self.rope(deltas)  # [T, D] each
+        # the model's cos/sin carry attention_scaling once; a relative rotation must not add it again
+        return cos / self._rope_scale, sin / self._rope_scale
+
+    @staticmethod
+    def apply_rotation(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """R(delta) k for keys k [H, T, D] with tables [T, D]: R(p + delta) = R(delta) R(p)."""
+        return k * cos + rotate_half(k) * sin  # [H, T, D]
+
     def rotate_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
-        """Move keys by `delta` positions: R(p + delta) = R(delta) R(p). k: [H, T, D]."""
+        """Move keys k [H, T, D] by `delta` positions."""
         if delta == 0:
             return k
-        cos, sin = self.rope(torch.tensor([delta]))  # [1, D]
-        # the model's cos/sin carry attention_scaling once; a relative rotation must not add it again
-        cos, sin = (cos / self._rope_scale).to(k.dtype), (sin / self._rope_scale).to(k.dtype)
-        return k * cos + rotate_half(k) * sin  # [H, T, D]
+        cos, sin = self.rotation(torch.tensor([delta]))  # [1, D]
+        return self.apply_rotation(k, cos.to(k.dtype), sin.to(k.dtype))  # [H, T, D]
 
     def qkv(
         self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
