@@ -174,7 +174,9 @@ class BlendEngine:
 
     def _bytes_per_layer(self, n_tokens: int) -> int:
         s = self.runner.shape
-        width = 1 if self.config.kv_format == "int8" else (4 if self.config.kv_format == "fp32" else 2)
+        if self.config.kv_format == "int8":  # one byte a value plus an fp16 scale per token and head
+            return 2 * s.n_kv_heads * n_tokens * (s.head_dim + 2)
+        width = 4 if self.config.kv_format == "fp32" else 2
         return 2 * s.n_kv_heads * s.head_dim * n_tokens * width
 
     @torch.inference_mode()
