@@ -1,0 +1,1 @@
+"""Quality and performance benchmarks for Blendserve (CacheBlend): `python -m benchmarks.run --quick|--full`."""

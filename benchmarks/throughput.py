@@ -1,0 +1,142 @@
+"""Throughput of the running service: N concurrent clients posting /v1/query, blend vs full prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks.data import Example, select_paragraphs
+
+logger = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    mode: str
+    clients: int
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    mean_context_tokens: float
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout_s: float = 300.0) -> Iterator[str]:
+    """`python -m app` on a free local port with a temporary data dir; yields its base URL."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="blendbench-svc-") as tmp:
+        env = {**os.environ, "BLENDSERVE_DATA_DIR": tmp, "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
+               "BLENDSERVE_PORT": str(port), "BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_WORKERS": str(workers),
+               "BLENDSERVE_MAX_QUEUE": "256", "BLENDSERVE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_LOG_LEVEL": "warning",
+               "OMP_NUM_THREADS": str(threads_per_worker)}
+        log = open(Path(tmp) / "server.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, proc, ready_timeout_s)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the service at {url} was not ready within {timeout_s:.0f} s")
+
+
+def request_bodies(examples: list[Example], max_paragraphs: int | None, max_tokens: int) -> list[dict]:
+    """One /v1/query body per example, documents in the dataset's order."""
+    return [{"question": ex.question, "max_tokens": max_tokens, "temperature": 0.0,
+             "documents": [{"title": p.title, "text": p.text} for p in select_paragraphs(ex, max_paragraphs)]}
+            for ex in examples]
+
+
+async def _client(http: httpx.AsyncClient, url: str, queue: asyncio.Queue, lat: list[float], ctx: list[int],
+                  errors: list[str]) -> None:
+    while True:
+        try:
+            body = queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return
+        t0 = time.perf_counter()
+        try:
+            r = await http.post(f"{url}/v1/query", json=body)
+            r.raise_for_status()
+            lat.append((time.perf_counter() - t0) * 1e3)
+            ctx.append(r.json()["stats"]["context_tokens"])
+        except httpx.HTTPError as exc:
+            errors.append(str(exc))
+
+
+async def _load(url: str, bodies: list[dict], clients: int) -> tuple[float, list[float], list[int], list[str]]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    lat: list[float] = []
+    ctx: list[int] = []
+    errors: list[str] = []
+    async with httpx.AsyncClient(timeout=3600) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_client(http, url, queue, lat, ctx, errors) for _ in range(clients)))
+        return time.perf_counter() - t0, lat, ctx, errors
+
+
+def measure(url: str, bodies: list[dict], mode: str, clients: int, ratio: float | None = 0.15) -> ThroughputRow:
+    sent = [{**b, "mode": mode, **({"recompute_ratio": ratio} if mode == "blend" else {})} for b in bodies]
+    seconds, lat, ctx, errors = asyncio.run(_load(url, sent, clients))
+    if errors:
+        logger.warning("%d/%d %s requests failed, first: %s", len(errors), len(sent), mode, errors[0])
+    lat_arr = np.asarray(lat or [float("nan")])
+    return ThroughputRow(mode, clients, len(sent), len(errors), seconds, len(lat) / seconds,
+                         float(np.percentile(lat_arr, 50)), float(np.percentile(lat_arr, 99)),
+                         float(np.mean(ctx)) if ctx else 0.0)
+
+
+def run_throughput(examples: list[Example], clients: int, max_paragraphs: int | None = None, max_tokens: int = 8,
+                   workers: int = 2, threads_per_worker: int = 1) -> list[ThroughputRow]:
+    """Warm the KV store with one sequential blend pass, then blend and full prefill under `clients` clients."""
+    bodies = request_bodies(examples, max_paragraphs, max_tokens)
+    with running_service(workers, threads_per_worker) as url:
+        warm = measure(url, bodies, "blend", 1)
+        logger.info("throughput warm-up pass: %.1f s, %d errors", warm.seconds, warm.errors)
+        rows = [measure(url, bodies, mode, clients) for mode in ("blend", "full_prefill")]
+    for r in rows:
+        logger.info("throughput %s: %.3f req/s, p50 %.0f ms, p99 %.0f ms", r.mode, r.rps, r.p50_ms, r.p99_ms)
+    return rows

@@ -1,0 +1,120 @@
+"""The benchmark harness end to end on 2 real examples with the tiny random Llama (fast, not meaningful)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import peer
+from benchmarks.data import build_context, group_paragraphs, load_examples, passages_of, select_paragraphs, shuffled
+from benchmarks.quality import mode_specs
+from benchmarks.run import BenchConfig, parse_args, run_benchmark
+from benchmarks.throughput import request_bodies
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def test_loaders_read_the_shared_data():
+    mus = load_examples("musique", 2)
+    hot = load_examples("hotpotqa", 2)
+    assert len(mus) == 2 and len(hot) == 2
+    assert len(mus[0].paragraphs) == 20 and len(hot[0].paragraphs) == 10
+    assert mus[0].answers[0] == "Adrian Edmondson" and len(mus[0].answers) >= 1
+    assert sum(p.supporting for p in hot[0].paragraphs) == 2
+    assert hot[0].paragraphs[0].text and not hot[0].paragraphs[0].text.startswith(" ")
+
+
+def test_paragraph_selection_grouping_and_shuffle():
+    ex = load_examples("musique", 1)[0]
+    picked = select_paragraphs(ex, 4)
+    assert len(picked) == 4
+    assert all(p in picked for p in ex.paragraphs if p.supporting)
+    assert [ex.paragraphs.index(p) for p in picked] == sorted(ex.paragraphs.index(p) for p in picked)
+    groups = group_paragraphs(ex.paragraphs, 350)
+    assert 2 <= len(groups) < len(ex.paragraphs)
+    assert all(len(g.split()) <= 350 + max(len(p.text.split()) for p in ex.paragraphs) + 20 for g in groups)
+    passages = passages_of(ex)
+    assert passages[0].startswith(ex.paragraphs[0].title + "\n")
+    order = shuffled(passages, ex.id)
+    assert sorted(order) == sorted(passages) and order[0] != passages[0]
+    assert shuffled(passages, ex.id) == order  # deterministic
+
+
+def test_context_builder_hits_the_target():
+    examples = load_examples("musique", 3)
+    ctx = build_context(examples, 1500, lambda t: len(t.split()) * 2)
+    assert 1200 < ctx.n_tokens <= 1500
+    assert ctx.question == examples[0].question
+
+
+def test_request_bodies_match_the_api_schema():
+    bodies = request_bodies(load_examples("musique", 2), 3, 8)
+    assert len(bodies) == 2 and len(bodies[0]["documents"]) == 3
+    assert set(bodies[0]) == {"question", "max_tokens", "temperature", "documents"}
+    assert set(bodies[0]["documents"][0]) == {"title", "text"}
+
+
+def test_peer_is_skipped_with_a_message_when_llama_cpp_is_missing(monkeypatch):
+    monkeypatch.setattr(peer.importlib.util, "find_spec", lambda name: None)
+    ok, why = peer.available()
+    assert not ok and "llama-cpp-python" in why
+
+
+def test_cli_presets():
+    quick, out, readme = parse_args(["--quick", "--skip", "peer,throughput", "--no-readme"])
+    full, _, _ = parse_args(["--full", "--max-paragraphs", "0"])
+    assert quick.skip == ("peer", "throughput") and not readme
+    assert full.max_paragraphs is None and max(full.perf_tokens) == 6000
+    assert quick.n_musique >= 20 and quick.n_hotpotqa >= 20
+
+
+def test_harness_end_to_end(tiny_runner, tmp_path):
+    cfg = BenchConfig(n_musique=1, n_hotpotqa=1, max_paragraphs=3, max_tokens=4, perf_tokens=(300,),
+                      tiers=("ram", "disk"), skip=("throughput", "peer"), threads=1, command="test")
+    readme = tmp_path / "README.md"
+    readme.write_text("# Bench\n\nintro\n")
+    results = run_benchmark(cfg, tmp_path / "out", runner=tiny_runner, readme=readme)
+
+    out = tmp_path / "out"
+    data = json.loads((out / "results.json").read_text())
+    names = [s.name for s in mode_specs()]
+    assert len(data["records"]) == 2 * len(names)
+    rec = data["records"][0]
+    assert set(rec) >= {"dataset", "id", "mode", "answer", "f1", "em", "agreement_f1", "kl", "recompute_share", "ttft_ms"}
+    by_mode = {r["mode"]: r for r in data["records"] if r["dataset"] == "musique"}
+    assert set(by_mode) == set(names)
+    assert by_mode["full_prefill"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert by_mode["full_prefill"]["agreement_f1"] == 1.0
+    assert by_mode["full_prefill"]["recompute_share"] == 1.0
+    assert by_mode["full_reuse"]["recompute_share"] < by_mode["blend@0.30"]["recompute_share"] < 1.0
+    assert by_mode["blend@0.05"]["recompute_share"] < by_mode["blend@0.30"]["recompute_share"]
+    assert by_mode["blend@auto"]["recompute_ratio"] >= 0.15  # the controller's floor
+    assert by_mode["full_reuse"]["kl"] >= 0.0
+
+    q = data["quality"]
+    assert set(q["table"]) == {"musique", "hotpotqa", "all"}
+    f1 = q["table"]["all"]["blend@0.15"]["f1"]
+    assert set(f1) == {"mean", "low", "high"} and f1["low"] <= f1["mean"] <= f1["high"]
+    assert "blend@0.15 - full_prefill (f1)" in q["paired"]["all"]
+    assert "blend015_within_0.02_f1" in q["goals"]
+
+    perf = data["perf"]
+    assert {(r["tier"], r["mode"]) for r in perf} == {("-", "full_prefill")} | {
+        (t, m) for t in ("ram", "disk") for m in ("prefix_cache", "full_reuse", "blend@0.15")}
+    assert all(r["ttft_ms"] > 0 and r["context_tokens"] > 250 for r in perf)
+    assert all(r["speedup_vs_full_prefill"] > 0 for r in perf)
+
+    for png in ("f1_vs_ratio.png", "ttft_vs_context.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "results.md").read_text()
+    assert "| blend@0.15 |" in md and "F1 vs ratio" in md and "speedup" in md
+    text = readme.read_text()
+    assert text.startswith("# Bench\n\nintro") and "](out/f1_vs_ratio.png)" in text and "### Latest results" in text
+    run_benchmark(cfg, tmp_path / "out", runner=tiny_runner, readme=readme)  # refresh replaces, never appends
+    assert readme.read_text().count("### Latest results") == 1
+    assert results["meta"]["command"] == "test"
