@@ -271,34 +271,34 @@ class BlendEngine:
         return repair
 
     # ------------------------------------------------------------------ prefix caching
+    @staticmethod
+    def _chain(segs, keys) -> Iterator[tuple[Segment, str, bool]]:
+        """Leading cacheable segments with their in-context keys (and whether it is the first)."""
+        parent = None
+        for seg, key in zip(segs, keys):
+            if key is None:
+                return
+            ck = chain_key(parent, key)
+            yield seg, ck, parent is None
+            parent = ck
+
     def _match_prefix(self, segs, keys) -> tuple[list[tuple[Segment, str]], int]:
         """Longest run of leading segments whose in-context KV is in the prefix store."""
         matched: list[tuple[Segment, str]] = []
-        parent = None
-        for seg, key in zip(segs, keys):
-            if key is None:
-                break
-            ck = chain_key(parent, key)
+        for (seg, ck, first), key in zip(self._chain(segs, keys), keys):
+            if first and not self.prefix_store.contains(ck):  # sys alone at 0 is exact in context
+                kv = self.store.get(key)
+                if kv is not None:
+                    self.prefix_store.put(ck, kv)
             if not self.prefix_store.contains(ck):
-                if parent is None and self.store.contains(key):  # sys alone at 0 is exact in context
-                    kv = self.store.get(key)
-                    if kv is not None:
-                        self.prefix_store.put(ck, kv)
-                if not self.prefix_store.contains(ck):
-                    break
+                break
             matched.append((seg, ck))
-            parent = ck
         return matched, (matched[-1][0].end if matched else 0)
 
     def _store_prefix(self, segs, keys, cache: KVCache) -> None:
-        parent = None
-        for seg, key in zip(segs, keys):
-            if key is None:
-                break
-            ck = chain_key(parent, key)
+        for seg, ck, _ in self._chain(segs, keys):
             if not self.prefix_store.contains(ck):
                 self.prefix_store.put(ck, cache.segment(seg.offset, seg.end))
-            parent = ck
 
     # ------------------------------------------------------------------ the layer loop
     def _run_layers(

@@ -8,6 +8,16 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: tests start servers and subprocesses beside the test process, and on a
+    2-core machine OpenMP spin-waits between them make small ops orders of magnitude slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def real_runner():
     """SmolLM2-135M-Instruct (the default model), loaded once per test session."""

@@ -21,15 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """On a small shared CPU, OpenMP spin-waits make tiny ops 100x slower with >1 thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with the real SmolLM2 tokenizer, saved so that subprocesses load the same weights."""

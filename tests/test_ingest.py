@@ -72,15 +72,6 @@ def real_tokenizer():
     return ModelRunner.load().tokenizer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """On a small shared CPU, OpenMP spin-waits make tiny ops 100x slower with >1 thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     return tiny_runner()

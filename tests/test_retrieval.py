@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from retrieval.embedder import Embedder, bundled_model_dir
 from retrieval.index import INDEX_FILE, IndexParams, VectorIndex
@@ -20,15 +19,6 @@ SAMPLE = Path(__file__).resolve().parent.parent / "sample_corpus" / "hotpotqa_sa
 def unit_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
     v = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
     return v / np.linalg.norm(v, axis=1, keepdims=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """On a small shared CPU, OpenMP spin-waits make tiny ops 100x slower with >1 thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
