@@ -70,7 +70,7 @@ def test_cli_presets():
     full, _, _ = parse_args(["--full", "--max-paragraphs", "0"])
     assert quick.skip == ("peer", "throughput") and not readme
     assert full.max_paragraphs is None and max(full.perf_tokens) == 6000
-    assert quick.n_musique >= 20 and quick.n_hotpotqa >= 20
+    assert quick.n_musique >= 10 and quick.n_hotpotqa >= 10 and quick.max_paragraphs == 4
 
 
 def test_harness_end_to_end(tiny_runner, tmp_path):
