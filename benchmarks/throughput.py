@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -44,8 +45,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout_s: float = 300.0) -> Iterator[str]:
-    """`python -m app` on a free local port with a temporary data dir; yields its base URL."""
+def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout_s: float = 300.0,
+                    keep_log: Path | None = None) -> Iterator[str]:
+    """`python -m app` on a free local port with a temporary data dir; yields its base URL.
+
+    The server's output (warnings and errors) is copied to `keep_log` when given.
+    """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="blendbench-svc-") as tmp:
         env = {**os.environ, "BLENDSERVE_DATA_DIR": tmp, "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
@@ -65,6 +70,8 @@ def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
+            if keep_log is not None:
+                shutil.copyfile(Path(tmp) / "server.log", keep_log)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -130,10 +137,10 @@ def measure(url: str, bodies: list[dict], mode: str, clients: int, ratio: float 
 
 
 def run_throughput(examples: list[Example], clients: int, max_paragraphs: int | None = None, max_tokens: int = 8,
-                   workers: int = 2, threads_per_worker: int = 1) -> list[ThroughputRow]:
+                   workers: int = 2, threads_per_worker: int = 1, keep_log: Path | None = None) -> list[ThroughputRow]:
     """Warm the KV store with one sequential blend pass, then blend and full prefill under `clients` clients."""
     bodies = request_bodies(examples, max_paragraphs, max_tokens)
-    with running_service(workers, threads_per_worker) as url:
+    with running_service(workers, threads_per_worker, keep_log=keep_log) as url:
         warm = measure(url, bodies, "blend", 1)
         logger.info("throughput warm-up pass: %.1f s, %d errors", warm.seconds, warm.errors)
         rows = [measure(url, bodies, mode, clients) for mode in ("blend", "full_prefill")]
