@@ -94,7 +94,7 @@ def run_benchmark(cfg: BenchConfig, out_dir: Path, runner: ModelRunner | None = 
     if results.get("perf"):
         plot_ttft_vs_context(results["perf"], out_dir / "ttft_vs_context.png", results.get("peer"))
     if "throughput" not in cfg.skip:
-        _run_throughput(cfg, musique, results)
+        _run_throughput(cfg, musique, results, out_dir)
     results["meta"] = _meta(cfg, runner, musique, hotpot, time.perf_counter() - t0)
     (out_dir / "results.json").write_text(json.dumps(_jsonable(results), indent=1), encoding="utf-8")
     md = render(results)
@@ -104,10 +104,10 @@ def run_benchmark(cfg: BenchConfig, out_dir: Path, runner: ModelRunner | None = 
     return results
 
 
-def _run_throughput(cfg: BenchConfig, musique, results: dict) -> None:
+def _run_throughput(cfg: BenchConfig, musique, results: dict, out_dir: Path) -> None:
     try:
         rows = run_throughput(musique[:cfg.throughput_requests], cfg.clients, cfg.throughput_paragraphs,
-                              cfg.throughput_max_tokens)
+                              cfg.throughput_max_tokens, keep_log=out_dir / "server.log")
     except (RuntimeError, TimeoutError, OSError) as exc:  # keep the other parts' results
         logger.error("throughput run failed: %s", exc)
         cfg.notes.append(f"throughput run failed: {exc}")
