@@ -28,22 +28,22 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.layout import format_passage
 from blend_engine.model import ModelRunner
-from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy
 
 logger = logging.getLogger(__name__)
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.jsonl"
 
 ABLATION: dict[str, SelectionPolicy] = {
-    "kv@1": SelectionPolicy(check_layer=1, metric="kv"),
+    "v@1 (LMCache-style)": SelectionPolicy(check_layer=1, metric="v"),
     "k@1": SelectionPolicy(check_layer=1, metric="k"),
-    "v@1": SelectionPolicy(check_layer=1, metric="v"),
-    "kv@2": SelectionPolicy(check_layer=2, metric="kv"),
-    "v@2": SelectionPolicy(check_layer=2, metric="v"),
-    "kv@1+sink1": SelectionPolicy(check_layer=1, metric="kv", sink_tokens=1),
+    "kv@1": SelectionPolicy(check_layer=1, metric="kv"),
+    "k@2": SelectionPolicy(check_layer=2, metric="k"),
     "kv@1+sink4": SelectionPolicy(check_layer=1, metric="kv", sink_tokens=4),
-    "kv@1 gradual 2x>1.5x>1x": SelectionPolicy(check_layer=1, metric="kv", check_multiplier=2.0,
-                                               schedule=((2, 1.5), (3, 1.0))),
     "epic sink8 only": SelectionPolicy(use_deviation=False, sink_tokens=8),
+    "k@1 gradual 2>1.5>1": SelectionPolicy(metric="k", check_multiplier=2.0, schedule=((2, 1.5), (3, 1.0))),
+    "kv@1 gradual 4>3>2>1.5>1": SelectionPolicy(metric="kv", check_multiplier=4.0,
+                                                schedule=((2, 3.0), (3, 2.0), (5, 1.5), (8, 1.0))),
+    "k@1 gradual 4>3>2>1.5>1 (default)": default_policy(),
 }
 
 
@@ -143,7 +143,7 @@ def _answer(engine: BlendEngine, plan: BlendPlan, max_tokens: int) -> tuple[str,
 def bench_quality(engine: BlendEngine, rows: list[dict], policies: dict[str, tuple[str, float, SelectionPolicy | None]],
                   max_tokens: int) -> dict:
     """Per variant: mean F1 vs full prefill's answer, mean gold F1, mean first-token KL."""
-    from benchmarks.scoring import max_f1, token_f1
+    from benchmarks.scoring import max_over_golds, token_f1
 
     per: dict[str, dict[str, list[float]]] = {}
     for i, row in enumerate(rows):
@@ -154,14 +154,14 @@ def bench_quality(engine: BlendEngine, rows: list[dict], policies: dict[str, tup
         ref, ref_logits = _answer(engine, BlendPlan(passages, row["question"], mode="full_prefill"), max_tokens)
         acc = per.setdefault("full_prefill", {"f1_vs_full": [], "gold_f1": [], "kl": []})
         acc["f1_vs_full"].append(1.0)
-        acc["gold_f1"].append(max_f1(ref, golds))
+        acc["gold_f1"].append(max_over_golds(token_f1, ref, golds))
         acc["kl"].append(0.0)
         for name, (mode, ratio, policy) in policies.items():
             plan = BlendPlan(passages, row["question"], mode=mode, recompute_ratio=ratio, policy=policy)
             ans, logits = _answer(engine, plan, max_tokens)
             acc = per.setdefault(name, {"f1_vs_full": [], "gold_f1": [], "kl": []})
             acc["f1_vs_full"].append(token_f1(ans, ref))
-            acc["gold_f1"].append(max_f1(ans, golds))
+            acc["gold_f1"].append(max_over_golds(token_f1, ans, golds))
             acc["kl"].append(kl(ref_logits, logits))
         logger.info("quality %d/%d done", i + 1, len(rows))
     return {name: {k: statistics.fmean(v) for k, v in acc.items()} | {"n": len(acc["kl"])} for name, acc in per.items()}

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,6 +39,7 @@ from blend_engine.types import (
     GenerationConfig,
     Mode,
     SelectionPolicy,
+    default_policy,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class RatioController(Protocol):
 @dataclass(frozen=True)
 class EngineConfig:
     default_ratio: float = 0.15
-    policy: SelectionPolicy = SelectionPolicy()
+    policy: SelectionPolicy = field(default_factory=default_policy)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     kv_format: str = "fp16"
     prefix_cache_bytes: int = 1 << 30
@@ -497,7 +498,7 @@ class _Placer:
     def place(self, K: torch.Tensor, V: torch.Tensor, kv_layer) -> None:
         """K, V [H, C, D]; kv_layer: per cached chunk (k, v) [H, T, D] at positions 0..T-1."""
         k = torch.cat([kc for kc, _ in kv_layer], dim=1).to(self._dtype)  # [H, Tc, D]
-        v = torch.cat([vc for _, vc in kv_layer], dim=1)  # [H, Tc, D]
+        v = torch.cat([vc for _, vc in kv_layer], dim=1).to(self._dtype)  # [H, Tc, D]
         if self._rot is not None:
             k = ModelRunner.apply_rotation(k, *self._rot)  # [H, Tc, D]
         if self._contiguous:

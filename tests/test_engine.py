@@ -71,7 +71,8 @@ def test_blend_at_ratio_one_reproduces_full_prefill(tiny_engine):
 
 def test_low_ratio_recomputes_a_subset_but_always_the_question(tiny_engine):
     _cache_all(tiny_engine)
-    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15))
+    single_check = SelectionPolicy(check_layer=1, metric="k")
+    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=single_check))
     question = st.layout.segments[-1]
     chosen = set(st.report.recomputed_positions)
     assert set(range(question.offset, question.end)) <= chosen
@@ -97,6 +98,16 @@ def test_missed_passage_is_recomputed_in_context_then_stored(tokenizer):
     seg = engine.layout(BlendPlan(PASSAGES[:2], QUESTION)).segments[2]
     assert set(range(seg.offset, seg.end)) <= set(result.report.recomputed_positions)
     assert engine.store.contains(engine.key_of(engine.passage_tokens(PASSAGES[1])))
+
+
+def test_cached_passages_around_a_miss_are_placed_from_fp16(tokenizer):
+    engine = _engine(_tiny("llama", tokenizer), kv_format="fp16")
+    for p in (PASSAGES[0], PASSAGES[2]):  # PASSAGES[1] misses: cached segments are not contiguous
+        engine.ensure_cached(p)
+    st = engine.prefill(BlendPlan(PASSAGES[:3], QUESTION, recompute_ratio=1.0))
+    full = engine.prefill(BlendPlan(PASSAGES[:3], QUESTION, mode="full_prefill"))
+    assert st.report.cache_hits == 2 and st.report.cache_misses >= 1
+    assert (st.logits - full.logits).abs().max().item() < 2e-2
 
 
 def test_prefix_cache_reuses_exact_prefix_only_in_same_order(tiny_engine):
