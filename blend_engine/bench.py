@@ -57,18 +57,19 @@ def passages_of(row: dict) -> tuple[str, ...]:
 
 
 def group_passages(rows: list[dict], n_passages: int, target_tokens: int, engine: BlendEngine) -> tuple[str, ...]:
-    """n_passages passages of ~target_tokens/n_passages tokens each, from consecutive paragraphs."""
+    """n_passages passages of about target_tokens / n_passages tokens each, from consecutive paragraphs."""
     per = target_tokens // n_passages
     paras = [format_passage(p["paragraph_text"], p["title"]) for row in rows for p in row["paragraphs"]]
     out, cur, cur_len = [], [], 0
     for para in paras:
-        cur.append(para)
-        cur_len += len(engine.passage_tokens(para))
-        if cur_len >= per:
+        n = len(engine.passage_tokens(para))
+        if cur and cur_len + n > per:
             out.append("\n".join(cur))
             cur, cur_len = [], 0
             if len(out) == n_passages:
                 break
+        cur.append(para)
+        cur_len += n
     if len(out) < n_passages:
         raise ValueError(f"not enough paragraphs for {n_passages} passages of {per} tokens")
     return tuple(out)
@@ -80,9 +81,12 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float(torch.sum(lp.exp() * (lp - lq)))
 
 
-def _ttft(engine: BlendEngine, plan: BlendPlan, repeats: int) -> tuple[float, torch.Tensor, dict]:
+def _ttft(engine: BlendEngine, plan: BlendPlan | list[BlendPlan], repeats: int) -> tuple[float, torch.Tensor, dict]:
+    """Median time to the first token; a list of plans gives one fresh plan per repeat (for orders
+    the prefix cache must not have seen)."""
+    plans = plan if isinstance(plan, list) else [plan] * repeats
     times, state = [], None
-    for _ in range(repeats):
+    for plan in plans:
         t0 = time.perf_counter()
         state = engine.prefill(plan, max_new_tokens=1)
         int(torch.argmax(state.logits))  # the first token
@@ -114,12 +118,12 @@ def bench_speed(engine: BlendEngine, rows: list[dict], sizes: list[int], repeats
         for p in passages:
             engine.ensure_cached(p)
         engine.prefill(BlendPlan(passages, question, mode="prefix_cache"))  # caches this order
-        shuffled = passages[1:] + passages[:1]
         base_ms, base_logits, det = _ttft(engine, BlendPlan(passages, question, mode="full_prefill"), repeats)
         n_ctx = engine.layout(BlendPlan(passages, question)).n_tokens
         out.append(SpeedRow(size, n_ctx, "full_prefill", base_ms, 1.0, 0.0, 1.0, det))
         cases = [("prefix_cache (same order)", BlendPlan(passages, question, mode="prefix_cache")),
-                 ("prefix_cache (shuffled)", BlendPlan(shuffled, question, mode="prefix_cache")),
+                 ("prefix_cache (shuffled)", [BlendPlan(passages[i:] + passages[:i], question, mode="prefix_cache")
+                                              for i in range(1, repeats + 1)]),
                  ("full_reuse", BlendPlan(passages, question, mode="full_reuse"))]
         cases += [(f"blend@{r:.2f}", BlendPlan(passages, question, recompute_ratio=r)) for r in (0.05, 0.15, 0.30)]
         for name, plan in cases:
@@ -188,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--out", type=Path, default=Path("results/engine_bench.json"))
     ap.add_argument("--questions", type=int, default=None, help="quality questions (default 20, quick 8)")
+    ap.add_argument("--ablation-questions", type=int, default=12)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,quality,ablation")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -211,8 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         _print_quality(f"Answer quality on {n_q} MuSiQue dev questions (20 passages each)", result["quality"])
     if "ablation" not in skip:
         variants = {name: ("blend", 0.15, pol) for name, pol in ABLATION.items()}
-        result["ablation"] = bench_quality(engine, rows[:n_q], variants, 32)
-        _print_quality(f"Selection-policy ablation at ratio 0.15 ({n_q} MuSiQue questions)", result["ablation"])
+        n_a = min(n_q, args.ablation_questions)
+        result["ablation"] = bench_quality(engine, rows[:n_a], variants, 32)
+        _print_quality(f"Selection-policy ablation at ratio 0.15 ({n_a} MuSiQue questions)", result["ablation"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

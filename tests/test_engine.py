@@ -26,8 +26,8 @@ QUESTION = "Which river flows through Berlin?"
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    return ModelRunner.load().tokenizer
+def tokenizer(real_runner):
+    return real_runner.tokenizer
 
 
 def _tiny(kind: str, tokenizer) -> ModelRunner:
@@ -152,8 +152,8 @@ def test_rotation_composes(tiny_engine):
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_chunk_moved_to_p_matches_layer0_keys_prefilled_at_p():
-    r = ModelRunner.load()
+def test_chunk_moved_to_p_matches_layer0_keys_prefilled_at_p(real_runner):
+    r = real_runner
     engine = _engine(r)
     ids = engine.passage_tokens(PASSAGES[2])
     alone = engine.precompute(ids)  # positions 0..T-1
