@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench demo clean
+.PHONY: install run test lint bench bench-engine bench-store bench-ingest clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,9 +16,6 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m app
 
-demo: $(STAMP)
-	$(PY) -m blend_engine.demo
-
 test: $(STAMP)
 	$(PY) -m pytest -q
 
@@ -26,7 +23,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
+	$(PY) -m benchmarks.run --quick
+
+bench-engine: $(STAMP)
 	$(PY) -m blend_engine.bench --quick
+
+bench-store: $(STAMP)
+	$(PY) -m blend_engine.bench_store
+
+bench-ingest: $(STAMP)
+	$(PY) -m corpus_tools.bench
 
 clean:
 	rm -rf $(VENV) data
