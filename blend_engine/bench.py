@@ -1,6 +1,6 @@
 """Engine benchmark: `python -m blend_engine.bench [--quick]`.
 
-Prints tables and writes JSON (results/engine_bench.json by default):
+Prints tables and writes JSON (benchmarks/results/engine/engine_bench.json by default):
 1. Speed: median time to first token per mode at ~1K/2K/4K-token contexts of 8 real passages
    (MuSiQue dev paragraphs grouped into passages), caches warm in RAM; for blend at 0.05/0.15/0.30
    the speedup over full prefill and the fidelity of the first token (KL, top-1 agreement);
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats and questions")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--out", type=Path, default=Path("results/engine_bench.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine/engine_bench.json"))
     ap.add_argument("--questions", type=int, default=None, help="quality questions (default 20, quick 8)")
     ap.add_argument("--ablation-questions", type=int, default=12)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,quality,ablation")
