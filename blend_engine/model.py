@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,22 +88,33 @@ def _load_hf(spec: str, dtype: torch.dtype):
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
             _check_arch(model.config.model_type)
-            try:
-                tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-                model.hf_quantizer = None  # weights are already de-quantized to plain tensors
-                if hasattr(model.config, "quantization_config"):
-                    del model.config.quantization_config
-                model.save_pretrained(tmp)
-                tok.save_pretrained(tmp)
-                tmp.replace(cached) if not cached.exists() else None
-            except OSError as exc:  # read-only home etc.: keep serving, just slower next start
-                logger.warning("could not cache converted model in %s: %s", cached, exc)
+            _save_converted(model, tok, cached)
             return model.to(dtype), tok
     config = AutoConfig.from_pretrained(folder)
     _check_arch(config.model_type)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model, tok
+
+
+def _save_converted(model, tok, cached: Path) -> None:
+    """Write the de-quantized model next to a temp name, then rename it into place.
+
+    A concurrent process may win the rename; either way the temp folder is removed. A failure
+    (read-only home, full disk) only costs a slower next start."""
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    try:
+        model.hf_quantizer = None  # weights are already de-quantized to plain tensors
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if not cached.exists():
+            tmp.replace(cached)
+    except OSError as exc:
+        logger.warning("could not cache converted model in %s: %s", cached, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_arch(model_type: str) -> None:
@@ -170,6 +182,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.fingerprint = self._fingerprint()
+        self.eos_token_ids = self._eos_ids()
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -194,20 +207,16 @@ class ModelRunner:
         return h.hexdigest()[:24]
 
     # ----------------------------------------------------------------- tokens
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        ids = set()
-        for attr in ("eos_token_id",):
-            v = getattr(self.model.config, attr, None)
-            if isinstance(v, int):
-                ids.add(v)
-            elif isinstance(v, (list, tuple)):
-                ids.update(v)
+    def _eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends an answer: the config's and tokenizer's EOS plus chat end markers."""
+        ids: set[int] = set()
+        v = getattr(self.model.config, "eos_token_id", None)
+        ids.update([v] if isinstance(v, int) else (v or []))
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
             tid = self.tokenizer.convert_tokens_to_ids(special)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
                 ids.add(tid)
         return tuple(sorted(ids))
 
