@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-engine bench-store bench-ingest clean
+.PHONY: install run test lint bench bench-engine bench-store bench-ingest bench-peer-install bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,20 @@ bench-store: $(STAMP)
 
 bench-ingest: $(STAMP)
 	$(PY) -m corpus_tools.bench
+
+# llama.cpp peer (optional, not needed by CI): llama-cpp-cffi's prebuilt CPU llama.cpp, see benchmarks/README.md
+LLAMA_CPP_CFFI := llama-cpp-cffi==0.4.42
+PEER_STAMP := $(VENV)/.peer-installed
+
+$(PEER_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[peer]'
+	$(PY) -m pip install -q --no-deps $(LLAMA_CPP_CFFI)
+	touch $(PEER_STAMP)
+
+bench-peer-install: $(PEER_STAMP)
+
+bench-peer: $(PEER_STAMP)
+	$(PY) -m benchmarks.run --quick --skip quality,perf,throughput --no-readme --out-dir benchmarks/results/peer
 
 clean:
 	rm -rf $(VENV) data

@@ -33,6 +33,7 @@ from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, def
 logger = logging.getLogger(__name__)
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.jsonl"
 
+_GRADUAL = ((2, 3.0), (3, 2.0), (5, 1.5), (8, 1.0))
 ABLATION: dict[str, SelectionPolicy] = {
     "v@1 (LMCache-style)": SelectionPolicy(check_layer=1, metric="v"),
     "k@1": SelectionPolicy(check_layer=1, metric="k"),
@@ -41,9 +42,13 @@ ABLATION: dict[str, SelectionPolicy] = {
     "kv@1+sink4": SelectionPolicy(check_layer=1, metric="kv", sink_tokens=4),
     "epic sink8 only": SelectionPolicy(use_deviation=False, sink_tokens=8),
     "k@1 gradual 2>1.5>1": SelectionPolicy(metric="k", check_multiplier=2.0, schedule=((2, 1.5), (3, 1.0))),
-    "kv@1 gradual 4>3>2>1.5>1": SelectionPolicy(metric="kv", check_multiplier=4.0,
-                                                schedule=((2, 3.0), (3, 2.0), (5, 1.5), (8, 1.0))),
-    "k@1 gradual 4>3>2>1.5>1 (default)": default_policy(),
+    "kv@1 gradual 4>3>2>1.5>1": SelectionPolicy(metric="kv", check_multiplier=4.0, schedule=_GRADUAL),
+    "k@1 gradual 4>3>2>1.5>1": SelectionPolicy(metric="k", check_multiplier=4.0, schedule=_GRADUAL),
+    "k@1 query-weighted": SelectionPolicy(metric="k", query_weighted=True),
+    "kv@1 query-weighted": SelectionPolicy(metric="kv", query_weighted=True),
+    "v gradual query-weighted": SelectionPolicy(metric="v", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
+    "kv gradual query-weighted": SelectionPolicy(metric="kv", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
+    "k gradual query-weighted (default)": default_policy(),
 }
 
 

@@ -334,7 +334,7 @@ class BlendEngine:
         cos_all, sin_all = r.rope(pos)  # [N, D] each
         sel = fixed_sel  # None = all tokens
         hidden = r.embed(ids if sel is None else ids[sel])  # [N or S, E]
-        ranked = _RankSpace(layout, cached) if full_upto is not None else None
+        ranked = _RankSpace(layout, cached, r.scaling) if full_upto is not None else None
         schedule = dict(policy.schedule) if policy is not None else {}
         sizes: list[int] = []
         layer_times: list[float] = []
@@ -355,7 +355,7 @@ class BlendEngine:
             if sel is None:
                 q, k, v = r.qkv(layer, hidden, cos_all, sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
                 if full_upto is not None and layer == full_upto:
-                    sel = ranked.select(k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
+                    sel = ranked.select(q, k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
                 K[:, :N], V[:, :N] = k, v
                 if sel is None:
                     out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
@@ -366,7 +366,7 @@ class BlendEngine:
                 q, k, v = r.qkv(layer, hidden, cos_all[sel], sin_all[sel])  # [Hq, S, D], [H, S, D] x2
                 keep = None
                 if ranked is not None and layer in schedule:
-                    narrowed = ranked.select(k, v, K, V, ratio * schedule[layer], policy, sel)  # [S']
+                    narrowed = ranked.select(q, k, v, K, V, ratio * schedule[layer], policy, sel)  # [S']
                     keep = torch.searchsorted(sel, narrowed)  # [S'] indices into sel
                 K[:, sel], V[:, sel] = k, v
                 if keep is not None:
@@ -533,9 +533,12 @@ class _RankSpace:
     Competing: tokens of cached passages. Always kept: uncached tokens (the question, passages that
     missed the cache) and, with EPIC sinks, the first k tokens of each passage. The system prefix
     is never recomputed: cached alone at position 0 it is exact.
+
+        | sys (exact) | passage_1 .. passage_k (compete) | question (always) |
     """
 
-    def __init__(self, layout: PromptLayout, cached: list[Segment]) -> None:
+    def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float) -> None:
+        self.scale = scale
         cached_offsets = {s.offset for s in cached}
         compete, always, sinks = [], [], []
         for seg in layout.segments:
@@ -547,11 +550,17 @@ class _RankSpace:
                 sinks.append(seg.offset)
         self.compete = torch.tensor(compete, dtype=torch.long)  # [P]
         self.always = torch.tensor(always, dtype=torch.long)  # [U]
+        last = layout.segments[-1]
+        self.query = torch.arange(last.offset, last.end)  # [Q] the question: always recomputed
         self.passage_starts = sinks
         self.passage_ends = [s.end for s in layout.segments if s.offset in cached_offsets and s.kind == "passage"]
 
-    def select(self, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None) -> torch.Tensor:
-        """Positions to keep recomputing, sorted. k, v: fresh [H, S, D] for `current` (None = all)."""
+    def select(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None) -> torch.Tensor:
+        """Positions to keep recomputing, sorted.
+
+        q [Hq, S, D], k, v [H, S, D]: fresh values for `current` (None = all N positions);
+        K, V [H, C, D]: the blended cache of this layer before the fresh values are written.
+        """
         n_keep = min(len(self.compete), math.ceil(ratio * len(self.compete) - 1e-9))
         forced = [self.always]
         if policy.sink_tokens > 0:
@@ -561,13 +570,37 @@ class _RankSpace:
             cand = cand[torch.isin(cand, current)]  # [P']
         chosen = torch.empty(0, dtype=torch.long)
         if policy.use_deviation and n_keep > 0 and len(cand) > 0:
-            idx = cand if current is None else torch.searchsorted(current, cand)  # rows of k/v
-            dev = _deviation(k[:, idx], v[:, idx], K[:, cand], V[:, cand], policy.metric)  # [P']
-            chosen = cand[torch.topk(dev, min(n_keep, len(cand))).indices]
+            rows = cand if current is None else torch.searchsorted(current, cand)  # rows of k/v
+            score = _deviation(k[:, rows], v[:, rows], K[:, cand], V[:, cand], policy.metric)  # [P']
+            if policy.query_weighted:
+                score = score * self._attention_mass(q, k, K, current)[cand]  # [P']
+            chosen = cand[torch.topk(score, min(n_keep, len(cand))).indices]
         out = torch.unique(torch.cat([chosen, *forced]))  # sorted
         if current is not None:
             out = out[torch.isin(out, current)]
         return out.to(K.device)
+
+    def _attention_mass(self, q, k, K, current: torch.Tensor | None) -> torch.Tensor:
+        """Attention the question's queries pay each position, summed over heads and queries: [N].
+
+        Keys are this layer's as the question will see them: fresh for `current`, cached elsewhere.
+        """
+        n = int(self.query[-1]) + 1
+        if current is None:
+            keys = k[:, :n]  # [H, N, D]
+            rows = self.query
+        else:
+            keys = K[:, :n].clone()  # [H, N, D]
+            keys[:, current] = k
+            rows = torch.searchsorted(current, self.query)  # [Q]
+        H, D = keys.shape[0], keys.shape[2]
+        group = q.shape[0] // H
+        qq = q[:, rows].reshape(H, group * len(rows), D)  # [H, G*Q, D] (q heads grouped per kv head)
+        logits = (qq.float() @ keys.float().transpose(1, 2)) * self.scale  # [H, G*Q, N]
+        qpos = self.query.repeat(group)  # [G*Q]
+        mask = torch.arange(n)[None, :] <= qpos[:, None]  # [G*Q, N]
+        logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))  # [H, G*Q, N]
+        return torch.softmax(logits, dim=-1).sum(dim=(0, 1)).cpu()  # [N]
 
 
 def _deviation(k_new, v_new, k_old, v_old, metric: str) -> torch.Tensor:

@@ -6,6 +6,8 @@ Fast tests run on small random Llama / Qwen2 configs with the real tokenizer; th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -129,6 +131,67 @@ def test_gradual_filtering_narrows_the_set(tiny_engine):
     sizes = st.report.selected_per_layer
     assert sizes[0] == st.report.context_tokens
     assert sizes[1] > sizes[2] > sizes[3]
+
+
+def _explicit_question_attention(q, k, query_pos, n):
+    """Reference: per-head causal softmax of the question's queries over keys, GQA by repetition."""
+    group = q.shape[0] // k.shape[0]
+    keys = k.repeat_interleave(group, dim=0)[:, :n]  # [Hq, N, D]
+    mass = torch.zeros(n)
+    for row, p in enumerate(query_pos.tolist()):
+        scores = torch.einsum("hd,hnd->hn", q[:, row], keys[:, : p + 1]) * q.shape[-1] ** -0.5  # [Hq, p+1]
+        mass[: p + 1] += torch.softmax(scores, dim=-1).sum(0)
+    return mass
+
+
+def test_query_attention_mass_matches_explicit_attention(tiny_engine):
+    from blend_engine.engine import _RankSpace
+
+    _cache_all(tiny_engine)
+    layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
+    cached = [s for s in layout.segments if s.kind != "question"]
+    rank = _RankSpace(layout, cached, tiny_engine.runner.scaling)
+    n, shape = layout.n_tokens, tiny_engine.runner.shape
+    torch.manual_seed(1)
+    q = torch.randn(shape.n_heads, n, shape.head_dim)  # [Hq, N, D]
+    k = torch.randn(shape.n_kv_heads, n, shape.head_dim)  # [H, N, D]
+    ref = _explicit_question_attention(q[:, rank.query], k, rank.query, n)  # [N]
+    got = rank._attention_mass(q, k, torch.zeros_like(k), None)
+    assert torch.allclose(got, ref, atol=1e-4)
+    assert got.sum().item() == pytest.approx(shape.n_heads * len(rank.query), rel=1e-4)
+    # later layers: fresh keys for the current selection, cached keys elsewhere
+    current = torch.cat([torch.arange(5, 20), rank.query])  # [S]
+    K = torch.randn_like(k)  # [H, N, D] the cache before this layer's fresh values
+    blended = K.clone()
+    blended[:, current] = k[:, current]
+    got = rank._attention_mass(q[:, current], k[:, current], K, current)
+    assert torch.allclose(got, _explicit_question_attention(q[:, rank.query], blended, rank.query, n), atol=1e-4)
+
+
+def test_query_weighting_prefers_what_the_question_reads(tiny_engine):
+    from blend_engine.engine import _RankSpace
+
+    layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
+    rank = _RankSpace(layout, [s for s in layout.segments if s.kind != "question"], tiny_engine.runner.scaling)
+    n, shape = layout.n_tokens, tiny_engine.runner.shape
+    torch.manual_seed(2)
+    q = torch.randn(shape.n_heads, n, shape.head_dim)  # [Hq, N, D]
+    k, v = torch.randn(2, shape.n_kv_heads, n, shape.head_dim)  # [H, N, D] each
+    noise = torch.randn_like(k)
+    noise = noise / noise.norm(dim=(0, 2), keepdim=True)  # every token deviates by exactly 1
+    K = k + noise  # [H, N, D] cached keys
+    ratio = 0.2
+    n_keep = math.ceil(ratio * len(rank.compete))
+    mass = rank._attention_mass(q, k, K, None)[rank.compete]  # [P]
+    expected = set(rank.compete[torch.topk(mass, n_keep).indices].tolist()) | set(rank.always.tolist())
+    got = rank.select(q, k, v, K, v, ratio, SelectionPolicy(metric="k", query_weighted=True), None)
+    assert set(got.tolist()) == expected
+    # unweighted, a token the question ignores competes on deviation alone
+    K2 = K.clone()
+    quiet = int(rank.compete[torch.argmin(mass)])
+    K2[:, quiet] += 10.0
+    plain = rank.select(q, k, v, K2, v, ratio, SelectionPolicy(metric="k"), None)
+    assert quiet in plain.tolist()
 
 
 def test_epic_sinks_are_always_recomputed(tiny_engine):

@@ -6,6 +6,7 @@ Ten MuSiQue dev questions from ../shared/data, all 20 paragraphs each as cached 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from blend_engine.bench import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.layout import format_passage
-from blend_engine.types import BlendPlan, GenerationConfig
+from blend_engine.types import BlendPlan, GenerationConfig, default_policy
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.jsonl"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DATA.exists(), reason=f"dev data not found at {DATA}")]
@@ -40,15 +41,19 @@ def examples(engine) -> list[tuple[tuple[str, ...], str]]:
 
 def test_blend_repairs_most_of_full_reuses_divergence(engine, examples):
     assert len(examples) == 10 and all(len(p) >= 5 for p, _ in examples)
-    reuse, b15, b30 = [], [], []
+    unweighted = dataclasses.replace(default_policy(), query_weighted=False)
+    reuse, b15, b30, plain15 = [], [], [], []
     for passages, question in examples:
         full = engine.prefill(BlendPlan(passages, question, mode="full_prefill")).logits
         reuse.append(kl(full, engine.prefill(BlendPlan(passages, question, mode="full_reuse")).logits))
         b15.append(kl(full, engine.prefill(BlendPlan(passages, question, recompute_ratio=0.15)).logits))
         b30.append(kl(full, engine.prefill(BlendPlan(passages, question, recompute_ratio=0.30)).logits))
+        plain15.append(kl(full, engine.prefill(BlendPlan(passages, question, recompute_ratio=0.15, policy=unweighted)).logits))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(b15) <= 0.5 * mean(reuse), (mean(b15), mean(reuse))
     assert mean(b30) < mean(b15), (mean(b30), mean(b15))
+    # the default weights deviation by the question's attention; that must beat deviation alone
+    assert mean(b15) < mean(plain15), (mean(b15), mean(plain15))
 
 
 def test_stored_passages_are_hits_and_only_a_fraction_is_recomputed(engine, examples):
