@@ -68,7 +68,7 @@ def group_passages(rows: list[dict], n_passages: int, target_tokens: int, engine
     out, cur, cur_len = [], [], 0
     for para in paras:
         n = len(engine.passage_tokens(para))
-        if cur and cur_len + n > per:
+        if cur and abs(cur_len + n - per) > abs(cur_len - per):  # adding it would move away from the share
             out.append("\n".join(cur))
             cur, cur_len = [], 0
             if len(out) == n_passages:
@@ -143,15 +143,28 @@ def bench_speed(engine: BlendEngine, rows: list[dict], sizes: list[int], repeats
     return out
 
 
-def _answer(engine: BlendEngine, plan: BlendPlan, max_tokens: int) -> tuple[str, torch.Tensor]:
+def _answer(engine: BlendEngine, plan: BlendPlan, max_tokens: int) -> tuple[tuple[int, ...], torch.Tensor]:
+    """Greedy answer token ids (stops at a newline) and the first-token logits [V]."""
     gen = engine.generate(plan, GenerationConfig(max_tokens=max_tokens, stop=("\n",)))
-    text = "".join(gen)
-    return text.strip(), gen.state.logits
+    for _ in gen:
+        pass
+    return gen.result.token_ids, gen.state.logits
+
+
+ANSWER_CAPS = (8, 16)  # agreement is also scored on the answers' first 8 and 16 tokens
+
+
+def _text(engine: BlendEngine, ids: tuple[int, ...], cap: int | None = None) -> str:
+    return engine.runner.decode(list(ids[:cap])).split("\n")[0].strip()
 
 
 def bench_quality(engine: BlendEngine, rows: list[dict], policies: dict[str, tuple[str, float, SelectionPolicy | None]],
                   max_tokens: int) -> dict:
-    """Per variant: mean F1 vs full prefill's answer, mean gold F1, mean first-token KL."""
+    """Per variant: mean F1 vs full prefill's answer (whole, and its first 8/16 tokens), gold F1, first-token KL.
+
+    Greedy decoding is deterministic, so an answer's first n tokens are exactly what a run capped at
+    n tokens would give: the shorter-answer agreements come from the same generations.
+    """
     from benchmarks.scoring import max_over_golds, token_f1
 
     per: dict[str, dict[str, list[float]]] = {}
@@ -161,17 +174,18 @@ def bench_quality(engine: BlendEngine, rows: list[dict], policies: dict[str, tup
             engine.ensure_cached(p)
         golds = [row["answer"], *row.get("answer_aliases", [])]
         ref, ref_logits = _answer(engine, BlendPlan(passages, row["question"], mode="full_prefill"), max_tokens)
-        acc = per.setdefault("full_prefill", {"f1_vs_full": [], "gold_f1": [], "kl": []})
-        acc["f1_vs_full"].append(1.0)
-        acc["gold_f1"].append(max_over_golds(token_f1, ref, golds))
-        acc["kl"].append(0.0)
+        answers = {"full_prefill": (ref, ref_logits)}
         for name, (mode, ratio, policy) in policies.items():
             plan = BlendPlan(passages, row["question"], mode=mode, recompute_ratio=ratio, policy=policy)
-            ans, logits = _answer(engine, plan, max_tokens)
-            acc = per.setdefault(name, {"f1_vs_full": [], "gold_f1": [], "kl": []})
-            acc["f1_vs_full"].append(token_f1(ans, ref))
-            acc["gold_f1"].append(max_over_golds(token_f1, ans, golds))
-            acc["kl"].append(kl(ref_logits, logits))
+            answers[name] = _answer(engine, plan, max_tokens)
+        for name, (ids, logits) in answers.items():
+            acc = per.setdefault(name, {})
+            acc.setdefault("f1_vs_full", []).append(token_f1(_text(engine, ids), _text(engine, ref)))
+            for cap in ANSWER_CAPS:
+                acc.setdefault(f"f1_vs_full@{cap}", []).append(token_f1(_text(engine, ids, cap), _text(engine, ref, cap)))
+            acc.setdefault("gold_f1", []).append(max_over_golds(token_f1, _text(engine, ids), golds))
+            acc.setdefault("kl", []).append(kl(ref_logits, logits))
+            acc.setdefault("answer_tokens", []).append(float(len(ids)))
         logger.info("quality %d/%d done", i + 1, len(rows))
     return {name: {k: statistics.fmean(v) for k, v in acc.items()} | {"n": len(acc["kl"])} for name, acc in per.items()}
 
@@ -185,9 +199,11 @@ def _print_speed(rows: list[SpeedRow]) -> None:
 
 
 def _print_quality(title: str, table: dict) -> None:
-    print(f"\n{title}\n{'variant':<28} {'F1 vs full':>10} {'gold F1':>8} {'KL':>7} {'n':>4}")
+    caps = "".join(f" {'@' + str(c):>6}" for c in ANSWER_CAPS)
+    print(f"\n{title}\n{'variant':<36} {'F1 vs full':>10}{caps} {'gold F1':>8} {'KL':>7} {'n':>4}")
     for name, m in table.items():
-        print(f"{name:<28} {m['f1_vs_full']:>10.3f} {m['gold_f1']:>8.3f} {m['kl']:>7.3f} {m['n']:>4}")
+        at = "".join(f" {m[f'f1_vs_full@{c}']:>6.3f}" for c in ANSWER_CAPS)
+        print(f"{name:<36} {m['f1_vs_full']:>10.3f}{at} {m['gold_f1']:>8.3f} {m['kl']:>7.3f} {m['n']:>4}")
 
 
 def main(argv: list[str] | None = None) -> None:
