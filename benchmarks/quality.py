@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.data import Example, passages_of, shuffled
 from benchmarks.scoring import bootstrap_ci, exact_match, max_over_golds, paired_bootstrap, token_f1
+from blend_engine.bench import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store.controller import BandwidthController
 from blend_engine.kv_store.factory import build_loader, build_store
@@ -79,10 +80,8 @@ class Record:
 
 
 def first_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(p_ref || p) of two first-token distributions, in nats."""
-    ref = torch.log_softmax(ref_logits.float(), dim=-1)
-    cur = torch.log_softmax(logits.float(), dim=-1)
-    return float(torch.sum(ref.exp() * (ref - cur)).clamp_min(0.0))
+    """KL(p_ref || p) of two first-token distributions, in nats (rounding below 0 clamped)."""
+    return max(0.0, kl(ref_logits, logits))
 
 
 def _generate(engine: BlendEngine, plan: BlendPlan, gen: GenerationConfig):

@@ -174,16 +174,18 @@ def bench_quality(engine: BlendEngine, rows: list[dict], policies: dict[str, tup
             engine.ensure_cached(p)
         golds = [row["answer"], *row.get("answer_aliases", [])]
         ref, ref_logits = _answer(engine, BlendPlan(passages, row["question"], mode="full_prefill"), max_tokens)
+        ref_text = {cap: _text(engine, ref, cap) for cap in (None, *ANSWER_CAPS)}  # decoded once per question
         answers = {"full_prefill": (ref, ref_logits)}
         for name, (mode, ratio, policy) in policies.items():
             plan = BlendPlan(passages, row["question"], mode=mode, recompute_ratio=ratio, policy=policy)
             answers[name] = _answer(engine, plan, max_tokens)
         for name, (ids, logits) in answers.items():
             acc = per.setdefault(name, {})
-            acc.setdefault("f1_vs_full", []).append(token_f1(_text(engine, ids), _text(engine, ref)))
+            text = _text(engine, ids)
+            acc.setdefault("f1_vs_full", []).append(token_f1(text, ref_text[None]))
             for cap in ANSWER_CAPS:
-                acc.setdefault(f"f1_vs_full@{cap}", []).append(token_f1(_text(engine, ids, cap), _text(engine, ref, cap)))
-            acc.setdefault("gold_f1", []).append(max_over_golds(token_f1, _text(engine, ids), golds))
+                acc.setdefault(f"f1_vs_full@{cap}", []).append(token_f1(_text(engine, ids, cap), ref_text[cap]))
+            acc.setdefault("gold_f1", []).append(max_over_golds(token_f1, text, golds))
             acc.setdefault("kl", []).append(kl(ref_logits, logits))
             acc.setdefault("answer_tokens", []).append(float(len(ids)))
         logger.info("quality %d/%d done", i + 1, len(rows))

@@ -60,8 +60,8 @@ def default_policy() -> SelectionPolicy:
     """The default, chosen by ablation (`python -m blend_engine.bench`, README "Selection policy"):
     K deviation at layer 1, weighted by the attention the question pays each token, keeping 4x
     the ratio, narrowed to 3x, 2x, 1.5x and 1x of it at layers 2, 3, 5 and 8 (gradual filtering).
-    On 10 MuSiQue questions at ratio 0.15 its first-token KL to full prefill was 0.033, against
-    0.103 unweighted, 0.166 for a single K check and 0.279 for full reuse."""
+    On 10 MuSiQue questions at ratio 0.15 its first-token KL to full prefill was 0.034, against
+    0.103 unweighted, 0.167 for a single K check and 0.267 for full reuse."""
     return SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0,
                            schedule=((2, 3.0), (3, 2.0), (5, 1.5), (8, 1.0)), query_weighted=True)
 
