@@ -332,9 +332,9 @@ class BlendEngine:
         cache.length = N
         pos = torch.arange(N, device=ids.device)  # [N]
         cos_all, sin_all = r.rope(pos)  # [N, D] each
-        sel = fixed_sel  # None = all tokens
-        hidden = r.embed(ids if sel is None else ids[sel])  # [N or S, E]
-        ranked = _RankSpace(layout, cached, r.scaling) if full_upto is not None else None
+        sel = None if fixed_sel is None else _Selection(fixed_sel, cos_all, sin_all)  # None = all tokens
+        hidden = r.embed(ids if sel is None else ids[sel.pos])  # [N or S, E]
+        ranked = _RankSpace(layout, cached, r.scaling, ids.device) if full_upto is not None else None
         schedule = dict(policy.schedule) if policy is not None else {}
         sizes: list[int] = []
         layer_times: list[float] = []
@@ -355,29 +355,31 @@ class BlendEngine:
             if sel is None:
                 q, k, v = r.qkv(layer, hidden, cos_all, sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
                 if full_upto is not None and layer == full_upto:
-                    sel = ranked.select(q, k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
+                    picked = ranked.select(q, k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
+                    sel = _Selection(picked, cos_all, sin_all)
                 K[:, :N], V[:, :N] = k, v
                 if sel is None:
                     out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
                 else:
-                    out = _attend_selected(r, q[:, sel], K, V, sel)  # [S, Hq*D]
-                    hidden = hidden[sel]  # [S, E]
+                    out = sel.attend(r, q[:, sel.pos], K, V)  # [S, Hq*D]
+                    hidden = hidden[sel.pos]  # [S, E]
             else:
-                q, k, v = r.qkv(layer, hidden, cos_all[sel], sin_all[sel])  # [Hq, S, D], [H, S, D] x2
+                q, k, v = r.qkv(layer, hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
                 keep = None
                 if ranked is not None and layer in schedule:
-                    narrowed = ranked.select(q, k, v, K, V, ratio * schedule[layer], policy, sel)  # [S']
-                    keep = torch.searchsorted(sel, narrowed)  # [S'] indices into sel
-                K[:, sel], V[:, sel] = k, v
+                    narrowed = ranked.select(q, k, v, K, V, ratio * schedule[layer], policy, sel.pos)  # [S']
+                    keep = torch.searchsorted(sel.pos, narrowed)  # [S'] indices into sel
+                K[:, sel.pos], V[:, sel.pos] = k, v
                 if keep is not None:
-                    q, hidden, sel = q[:, keep], hidden[keep], sel[keep]
-                out = _attend_selected(r, q, K, V, sel)  # [S, Hq*D]
+                    q, hidden = q[:, keep], hidden[keep]  # [Hq, S', D], [S', E]
+                    sel = _Selection(narrowed, cos_all, sin_all)
+                out = sel.attend(r, q, K, V)  # [S, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [S or N, E]
-            sizes.append(N if sel is None else int(sel.numel()))
+            sizes.append(N if sel is None else int(sel.pos.numel()))
             t3 = time.perf_counter()
             timer.compute += t3 - t2
             layer_times.append(t3 - t2)
-        final = list(range(N)) if sel is None else sel.tolist()
+        final = list(range(N)) if sel is None else sel.pos.tolist()
         if final[-1] != N - 1:
             raise AssertionError("the last prompt position must always be recomputed")
         return cache, hidden[-1:], (final, sizes, layer_times)
@@ -509,22 +511,30 @@ class _Placer:
             V[:, self._index] = v
 
 
-def _attend_selected(r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, sel: torch.Tensor,
-                     blocks: int = 4) -> torch.Tensor:
-    """Selected queries q [Hq, S, D] at positions sel [S] over the blended cache K, V [H, C, D].
+class _Selection:
+    """The positions recomputed at a layer and what attending from them needs, built once per set
+    (the set changes only at the check layer and the schedule's layers, not at every layer).
 
-    Causal by absolute position. Queries are split into position-ordered blocks so each block
-    reads only the keys up to its last position: ~S x N / 2 work instead of S x N.
+    Queries are split into position-ordered blocks; each block reads only the keys up to its last
+    position, under an additive causal mask by absolute position: ~S x N / 2 work, not S x N.
     """
-    S = sel.numel()
-    groups = torch.tensor_split(torch.arange(S, device=sel.device), min(blocks, S))
-    outs = []
-    for idx in groups:
-        pos = sel[idx]  # [s]
-        hi = int(pos[-1]) + 1
-        mask = torch.arange(hi, device=sel.device)[None, :] <= pos[:, None]  # [s, hi]
-        outs.append(r.attend(q[:, idx], K[:, :hi], V[:, :hi], mask))  # [s, Hq*D]
-    return torch.cat(outs)  # [S, Hq*D]
+
+    def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, blocks: int = 4) -> None:
+        self.pos = pos  # [S] sorted absolute positions
+        self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
+        S = pos.numel()
+        self._blocks: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        for idx in torch.tensor_split(torch.arange(S, device=pos.device), min(blocks, S)):
+            p = pos[idx]  # [s]
+            hi = int(p[-1]) + 1
+            allowed = torch.arange(hi, device=pos.device)[None, :] <= p[:, None]  # [s, hi]
+            mask = torch.zeros(allowed.shape, dtype=cos_all.dtype, device=pos.device)  # [s, hi]
+            self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf"))))
+
+    def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D]."""
+        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], mask) for idx, hi, mask in self._blocks]  # [s, Hq*D] each
+        return torch.cat(outs)  # [S, Hq*D]
 
 
 class _RankSpace:
@@ -537,8 +547,10 @@ class _RankSpace:
         | sys (exact) | passage_1 .. passage_k (compete) | question (always) |
     """
 
-    def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float) -> None:
+    def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float,
+                 device: torch.device | str = "cpu") -> None:
         self.scale = scale
+        self.device = device
         cached_offsets = {s.offset for s in cached}
         compete, always, sinks = [], [], []
         for seg in layout.segments:
@@ -548,10 +560,10 @@ class _RankSpace:
             elif seg.kind == "passage":
                 compete += span
                 sinks.append(seg.offset)
-        self.compete = torch.tensor(compete, dtype=torch.long)  # [P]
-        self.always = torch.tensor(always, dtype=torch.long)  # [U]
+        self.compete = torch.tensor(compete, dtype=torch.long, device=device)  # [P]
+        self.always = torch.tensor(always, dtype=torch.long, device=device)  # [U]
         last = layout.segments[-1]
-        self.query = torch.arange(last.offset, last.end)  # [Q] the question: always recomputed
+        self.query = torch.arange(last.offset, last.end, device=device)  # [Q] the question: always recomputed
         self.passage_starts = sinks
         self.passage_ends = [s.end for s in layout.segments if s.offset in cached_offsets and s.kind == "passage"]
 
@@ -564,11 +576,12 @@ class _RankSpace:
         n_keep = min(len(self.compete), math.ceil(ratio * len(self.compete) - 1e-9))
         forced = [self.always]
         if policy.sink_tokens > 0:
-            forced += [torch.arange(s, min(s + policy.sink_tokens, e)) for s, e in zip(self.passage_starts, self.passage_ends)]
+            forced += [torch.arange(s, min(s + policy.sink_tokens, e), device=self.device)
+                       for s, e in zip(self.passage_starts, self.passage_ends)]
         cand = self.compete
         if current is not None:
             cand = cand[torch.isin(cand, current)]  # [P']
-        chosen = torch.empty(0, dtype=torch.long)
+        chosen = torch.empty(0, dtype=torch.long, device=self.device)
         if policy.use_deviation and n_keep > 0 and len(cand) > 0:
             rows = cand if current is None else torch.searchsorted(current, cand)  # rows of k/v
             score = _deviation(k[:, rows], v[:, rows], K[:, cand], V[:, cand], policy.metric)  # [P']
@@ -578,7 +591,7 @@ class _RankSpace:
         out = torch.unique(torch.cat([chosen, *forced]))  # sorted
         if current is not None:
             out = out[torch.isin(out, current)]
-        return out.to(K.device)
+        return out
 
     def _attention_mass(self, q, k, K, current: torch.Tensor | None) -> torch.Tensor:
         """Attention the question's queries pay each position, summed over heads and queries: [N].
@@ -598,9 +611,9 @@ class _RankSpace:
         qq = q[:, rows].reshape(H, group * len(rows), D)  # [H, G*Q, D] (q heads grouped per kv head)
         logits = (qq.float() @ keys.float().transpose(1, 2)) * self.scale  # [H, G*Q, N]
         qpos = self.query.repeat(group)  # [G*Q]
-        mask = torch.arange(n)[None, :] <= qpos[:, None]  # [G*Q, N]
-        logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))  # [H, G*Q, N]
-        return torch.softmax(logits, dim=-1).sum(dim=(0, 1)).cpu()  # [N]
+        mask = torch.arange(n, device=self.device)[None, :] <= qpos[:, None]  # [G*Q, N]
+        logits = logits.masked_fill(~mask, float("-inf"))  # [H, G*Q, N]
+        return torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [N]
 
 
 def _deviation(k_new, v_new, k_old, v_old, metric: str) -> torch.Tensor:

@@ -274,7 +274,8 @@ class ModelRunner:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
     ) -> torch.Tensor:
-        """q [Hq, S, D] over k, v [H, N, D]; mask [S, N] bool (True = may attend). Returns [S, Hq*D]."""
+        """q [Hq, S, D] over k, v [H, N, D]; mask [S, N]: bool (True = may attend) or additive float
+        in q's dtype. Returns [S, Hq*D]."""
         out = torch.nn.functional.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=None if mask is None else mask.view(1, 1, *mask.shape),
