@@ -56,10 +56,12 @@ def tier_engine(runner: ModelRunner, tier: str) -> Iterator[BlendEngine]:
             store.close()
 
 
-def ttft(engine: BlendEngine, plan: BlendPlan, trials: int) -> tuple[float, float, float]:
-    """Median (ttft_ms, load_ms, recompute_ms) over `trials` one-token generations."""
+def ttft(engine: BlendEngine, plans: BlendPlan | list[BlendPlan], trials: int) -> tuple[float, float, float]:
+    """Median (ttft_ms, load_ms, recompute_ms) over `trials` one-token generations; a list of plans
+    gives one plan per trial (prefix_cache needs an order it has not cached yet every time)."""
     gen = GenerationConfig(max_tokens=1)
-    results = [engine.run(plan, gen) for _ in range(trials)]
+    plans = plans if isinstance(plans, list) else [plans] * trials
+    results = [engine.run(plan, gen) for plan in plans[:trials]]
     best = sorted(results, key=lambda r: r.ttft_ms)[len(results) // 2]
     return statistics.median(r.ttft_ms for r in results), best.report.load_ms, best.report.recompute_ms
 
@@ -77,11 +79,12 @@ def measure_context(runner: ModelRunner, ctx: Context, target: int, tiers: tuple
                 n = engine.layout(BlendPlan(ctx.passages, ctx.question)).n_tokens
                 rows.append(PerfRow("-", "full_prefill", target, n, full_ms, 0.0, rec, 1.0))
             for name, mode, ratio in PERF_MODES:
-                order = ctx.passages
-                if mode is Mode.PREFIX_CACHE:  # warm in the original order, measure a shuffled one
+                orders = [ctx.passages] * trials
+                if mode is Mode.PREFIX_CACHE:  # warm in the original order, measure new shuffled ones
                     engine.prefill(BlendPlan(ctx.passages, ctx.question, mode=mode))
-                    order = shuffled(ctx.passages, f"perf{target}")
-                ms, load, rec = ttft(engine, BlendPlan(order, ctx.question, mode=mode, recompute_ratio=ratio), trials)
+                    orders = [shuffled(ctx.passages, f"perf{target}" + (f"-{t}" if t else "")) for t in range(trials)]
+                plans = [BlendPlan(order, ctx.question, mode=mode, recompute_ratio=ratio) for order in orders]
+                ms, load, rec = ttft(engine, plans, trials)
                 rows.append(PerfRow(tier, name, target, rows[0].context_tokens if rows else 0, ms, load, rec, full_ms / ms))
                 logger.info("perf %s %s @%d tokens: ttft %.0f ms (x%.2f)", tier, name, target, ms, full_ms / ms)
     n_ctx = next(r.context_tokens for r in rows if r.mode == "full_prefill")

@@ -19,6 +19,7 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,20 @@ ABLATION: dict[str, SelectionPolicy] = {
     "v gradual query-weighted": SelectionPolicy(metric="v", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
     "kv gradual query-weighted": SelectionPolicy(metric="kv", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
     "k gradual query-weighted (default)": default_policy(),
+    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted": SelectionPolicy(
+        metric="k", check_multiplier=4.0, schedule=((2, 2.0), (3, 1.5), (4, 1.0)), query_weighted=True),
+    "k gradual 4x > 2x > 1x by layer 4, query-weighted": SelectionPolicy(
+        metric="k", check_multiplier=4.0, schedule=((2, 2.0), (4, 1.0)), query_weighted=True),
 }
+
+
+def pick_variants(spec: str) -> dict[str, SelectionPolicy]:
+    """Ablation variants whose names contain one of the comma-separated parts of `spec` ("" = all)."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    chosen = {n: pol for n, pol in ABLATION.items() if not parts or any(p in n for p in parts)}
+    if not chosen:
+        raise SystemExit(f"no ablation variant matches {spec!r}; names: {', '.join(ABLATION)}")
+    return chosen
 
 
 def load_questions(path: Path, n: int) -> list[dict]:
@@ -86,18 +100,14 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float(torch.sum(lp.exp() * (lp - lq)))
 
 
-def _ttft(engine: BlendEngine, plan: BlendPlan | list[BlendPlan], repeats: int) -> tuple[float, torch.Tensor, dict]:
-    """Median time to the first token; a list of plans gives one fresh plan per repeat (for orders
-    the prefix cache must not have seen)."""
-    plans = plan if isinstance(plan, list) else [plan] * repeats
-    times, state = [], None
-    for plan in plans:
-        t0 = time.perf_counter()
-        state = engine.prefill(plan, max_new_tokens=1)
-        int(torch.argmax(state.logits))  # the first token
-        times.append((time.perf_counter() - t0) * 1e3)
+def _first_token(engine: BlendEngine, plan: BlendPlan) -> tuple[float, torch.Tensor, dict]:
+    """Time to the first token of one prefill (ms), its logits [V] and the report's detail."""
+    t0 = time.perf_counter()
+    state = engine.prefill(plan, max_new_tokens=1)
+    int(torch.argmax(state.logits))  # the first token
+    ms = (time.perf_counter() - t0) * 1e3
     rep = state.report
-    return statistics.median(times), state.logits, {
+    return ms, state.logits, {
         "recomputed_tokens": rep.recomputed_tokens, "load_ms": rep.load_ms, "recompute_ms": rep.recompute_ms,
         "assemble_ms": rep.assemble_ms, "prefix_tokens_reused": rep.prefix_tokens_reused,
     }
@@ -115,7 +125,27 @@ class SpeedRow:
     detail: dict
 
 
-def bench_speed(engine: BlendEngine, rows: list[dict], sizes: list[int], repeats: int) -> list[SpeedRow]:
+def _speed_cases(passages: tuple[str, ...], question: str,
+                 policies: dict[str, SelectionPolicy]) -> list[tuple[str, Callable[[int], BlendPlan]]]:
+    """(mode name, plan for repeat i); prefix_cache (shuffled) gets a rotation it has not cached yet;
+    `policies` adds blend@0.15 under other selection policies."""
+    def plan(mode: str, ratio: float | None = None, policy: SelectionPolicy | None = None) -> Callable[[int], BlendPlan]:
+        return lambda i: BlendPlan(passages, question, mode=mode, recompute_ratio=ratio, policy=policy)
+
+    def rotated(i: int) -> BlendPlan:
+        k = i % (len(passages) - 1) + 1
+        return BlendPlan(passages[k:] + passages[:k], question, mode="prefix_cache")
+
+    cases = [("full_prefill", plan("full_prefill")), ("prefix_cache (same order)", plan("prefix_cache")),
+             ("prefix_cache (shuffled)", rotated), ("full_reuse", plan("full_reuse"))]
+    cases += [(f"blend@{r:.2f}", plan("blend", r)) for r in (0.05, 0.15, 0.30)]
+    return cases + [(f"blend@0.15 {name}", plan("blend", 0.15, pol)) for name, pol in policies.items()]
+
+
+def bench_speed(engine: BlendEngine, rows: list[dict], sizes: list[int], repeats: int,
+                policies: dict[str, SelectionPolicy] | None = None) -> list[SpeedRow]:
+    """Repeats are interleaved (full prefill, then every mode, then again), so a slow spell of a
+    shared host hits all modes alike; a speedup is the median of the per-repeat ratios."""
     out: list[SpeedRow] = []
     for size in sizes:
         passages = group_passages(rows, 8, size, engine)
@@ -123,23 +153,24 @@ def bench_speed(engine: BlendEngine, rows: list[dict], sizes: list[int], repeats
         for p in passages:
             engine.ensure_cached(p)
         engine.prefill(BlendPlan(passages, question, mode="prefix_cache"))  # caches this order
-        base_ms, base_logits, det = _ttft(engine, BlendPlan(passages, question, mode="full_prefill"), repeats)
         n_ctx = engine.layout(BlendPlan(passages, question)).n_tokens
-        out.append(SpeedRow(size, n_ctx, "full_prefill", base_ms, 1.0, 0.0, 1.0, det))
-        cases = [("prefix_cache (same order)", BlendPlan(passages, question, mode="prefix_cache")),
-                 ("prefix_cache (shuffled)", [BlendPlan(passages[i:] + passages[:i], question, mode="prefix_cache")
-                                              for i in range(1, repeats + 1)]),
-                 ("full_reuse", BlendPlan(passages, question, mode="full_reuse"))]
-        cases += [(f"blend@{r:.2f}", BlendPlan(passages, question, recompute_ratio=r)) for r in (0.05, 0.15, 0.30)]
-        for name, plan in cases:
-            ms, logits, det = _ttft(engine, plan, repeats)
+        cases = _speed_cases(passages, question, policies or {})
+        runs: dict[str, list[tuple[float, torch.Tensor, dict]]] = {name: [] for name, _ in cases}
+        for i in range(repeats):
+            for name, plan_of in cases:
+                runs[name].append(_first_token(engine, plan_of(i)))
+        base = runs["full_prefill"]
+        for name, _ in cases:
+            ms = statistics.median(r[0] for r in runs[name])
+            speedup = statistics.median(b[0] / r[0] for b, r in zip(base, runs[name]))
+            logits, det = runs[name][-1][1], runs[name][-1][2]
             same_prompt = "shuffled" not in name
             out.append(SpeedRow(
-                size, n_ctx, name, ms, base_ms / ms,
-                kl(base_logits, logits) if same_prompt else None,
-                float(torch.argmax(base_logits) == torch.argmax(logits)) if same_prompt else None, det,
+                size, n_ctx, name, ms, speedup,
+                kl(base[-1][1], logits) if same_prompt else None,
+                float(torch.argmax(base[-1][1]) == torch.argmax(logits)) if same_prompt else None, det,
             ))
-            logger.info("%d tokens %-26s %.0f ms (x%.2f)", n_ctx, name, ms, base_ms / ms)
+            logger.info("%d tokens %-26s %.0f ms (x%.2f)", n_ctx, name, ms, speedup)
     return out
 
 
@@ -215,7 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine/engine_bench.json"))
     ap.add_argument("--questions", type=int, default=None, help="quality questions (default 20, quick 8)")
-    ap.add_argument("--ablation-questions", type=int, default=12)
+    ap.add_argument("--ablation-questions", type=int, default=None, help="default 12, quick 8")
+    ap.add_argument("--ablation-offset", type=int, default=0, help="first question of the ablation (held-out runs)")
+    ap.add_argument("--ablation-variants", default="", help="comma list of name parts to run (default: all)")
+    ap.add_argument("--speed-variants", default=None,
+                    help="comma list of ablation name parts also timed as blend@0.15 in the speed part")
+    ap.add_argument("--sizes", default="1000,2000,4000", help="target context tokens of the speed part")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,quality,ablation")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -225,10 +261,13 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     runner = ModelRunner.load(args.model)
     engine = BlendEngine(runner, MemoryStore(8 << 30, kv_format="fp16"), EngineConfig(kv_format="fp16"))
-    rows = load_questions(args.data, 60)
+    rows = load_questions(args.data, max(60, args.ablation_offset + (args.ablation_questions or 12)))
     result: dict = {"model": args.model, "threads": args.threads, "kv_format": "fp16", "store": "memory"}
     if "speed" not in skip:
-        speed = bench_speed(engine, rows, [1000, 2000, 4000], 3 if args.quick else 5)
+        extra = pick_variants(args.speed_variants) if args.speed_variants else {}
+        sizes = [int(x) for x in args.sizes.split(",")]
+        result["repeats"] = 3 if args.quick else 5
+        speed = bench_speed(engine, rows, sizes, result["repeats"], extra)
         _print_speed(speed)
         result["speed"] = [r.__dict__ for r in speed]
     n_q = args.questions or (8 if args.quick else 20)
@@ -238,10 +277,13 @@ def main(argv: list[str] | None = None) -> None:
         result["quality"] = bench_quality(engine, rows[:n_q], variants, 32)
         _print_quality(f"Answer quality on {n_q} MuSiQue dev questions (20 passages each)", result["quality"])
     if "ablation" not in skip:
-        variants = {name: ("blend", 0.15, pol) for name, pol in ABLATION.items()}
-        n_a = min(n_q, args.ablation_questions)
-        result["ablation"] = bench_quality(engine, rows[:n_a], variants, 32)
-        _print_quality(f"Selection-policy ablation at ratio 0.15 ({n_a} MuSiQue questions)", result["ablation"])
+        variants = {"full_reuse": ("full_reuse", None, None)}
+        variants |= {name: ("blend", 0.15, pol) for name, pol in pick_variants(args.ablation_variants).items()}
+        n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
+        result["ablation_questions"] = [first, first + n_a]
+        result["ablation"] = bench_quality(engine, rows[first:first + n_a], variants, 32)
+        _print_quality(f"Selection-policy ablation at ratio 0.15 (MuSiQue questions {first}..{first + n_a - 1})",
+                       result["ablation"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -324,6 +324,8 @@ class BlendEngine:
         - neither: plain causal prefill of every token (full_prefill, precompute).
         Cached segments are stored at 0..T-1 and moved to their offset (`rotate`), except prefix
         cache entries, which were computed in place.
+        At the last layer only the last position's output is needed (its logits), so only it
+        attends and runs the MLP there; every selected token's K/V are still written.
         Returns (cache, hidden of the last position [1, E], (final selection, sizes, times)).
         """
         r = self.runner
@@ -357,12 +359,8 @@ class BlendEngine:
                 if full_upto is not None and layer == full_upto:
                     picked = ranked.select(q, k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
                     sel = _Selection(picked, cos_all, sin_all)
+                    q, hidden = q[:, sel.pos], hidden[sel.pos]  # [Hq, S, D], [S, E]
                 K[:, :N], V[:, :N] = k, v
-                if sel is None:
-                    out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
-                else:
-                    out = sel.attend(r, q[:, sel.pos], K, V)  # [S, Hq*D]
-                    hidden = hidden[sel.pos]  # [S, E]
             else:
                 q, k, v = r.qkv(layer, hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
                 keep = None
@@ -373,6 +371,12 @@ class BlendEngine:
                 if keep is not None:
                     q, hidden = q[:, keep], hidden[keep]  # [Hq, S', D], [S', E]
                     sel = _Selection(narrowed, cos_all, sin_all)
+            if layer == n_layers - 1:  # only the last position's output is used: it alone attends, to every key
+                q, hidden = q[:, -1:], hidden[-1:]  # [Hq, 1, D], [1, E]
+                out = r.attend(q, K[:, :N], V[:, :N], None)  # [1, Hq*D]
+            elif sel is None:
+                out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
+            else:
                 out = sel.attend(r, q, K, V)  # [S, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [S or N, E]
             sizes.append(N if sel is None else int(sel.pos.numel()))

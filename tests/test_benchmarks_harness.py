@@ -118,3 +118,30 @@ def test_harness_end_to_end(tiny_runner, tmp_path):
     run_benchmark(cfg, tmp_path / "out", runner=tiny_runner, readme=readme)  # refresh replaces, never appends
     assert readme.read_text().count("### Latest results") == 1
     assert results["meta"]["command"] == "test"
+
+
+def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypatch):
+    """Each trial of prefix_cache (shuffled) must use an order no earlier request cached, or trials
+    after the first would time a prefix-cache hit; the engine bench's rotations likewise."""
+    from benchmarks import perf
+    from blend_engine.bench import _speed_cases
+
+    timed: dict[str, list[tuple[str, ...]]] = {}
+
+    def fake_ttft(engine, plans, trials):
+        plans = plans if isinstance(plans, list) else [plans] * trials
+        timed.setdefault(plans[0].mode.value, []).extend(p.passages for p in plans[:trials])
+        return 1.0, 0.0, 0.0
+
+    monkeypatch.setattr(perf, "ttft", fake_ttft)
+    ctx = build_context(load_examples("musique", 2), 1200, lambda t: len(tiny_runner.encode(t)))
+    assert len(ctx.passages) >= 3
+    perf.measure_context(tiny_runner, ctx, 1200, ("ram",), trials=3)
+    orders = timed["prefix_cache"]
+    assert len(orders) == 3 and len(set(orders)) == 3 and ctx.passages not in orders
+    assert timed["blend"] == [ctx.passages] * 3
+
+    cases = dict(_speed_cases(ctx.passages, ctx.question, {}))
+    rotations = [cases["prefix_cache (shuffled)"](i).passages for i in range(len(ctx.passages) - 1)]
+    assert len(set(rotations)) == len(rotations) and ctx.passages not in rotations
+    assert all(sorted(r) == sorted(ctx.passages) for r in rotations)
