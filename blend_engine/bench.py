@@ -49,9 +49,9 @@ ABLATION: dict[str, SelectionPolicy] = {
     "kv@1 query-weighted": SelectionPolicy(metric="kv", query_weighted=True),
     "v gradual query-weighted": SelectionPolicy(metric="v", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
     "kv gradual query-weighted": SelectionPolicy(metric="kv", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
-    "k gradual query-weighted (default)": default_policy(),
-    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted": SelectionPolicy(
-        metric="k", check_multiplier=4.0, schedule=((2, 2.0), (3, 1.5), (4, 1.0)), query_weighted=True),
+    "k gradual 4x > 3x > 2x > 1.5x > 1x by layer 8, query-weighted (previous default)": SelectionPolicy(
+        metric="k", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
+    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted (default)": default_policy(),
     "k gradual 4x > 2x > 1x by layer 4, query-weighted": SelectionPolicy(
         metric="k", check_multiplier=4.0, schedule=((2, 2.0), (4, 1.0)), query_weighted=True),
 }
