@@ -168,3 +168,30 @@ def test_concurrent_writers_in_two_processes_leave_one_valid_entry(tmp_path):
     assert got is not None and store.stats().corrupt == 0
     assert any(torch.equal(got.k, make_kv(s, T=300).k) for s in (1, 2))
     assert [p.name for p in tmp_path.glob("chunks/*/*")] == [store.path("same").name]
+
+
+def test_index_set_up_retries_while_another_process_holds_the_database(tmp_path, monkeypatch):
+    """Switching to WAL can fail at once with "database is locked" while another process opens the
+    same index (seen in CI with two writers); opening must retry instead of failing the store."""
+    import sqlite3
+
+    from blend_engine.kv_store import disk as disk_mod
+
+    real_connect = sqlite3.connect
+
+    class LockedTwice:
+        def __init__(self, db):
+            self.db, self.fails = db, 2
+
+        def execute(self, query, *args):
+            if query.startswith("PRAGMA journal_mode") and self.fails:
+                self.fails -= 1
+                raise sqlite3.OperationalError("database is locked")
+            return self.db.execute(query, *args)
+
+        def __getattr__(self, name):
+            return getattr(self.db, name)
+
+    monkeypatch.setattr(disk_mod.sqlite3, "connect", lambda *a, **k: LockedTwice(real_connect(*a, **k)))
+    store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
+    assert store.put("a", make_kv(1)) and store.contains("a")

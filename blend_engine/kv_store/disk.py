@@ -105,12 +105,22 @@ class DiskStore(BlobStore):
             raise ValueError(f"bad chunk key {key!r}")
         return self._chunks / key[:2] / f"{key}.kv"
 
-    def _open_db(self) -> sqlite3.Connection:
+    def _open_db(self, attempts: int = 50) -> sqlite3.Connection:
+        """The index connection. Switching to WAL while another process opens the same file can fail
+        with "database is locked" at once (SQLite skips its busy handler there), so set-up retries."""
         db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=10)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
-        return db
+        for attempt in range(attempts):
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
+                return db
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or attempt == attempts - 1:
+                    db.close()
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _sql(self, query: str, args: tuple = ()) -> list:
         try:
