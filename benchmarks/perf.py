@@ -56,12 +56,11 @@ def tier_engine(runner: ModelRunner, tier: str) -> Iterator[BlendEngine]:
             store.close()
 
 
-def ttft(engine: BlendEngine, plans: BlendPlan | list[BlendPlan], trials: int) -> tuple[float, float, float]:
-    """Median (ttft_ms, load_ms, recompute_ms) over `trials` one-token generations; a list of plans
-    gives one plan per trial (prefix_cache needs an order it has not cached yet every time)."""
+def ttft(engine: BlendEngine, plans: list[BlendPlan]) -> tuple[float, float, float]:
+    """Median (ttft_ms, load_ms, recompute_ms) over one one-token generation per plan (one plan per
+    trial: prefix_cache needs an order it has not cached yet every time)."""
     gen = GenerationConfig(max_tokens=1)
-    plans = plans if isinstance(plans, list) else [plans] * trials
-    results = [engine.run(plan, gen) for plan in plans[:trials]]
+    results = [engine.run(plan, gen) for plan in plans]
     best = sorted(results, key=lambda r: r.ttft_ms)[len(results) // 2]
     return statistics.median(r.ttft_ms for r in results), best.report.load_ms, best.report.recompute_ms
 
@@ -75,7 +74,7 @@ def measure_context(runner: ModelRunner, ctx: Context, target: int, tiers: tuple
             for p in ctx.passages:
                 engine.ensure_cached(p)
             if full_ms is None:
-                full_ms, _, rec = ttft(engine, BlendPlan(ctx.passages, ctx.question, mode=Mode.FULL_PREFILL), trials)
+                full_ms, _, rec = ttft(engine, [BlendPlan(ctx.passages, ctx.question, mode=Mode.FULL_PREFILL)] * trials)
                 n = engine.layout(BlendPlan(ctx.passages, ctx.question)).n_tokens
                 rows.append(PerfRow("-", "full_prefill", target, n, full_ms, 0.0, rec, 1.0))
             for name, mode, ratio in PERF_MODES:
@@ -84,7 +83,7 @@ def measure_context(runner: ModelRunner, ctx: Context, target: int, tiers: tuple
                     engine.prefill(BlendPlan(ctx.passages, ctx.question, mode=mode))
                     orders = [shuffled(ctx.passages, f"perf{target}" + (f"-{t}" if t else "")) for t in range(trials)]
                 plans = [BlendPlan(order, ctx.question, mode=mode, recompute_ratio=ratio) for order in orders]
-                ms, load, rec = ttft(engine, plans, trials)
+                ms, load, rec = ttft(engine, plans)
                 rows.append(PerfRow(tier, name, target, rows[0].context_tokens if rows else 0, ms, load, rec, full_ms / ms))
                 logger.info("perf %s %s @%d tokens: ttft %.0f ms (x%.2f)", tier, name, target, ms, full_ms / ms)
     n_ctx = next(r.context_tokens for r in rows if r.mode == "full_prefill")

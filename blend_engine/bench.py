@@ -261,7 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     runner = ModelRunner.load(args.model)
     engine = BlendEngine(runner, MemoryStore(8 << 30, kv_format="fp16"), EngineConfig(kv_format="fp16"))
-    rows = load_questions(args.data, max(60, args.ablation_offset + (args.ablation_questions or 12)))
+    n_q = args.questions or (8 if args.quick else 20)
+    n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
+    rows = load_questions(args.data, max(60, n_q, first + n_a))
     result: dict = {"model": args.model, "threads": args.threads, "kv_format": "fp16", "store": "memory"}
     if "speed" not in skip:
         extra = pick_variants(args.speed_variants) if args.speed_variants else {}
@@ -270,7 +272,6 @@ def main(argv: list[str] | None = None) -> None:
         speed = bench_speed(engine, rows, sizes, result["repeats"], extra)
         _print_speed(speed)
         result["speed"] = [r.__dict__ for r in speed]
-    n_q = args.questions or (8 if args.quick else 20)
     if "quality" not in skip:
         variants = {"full_reuse": ("full_reuse", None, None)}
         variants |= {f"blend@{r:.2f}": ("blend", r, None) for r in (0.05, 0.15, 0.30)}
@@ -279,7 +280,6 @@ def main(argv: list[str] | None = None) -> None:
     if "ablation" not in skip:
         variants = {"full_reuse": ("full_reuse", None, None)}
         variants |= {name: ("blend", 0.15, pol) for name, pol in pick_variants(args.ablation_variants).items()}
-        n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
         result["ablation_questions"] = [first, first + n_a]
         result["ablation"] = bench_quality(engine, rows[first:first + n_a], variants, 32)
         _print_quality(f"Selection-policy ablation at ratio 0.15 (MuSiQue questions {first}..{first + n_a - 1})",

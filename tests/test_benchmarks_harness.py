@@ -128,9 +128,8 @@ def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypa
 
     timed: dict[str, list[tuple[str, ...]]] = {}
 
-    def fake_ttft(engine, plans, trials):
-        plans = plans if isinstance(plans, list) else [plans] * trials
-        timed.setdefault(plans[0].mode.value, []).extend(p.passages for p in plans[:trials])
+    def fake_ttft(engine, plans):
+        timed.setdefault(plans[0].mode.value, []).extend(p.passages for p in plans)
         return 1.0, 0.0, 0.0
 
     monkeypatch.setattr(perf, "ttft", fake_ttft)
