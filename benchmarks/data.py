@@ -56,6 +56,34 @@ def parse_musique(row: dict) -> Example:
     return Example("musique", row["id"], row["question"], answers, paragraphs)
 
 
+def parse_row(row: dict) -> Example:
+    """One dev row in either layout: MuSiQue ("paragraphs") or HotpotQA ("context")."""
+    if "paragraphs" in row:
+        return parse_musique(row)
+    if "context" in row:
+        return parse_hotpotqa(row)
+    raise ValueError(f"row {row.get('id', '?')!r} is neither MuSiQue (paragraphs) nor HotpotQA (context); "
+                     f"its keys: {sorted(row)}")
+
+
+def read_examples(path: Path, n: int, offset: int = 0) -> list[Example]:
+    """Examples offset..offset+n-1 of a MuSiQue or HotpotQA dev file (the layout is read per row)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found")
+    return _take(path, parse_row, n, offset)
+
+
+def _take(path: Path, parse: Callable[[dict], Example], n: int, offset: int) -> list[Example]:
+    out: list[Example] = []
+    for i, row in enumerate(_read_jsonl(path)):
+        if i >= offset + n:
+            break
+        if i >= offset:
+            out.append(parse(row))
+    return out
+
+
 def load_examples(dataset: str, n: int, data_dir: Path | None = None, offset: int = 0) -> list[Example]:
     """The first `n` examples (after `offset`) of "hotpotqa" or "musique" dev."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -63,14 +91,7 @@ def load_examples(dataset: str, n: int, data_dir: Path | None = None, offset: in
     path = data_dir / name
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; pass --data-dir")
-    out: list[Example] = []
-    for i, row in enumerate(_read_jsonl(path)):
-        if i < offset:
-            continue
-        if len(out) >= n:
-            break
-        out.append(parse(row))
-    return out
+    return _take(path, parse, n, offset)
 
 
 def select_paragraphs(ex: Example, max_paragraphs: int | None) -> tuple[Paragraph, ...]:

@@ -2,10 +2,11 @@
 
 Prints tables and writes JSON (benchmarks/results/engine/engine_bench.json by default):
 1. Speed: median time to first token per mode at ~1K/2K/4K-token contexts of 8 real passages
-   (MuSiQue dev paragraphs grouped into passages), caches warm in RAM; for blend at 0.05/0.15/0.30
+   (dev paragraphs grouped into passages), caches warm in RAM; for blend at 0.05/0.15/0.30
    the speedup over full prefill and the fidelity of the first token (KL, top-1 agreement);
    prefix_cache measured with the passages in a different order than they were cached.
-2. Quality: on MuSiQue dev questions (all 20 paragraphs as passages), token F1 of each mode's
+2. Quality: on MuSiQue dev questions by default (`--data` takes a MuSiQue or HotpotQA dev file;
+   all of a question's paragraphs as passages), token F1 of each mode's
    greedy answer against full prefill's answer, and gold F1.
 3. Ablation of the selection policy (check layer, K/V/KV deviation, gradual filtering, sinks):
    mean first-token KL to full prefill and answer F1 against full prefill.
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.data import Example, passages_of, read_examples
+from benchmarks.scoring import max_over_golds, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.layout import format_passage
@@ -66,19 +69,18 @@ def pick_variants(spec: str) -> dict[str, SelectionPolicy]:
     return chosen
 
 
-def load_questions(path: Path, n: int) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[:n]
+def load_questions(path: Path, n: int) -> list[Example]:
+    """The first n questions of a MuSiQue or HotpotQA dev file; a clear exit for a missing or foreign file."""
+    try:
+        return read_examples(path, n)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"cannot read questions from {path}: {e}") from e
 
 
-def passages_of(row: dict) -> tuple[str, ...]:
-    return tuple(format_passage(p["paragraph_text"], p["title"]) for p in row["paragraphs"])
-
-
-def group_passages(rows: list[dict], n_passages: int, target_tokens: int, engine: BlendEngine) -> tuple[str, ...]:
+def group_passages(rows: list[Example], n_passages: int, target_tokens: int, engine: BlendEngine) -> tuple[str, ...]:
     """n_passages passages of about target_tokens / n_passages tokens each, from consecutive paragraphs."""
     per = target_tokens // n_passages
-    paras = [format_passage(p["paragraph_text"], p["title"]) for row in rows for p in row["paragraphs"]]
+    paras = [format_passage(p.text, p.title) for row in rows for p in row.paragraphs]
     out, cur, cur_len = [], [], 0
     for para in paras:
         n = len(engine.passage_tokens(para))
@@ -142,14 +144,14 @@ def _speed_cases(passages: tuple[str, ...], question: str,
     return cases + [(f"blend@0.15 {name}", plan("blend", 0.15, pol)) for name, pol in policies.items()]
 
 
-def bench_speed(engine: BlendEngine, rows: list[dict], sizes: list[int], repeats: int,
+def bench_speed(engine: BlendEngine, rows: list[Example], sizes: list[int], repeats: int,
                 policies: dict[str, SelectionPolicy] | None = None) -> list[SpeedRow]:
     """Repeats are interleaved (full prefill, then every mode, then again), so a slow spell of a
     shared host hits all modes alike; a speedup is the median of the per-repeat ratios."""
     out: list[SpeedRow] = []
     for size in sizes:
         passages = group_passages(rows, 8, size, engine)
-        question = rows[0]["question"]
+        question = rows[0].question
         for p in passages:
             engine.ensure_cached(p)
         engine.prefill(BlendPlan(passages, question, mode="prefix_cache"))  # caches this order
@@ -189,26 +191,24 @@ def _text(engine: BlendEngine, ids: tuple[int, ...], cap: int | None = None) -> 
     return engine.runner.decode(list(ids[:cap])).split("\n")[0].strip()
 
 
-def bench_quality(engine: BlendEngine, rows: list[dict], policies: dict[str, tuple[str, float, SelectionPolicy | None]],
+def bench_quality(engine: BlendEngine, rows: list[Example], policies: dict[str, tuple[str, float, SelectionPolicy | None]],
                   max_tokens: int) -> dict:
     """Per variant: mean F1 vs full prefill's answer (whole, and its first 8/16 tokens), gold F1, first-token KL.
 
     Greedy decoding is deterministic, so an answer's first n tokens are exactly what a run capped at
     n tokens would give: the shorter-answer agreements come from the same generations.
     """
-    from benchmarks.scoring import max_over_golds, token_f1
-
     per: dict[str, dict[str, list[float]]] = {}
     for i, row in enumerate(rows):
         passages = passages_of(row)
         for p in passages:
             engine.ensure_cached(p)
-        golds = [row["answer"], *row.get("answer_aliases", [])]
-        ref, ref_logits = _answer(engine, BlendPlan(passages, row["question"], mode="full_prefill"), max_tokens)
+        golds = list(row.answers)
+        ref, ref_logits = _answer(engine, BlendPlan(passages, row.question, mode="full_prefill"), max_tokens)
         ref_text = {cap: _text(engine, ref, cap) for cap in (None, *ANSWER_CAPS)}  # decoded once per question
         answers = {"full_prefill": (ref, ref_logits)}
         for name, (mode, ratio, policy) in policies.items():
-            plan = BlendPlan(passages, row["question"], mode=mode, recompute_ratio=ratio, policy=policy)
+            plan = BlendPlan(passages, row.question, mode=mode, recompute_ratio=ratio, policy=policy)
             answers[name] = _answer(engine, plan, max_tokens)
         for name, (ids, logits) in answers.items():
             acc = per.setdefault(name, {})
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and questions")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help="a MuSiQue or HotpotQA dev .jsonl file")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine/engine_bench.json"))
     ap.add_argument("--questions", type=int, default=None, help="quality questions (default 20, quick 8)")
     ap.add_argument("--ablation-questions", type=int, default=None, help="default 12, quick 8")
@@ -259,12 +259,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     random.seed(0)
     skip = set(filter(None, args.skip.split(",")))
-    runner = ModelRunner.load(args.model)
-    engine = BlendEngine(runner, MemoryStore(8 << 30, kv_format="fp16"), EngineConfig(kv_format="fp16"))
     n_q = args.questions or (8 if args.quick else 20)
     n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
-    rows = load_questions(args.data, max(60, n_q, first + n_a))
-    result: dict = {"model": args.model, "threads": args.threads, "kv_format": "fp16", "store": "memory"}
+    rows = load_questions(args.data, max(60, n_q, first + n_a))  # before the model: a bad file fails fast
+    if not rows:
+        raise SystemExit(f"{args.data} holds no questions")
+    runner = ModelRunner.load(args.model)
+    engine = BlendEngine(runner, MemoryStore(8 << 30, kv_format="fp16"), EngineConfig(kv_format="fp16"))
+    result: dict = {"model": args.model, "data": args.data.name, "threads": args.threads, "kv_format": "fp16",
+                    "store": "memory"}
     if "speed" not in skip:
         extra = pick_variants(args.speed_variants) if args.speed_variants else {}
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -276,13 +279,13 @@ def main(argv: list[str] | None = None) -> None:
         variants = {"full_reuse": ("full_reuse", None, None)}
         variants |= {f"blend@{r:.2f}": ("blend", r, None) for r in (0.05, 0.15, 0.30)}
         result["quality"] = bench_quality(engine, rows[:n_q], variants, 32)
-        _print_quality(f"Answer quality on {n_q} MuSiQue dev questions (20 passages each)", result["quality"])
+        _print_quality(f"Answer quality on {n_q} {args.data.name} questions (all paragraphs as passages)", result["quality"])
     if "ablation" not in skip:
         variants = {"full_reuse": ("full_reuse", None, None)}
         variants |= {name: ("blend", 0.15, pol) for name, pol in pick_variants(args.ablation_variants).items()}
         result["ablation_questions"] = [first, first + n_a]
         result["ablation"] = bench_quality(engine, rows[first:first + n_a], variants, 32)
-        _print_quality(f"Selection-policy ablation at ratio 0.15 (MuSiQue questions {first}..{first + n_a - 1})",
+        _print_quality(f"Selection-policy ablation at ratio 0.15 ({args.data.name} questions {first}..{first + n_a - 1})",
                        result["ablation"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from benchmarks import peer
-from benchmarks.data import build_context, group_paragraphs, load_examples, passages_of, select_paragraphs, shuffled
+from benchmarks.data import (
+    HOTPOTQA_FILE,
+    MUSIQUE_FILE,
+    build_context,
+    default_data_dir,
+    group_paragraphs,
+    load_examples,
+    passages_of,
+    read_examples,
+    select_paragraphs,
+    shuffled,
+)
 from benchmarks.quality import mode_specs
 from benchmarks.run import BenchConfig, parse_args, run_benchmark
 from benchmarks.throughput import request_bodies
@@ -27,6 +38,18 @@ def test_loaders_read_the_shared_data():
     assert mus[0].answers[0] == "Adrian Edmondson" and len(mus[0].answers) >= 1
     assert sum(p.supporting for p in hot[0].paragraphs) == 2
     assert hot[0].paragraphs[0].text and not hot[0].paragraphs[0].text.startswith(" ")
+
+
+def test_read_examples_detects_the_layout_per_file(tmp_path):
+    d = default_data_dir()
+    assert read_examples(d / MUSIQUE_FILE, 2, offset=1) == load_examples("musique", 2, offset=1)
+    assert read_examples(d / HOTPOTQA_FILE, 2) == load_examples("hotpotqa", 2)
+    foreign = tmp_path / "other.jsonl"
+    foreign.write_text(json.dumps({"id": "q1", "question": "?", "passages": []}) + "\n")
+    with pytest.raises(ValueError, match="neither MuSiQue"):
+        read_examples(foreign, 1)
+    with pytest.raises(FileNotFoundError):
+        read_examples(tmp_path / "missing.jsonl", 1)
 
 
 def test_paragraph_selection_grouping_and_shuffle():
