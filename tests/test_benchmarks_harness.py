@@ -125,6 +125,9 @@ def test_harness_end_to_end(tiny_runner, tmp_path):
     assert set(f1) == {"mean", "low", "high"} and f1["low"] <= f1["mean"] <= f1["high"]
     assert "blend@0.15 - full_prefill (f1)" in q["paired"]["all"]
     assert "blend015_within_0.02_f1" in q["goals"]
+    vs_order = q["paired"]["all"]["blend@0.15 - prefix_cache (f1)"]
+    assert "blend@0.15 - prefix_cache (agreement_f1)" in q["paired"]["all"]
+    assert q["goals"]["blend015_f1_minus_reordered_exact_prefill"] == vs_order["mean"]
 
     perf = data["perf"]
     assert {(r["tier"], r["mode"]) for r in perf} == {("-", "full_prefill")} | {
