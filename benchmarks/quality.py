@@ -175,24 +175,19 @@ def _ci(values: list[float], n_resamples: int) -> dict:
 
 
 def _paired_diffs(records: list[Record], dataset: str | None, modes: list[str], n_resamples: int) -> dict:
-    ref = _by(records, dataset, REFERENCE)
+    """Paired differences "a - b (metric)": every mode against full prefill on F1; blend@0.15 against
+    full reuse (the floor it must beat) and against prefix_cache on a shuffled order (an exact prefill
+    of the same passages in another order: how much order alone moves the scores) on F1 and agreement."""
+    pairs = [(m, REFERENCE, ("f1",)) for m in modes if m != REFERENCE]
+    pairs += [("blend@0.15", other, ("f1", "agreement_f1")) for other in ("full_reuse", "prefix_cache")]
     out = {}
-    for m in modes:
-        if m == REFERENCE:
+    for a, b, metrics in pairs:
+        rows_a, rows_b = _by(records, dataset, a), _by(records, dataset, b)
+        if not rows_a or [r.id for r in rows_a] != [r.id for r in rows_b]:
             continue
-        rows = _by(records, dataset, m)
-        if [r.id for r in rows] != [r.id for r in ref]:
-            continue
-        out[f"{m} - {REFERENCE} (f1)"] = _diff([r.f1 for r in rows], [r.f1 for r in ref], n_resamples)
-    blend = _by(records, dataset, "blend@0.15")
-    # full reuse is the floor blend must beat; prefix_cache on a shuffled order is an exact prefill
-    # of the same passages in another order, so it shows how much order alone moves the scores
-    for other in ("full_reuse", "prefix_cache"):
-        rows = _by(records, dataset, other)
-        if blend and [r.id for r in blend] == [r.id for r in rows]:
-            for metric in ("f1", "agreement_f1"):
-                out[f"blend@0.15 - {other} ({metric})"] = _diff(
-                    [getattr(r, metric) for r in blend], [getattr(r, metric) for r in rows], n_resamples)
+        for metric in metrics:
+            out[f"{a} - {b} ({metric})"] = _diff(
+                [getattr(r, metric) for r in rows_a], [getattr(r, metric) for r in rows_b], n_resamples)
     return out
 
 
