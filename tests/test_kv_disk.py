@@ -195,3 +195,32 @@ def test_index_set_up_retries_while_another_process_holds_the_database(tmp_path,
     monkeypatch.setattr(disk_mod.sqlite3, "connect", lambda *a, **k: LockedTwice(real_connect(*a, **k)))
     store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
     assert store.put("a", make_kv(1)) and store.contains("a")
+
+
+def test_index_set_up_gives_up_when_the_database_stays_locked(tmp_path, monkeypatch):
+    """A lock that never clears is reported, after the bounded retries, as the SQLite error."""
+    import sqlite3
+
+    from blend_engine.kv_store import disk as disk_mod
+
+    store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
+    real_connect = sqlite3.connect
+    tries = []
+
+    class AlwaysLocked:
+        def __init__(self, db):
+            self.db = db
+
+        def execute(self, query, *args):
+            if query.startswith("PRAGMA journal_mode"):
+                tries.append(query)
+                raise sqlite3.OperationalError("database is locked")
+            return self.db.execute(query, *args)
+
+        def __getattr__(self, name):
+            return getattr(self.db, name)
+
+    monkeypatch.setattr(disk_mod.sqlite3, "connect", lambda *a, **k: AlwaysLocked(real_connect(*a, **k)))
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        store._open_db(attempts=3)
+    assert len(tries) == 3

@@ -109,18 +109,19 @@ class DiskStore(BlobStore):
         """The index connection. Switching to WAL while another process opens the same file can fail
         with "database is locked" at once (SQLite skips its busy handler there), so set-up retries."""
         db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=10)
-        for attempt in range(attempts):
+        attempt = 1
+        while True:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
                 db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
                 return db
             except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or attempt == attempts - 1:
+                if "locked" not in str(exc) or attempt >= attempts:
                     db.close()
                     raise
-                time.sleep(0.02 * (attempt + 1))
-        raise AssertionError("unreachable")
+                time.sleep(0.02 * attempt)
+                attempt += 1
 
     def _sql(self, query: str, args: tuple = ()) -> list:
         try:
