@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.auth import BearerAuthMiddleware
 from app.limits import BodySizeLimitMiddleware
@@ -380,19 +381,46 @@ def _observe(svc: AppState, endpoint: str, outcome: QueryOutcome) -> None:
 
 
 # ====================================================================== error handlers
+def _is_json(request: Request) -> bool:
+    """A body sent as JSON, or with no content type (FastAPI then parses it as JSON too)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return request.method not in ("POST", "PUT", "PATCH") or not ctype or ctype == "application/json" \
+        or ctype.endswith("+json")
+
+
+def _describe(err: dict) -> dict:
+    """One validation error as {param, msg, detail}. The offending input is not echoed: it may be
+    huge (a 200 KB question) or not representable in JSON (NaN, Infinity)."""
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        at = f" at character {loc[0]}" if loc else ""
+        ctx = (err.get("ctx") or {}).get("error")
+        return {"param": None, "msg": f"invalid JSON{at}" + (f": {ctx}" if ctx else ""),
+                "detail": {"type": "json_invalid", "loc": ["body", *loc], "msg": err.get("msg", "")}}
+    param = ".".join(str(x) for x in loc) or None
+    detail = {"type": err.get("type"), "loc": ["body", *loc], "msg": err.get("msg", "invalid")}
+    return {"param": param, "msg": detail["msg"], "detail": detail}
+
+
 def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = jsonable_encoder(exc.errors(), custom_encoder={Exception: str})
-        parts = []
-        for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
-        first = errors[0].get("loc", ()) if errors else ()
-        param = ".".join(str(x) for x in first if x != "body") or None
-        body = {"detail": errors, "error": {"message": "; ".join(parts), "type": "invalid_request_error",
-                                            "code": "validation_error", "param": param}}
+        if not _is_json(request):
+            msg = "the request body must be JSON (content-type: application/json)"
+            return JSONResponse(_error_body(msg, "unsupported_media_type"), status_code=415)
+        errors = [_describe(e) for e in exc.errors()]
+        message = "; ".join(f"{e['param'] or 'body'}: {e['msg']}" for e in errors)
+        body = {"detail": [e["detail"] for e in errors],
+                "error": {"message": message, "type": "invalid_request_error", "code": "validation_error",
+                          "param": errors[0]["param"] if errors else None}}
         return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code, "http_error")
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(str(exc.detail), code, kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:

@@ -1,5 +1,8 @@
 """Request and response models. Static shape checks live here; limits that come from Settings
-(question length, documents, top_k, max_tokens) are checked in `app.main.check_limits`."""
+(question length, documents, top_k, max_tokens) are checked in `app.main.check_limits`.
+
+Request models are strict: JSON types are not coerced ("0.3" is not a number, true is not 1; an
+integer is still a valid float) and NaN / Infinity are refused."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 ModeName = Literal["blend", "full_prefill", "prefix_cache", "full_reuse"]
 
 
+_REQUEST = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 def _not_blank(v: str) -> str:
     if not v.strip():
         raise ValueError("must not be empty or whitespace")
@@ -18,7 +24,7 @@ def _not_blank(v: str) -> str:
 
 # ====================================================================== /v1/query
 class InlineDocument(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **_REQUEST)
 
     title: str | None = None
     text: str = Field(min_length=1)
@@ -27,7 +33,7 @@ class InlineDocument(BaseModel):
 
 
 class QueryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+    model_config = ConfigDict(extra="forbid", **_REQUEST, json_schema_extra={"examples": [
         {"question": "Which city hosted the 1936 Summer Olympics?", "top_k": 5},
     ]})
 
@@ -58,6 +64,7 @@ class Timings(BaseModel):
     ttft_ms: float
     total_ms: float
     queue_ms: float = 0.0
+    kv_store_ms: float = 0.0
 
 
 class QueryStats(BaseModel):
@@ -81,7 +88,7 @@ class QueryResponse(BaseModel):
 
 # ====================================================================== documents
 class DocumentIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **_REQUEST)
 
     text: str = Field(min_length=1)
     title: str = ""
@@ -91,7 +98,7 @@ class DocumentIn(BaseModel):
 
 
 class IngestRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **_REQUEST)
 
     documents: list[DocumentIn] = Field(min_length=1)
 
@@ -114,7 +121,7 @@ class IngestResponse(BaseModel):
 
 # ====================================================================== OpenAI chat
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_REQUEST)
 
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
@@ -128,6 +135,8 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
     include_usage: bool = False
 
 
@@ -135,7 +144,7 @@ class ChatCompletionRequest(BaseModel):
     """OpenAI's shape; unknown OpenAI fields are accepted and ignored. Blend extras may be sent
     with the client's `extra_body`: top_k, documents, mode, recompute_ratio."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **_REQUEST)
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)

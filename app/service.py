@@ -74,6 +74,7 @@ class QueryOutcome:
     ttft_ms: float
     total_ms: float
     queue_ms: float
+    store_ms: float = 0.0
 
     def response(self) -> QueryResponse:
         r = self.report
@@ -89,6 +90,7 @@ class QueryOutcome:
                 ttft_ms=round(self.ttft_ms, 3),
                 total_ms=round(self.total_ms, 3),
                 queue_ms=round(self.queue_ms, 3),
+                kv_store_ms=round(self.store_ms, 3),
             ),
             stats=QueryStats(
                 context_tokens=r.context_tokens,
@@ -155,6 +157,7 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         ttft_ms=retrieval_ms + result.ttft_ms,
         total_ms=retrieval_ms + result.total_ms,
         queue_ms=job.queue_ms,
+        store_ms=result.store_ms,
     )
 
 

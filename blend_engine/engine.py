@@ -246,8 +246,8 @@ class BlendEngine:
             recomputed_tokens=len(final_sel),
             recomputed_positions=tuple(final_sel),
             selected_per_layer=tuple(selected_per_layer),
-            cache_hits=hits,
-            cache_misses=misses,
+            cache_hits=hits - len(trace.repaired),  # a chunk found corrupt while loading was recomputed
+            cache_misses=misses + len(trace.repaired),
             prefix_tokens_reused=prefix_tokens,
             repaired_chunks=len(trace.repaired),
             assemble_ms=timer.assemble * 1e3,
@@ -471,6 +471,7 @@ class Generation:
             yield tail
         total_ms = (time.perf_counter() - t0) * 1e3
         eng.store_missing(state)
+        store_ms = (time.perf_counter() - t0) * 1e3 - total_ms
         self.result = BlendResult(
             text=decoder.text,
             token_ids=tuple(tokens),
@@ -478,6 +479,7 @@ class Generation:
             report=state.report,
             ttft_ms=self.ttft_ms if self.ttft_ms is not None else total_ms,
             total_ms=total_ms,
+            store_ms=store_ms,
         )
 
 

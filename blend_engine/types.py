@@ -147,4 +147,5 @@ class BlendResult:
     finish_reason: str  # "stop" | "length"
     report: BlendReport
     ttft_ms: float
-    total_ms: float
+    total_ms: float  # prefill and decoding: the answer is complete
+    store_ms: float = 0.0  # after the answer: storing the KV of passages that missed the cache

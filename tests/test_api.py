@@ -174,8 +174,10 @@ def test_query_with_inline_documents(client, mode):
     if mode in ("blend", "full_reuse"):
         assert body["stats"]["cache_misses"] == 2
         assert all(engine.store.contains(k) for k in keys)  # stored after answering
+        assert body["timings"]["kv_store_ms"] > 0  # ... and that time is reported
         again = client.post("/v1/query", json=payload).json()
         assert again["stats"]["cache_misses"] == 0 and again["stats"]["cache_hits"] == 3
+        assert again["timings"]["kv_store_ms"] < body["timings"]["kv_store_ms"]
         if mode == "blend":
             assert again["stats"]["recompute_ratio"] == pytest.approx(0.3)
 
@@ -321,6 +323,9 @@ def test_ingest_get_and_delete_a_document(client):
     ({"question": "q?", "documents": [{"text": "a"}] * 33}, "documents"),
     ({"question": "q?", "documents": [{"text": "a" * 100_001}]}, "documents.0.text"),
     ({"question": "q?", "surprise": 1}, "surprise"),
+    ({"question": "q?", "top_k": True}, "top_k"),  # strict: no bool -> int, no str -> float coercion
+    ({"question": "q?", "recompute_ratio": "0.3"}, "recompute_ratio"),
+    ({"question": "q?", "max_tokens": 2.5}, "max_tokens"),
 ])
 def test_query_validation_errors_are_422_naming_the_field(client, payload, field):
     r = client.post("/v1/query", json=payload)
@@ -331,8 +336,30 @@ def test_query_validation_errors_are_422_naming_the_field(client, payload, field
 
 
 def test_malformed_json_is_422(client):
-    r = client.post("/v1/query", content=b"{not json", headers={"content-type": "application/json"})
+    r = client.post("/v1/query", content=b'{"question": "hi",', headers={"content-type": "application/json"})
     assert r.status_code == 422
+    err = r.json()["error"]
+    assert "invalid JSON at character 18" in err["message"] and err["param"] is None
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/query", '{"question": "hi", "recompute_ratio": NaN}', "recompute_ratio"),
+    ("/v1/query", '{"question": "hi", "temperature": Infinity}', "temperature"),
+    ("/v1/query", '{"question": "hi", "top_k": 1e400}', "top_k"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "q?"}], "top_p": -Infinity}', "top_p"),
+])
+def test_non_finite_numbers_are_422_not_500(client, path, body, field):
+    """Python's JSON reader accepts NaN/Infinity; the error must still be reportable as JSON."""
+    r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert field in r.json()["error"]["message"]
+    assert client.post("/v1/query", json={"question": "Where is Paris?", "top_k": 1, "max_tokens": 1}).status_code == 200
+
+
+def test_a_body_that_is_not_json_is_415(client):
+    r = client.post("/v1/query", content=b"question=hi", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    assert client.post("/v1/nowhere", json={}).json()["error"]["code"] == "not_found"
 
 
 def test_ingest_validation(client):
@@ -356,7 +383,7 @@ def test_body_too_large_is_413(tmp_path, tiny_stack_factory):
             yield json.dumps(big).encode()
 
         r = c.post("/v1/query", content=chunks(), headers={"content-type": "application/json"})
-        assert r.status_code == 413
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
 # ============================================================================ auth

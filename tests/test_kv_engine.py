@@ -89,11 +89,14 @@ def test_corrupted_byte_on_disk_is_repaired_by_recompute(tmp_path):
     store = build_store(disk_dir=tmp_path, fingerprint=fp)
     state = engine_on(store).prefill(plan())
     assert state.report.repaired_chunks == 1
+    # the corrupt chunk counts as a miss (so does the system prefix: prefill alone does not store it)
+    assert (state.report.cache_hits, state.report.cache_misses) == (len(PASSAGES) - 1, 2)
     assert store.stats().corrupt == 1
     assert torch.equal(state.logits, expected)  # repaired values are used in stored precision
     assert store.tier("disk").contains(key) and store.tier("memory").contains(key)  # re-stored
     again = engine_on(build_store(disk_dir=tmp_path, fingerprint=fp)).prefill(plan())
     assert again.report.repaired_chunks == 0 and torch.equal(again.logits, expected)
+    assert (again.report.cache_hits, again.report.cache_misses) == (len(PASSAGES), 1)
 
 
 def test_wrong_fingerprint_on_disk_is_a_miss_for_the_engine(tmp_path):
