@@ -135,7 +135,7 @@ class Reader:
             self._error(f"{path}: unsupported file type {suffix or '(none)'}; use .txt, .md, .jsonl or .json")
             return
         try:
-            content = path.read_text(encoding="utf-8")
+            content = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is dropped
         except (OSError, UnicodeDecodeError) as exc:
             self._error(f"{path}: unreadable: {exc}")
             return
@@ -158,6 +158,9 @@ class Reader:
         yield Document(text=content, title=title, doc_id=rel, source=f"file:{path.suffix.lower().lstrip('.')}")
 
     def _jsonl(self, path: Path, content: str) -> Iterator[Document]:
+        if not content.strip():
+            self._error(f"{path}: empty file")
+            return
         for lineno, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue
@@ -179,6 +182,8 @@ class Reader:
             self._error(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}")
             return
         items = data if isinstance(data, list) else [data]
+        if not items:
+            self._error(f"{path}: empty JSON array")
         for i, item in enumerate(items, 1):
             try:
                 yield from documents_from_record(item)

@@ -84,6 +84,12 @@ def test_malformed_input_is_reported_skipped_or_stops_with_strict(env, tmp_path,
     rc, _, err = run_cli(capsys, "ingest", "--no-progress", str(unreadable), str(bad))
     assert rc == 1 and "latin1.txt: unreadable" in err
 
+    empty = tmp_path / "empty.jsonl"  # readable but empty: a problem (1), like an empty .txt
+    empty.write_text("")
+    rc, _, err = run_cli(capsys, "ingest", "--no-progress", str(empty))
+    assert rc == 1 and "empty file" in err
+    assert stats(capsys)["passages"] == 2  # nothing stored was lost along the way
+
 
 def test_folder_ingest_delete_verify_gc(env, tmp_path, capsys):
     docs = tmp_path / "docs"

@@ -148,6 +148,22 @@ def test_malformed_jsonl_lines_are_reported_with_file_and_line(tmp_path):
         list(Reader(strict=True).read([bad]))
 
 
+def test_byte_order_mark_and_empty_files(tmp_path):
+    """A BOM (as some editors write) does not cost the first record; empty inputs are reported alike."""
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + b'{"title": "A", "text": "Alpha text."}\r\n{"title": "B", "text": "Beta."}\r\n')
+    md = tmp_path / "note.md"
+    md.write_bytes("\ufeff# Heading\nBody text.".encode())
+    empties = [tmp_path / "empty.jsonl", tmp_path / "empty.txt", tmp_path / "empty.json"]
+    empties[0].write_text("\n\n")
+    empties[1].write_text("")
+    empties[2].write_text("[]")
+    reader = Reader()
+    docs = list(reader.read([bom, md, *empties]))
+    assert [d.title for d in docs] == ["A", "B", "Heading"]
+    assert [e.split(": ")[0] for e in reader.errors] == [str(p) for p in empties]
+
+
 # ---------------------------------------------------------------------------- pipeline
 def test_ingest_retrieve_and_blend_from_stored_caches(tmp_path, stack):
     paths = write_fixture_corpus(tmp_path / "in")
