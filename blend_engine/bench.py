@@ -239,6 +239,16 @@ def _print_quality(title: str, table: dict) -> None:
         print(f"{name:<36} {m['f1_vs_full']:>10.3f}{at} {m['gold_f1']:>8.3f} {m['kl']:>7.3f} {m['n']:>4}")
 
 
+def _ratios(spec: str) -> list[float]:
+    try:
+        ratios = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--ratios must be a comma list of numbers, not {spec!r}") from None
+    if not ratios or any(not 0 <= r <= 1 for r in ratios):
+        raise SystemExit(f"--ratios must list ratios within [0, 1], not {spec!r}")
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and questions")
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speed-variants", default=None,
                     help="comma list of ablation name parts also timed as blend@0.15 in the speed part")
     ap.add_argument("--sizes", default="1000,2000,4000", help="target context tokens of the speed part")
+    ap.add_argument("--ratios", default="0.05,0.15,0.30", help="blend ratios of the quality part")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,quality,ablation")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -259,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     random.seed(0)
     skip = set(filter(None, args.skip.split(",")))
+    ratios = _ratios(args.ratios)  # before the model: a bad list fails fast
     n_q = args.questions or (8 if args.quick else 20)
     n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
     rows = load_questions(args.data, max(60, n_q, first + n_a))  # before the model: a bad file fails fast
@@ -277,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         result["speed"] = [r.__dict__ for r in speed]
     if "quality" not in skip:
         variants = {"full_reuse": ("full_reuse", None, None)}
-        variants |= {f"blend@{r:.2f}": ("blend", r, None) for r in (0.05, 0.15, 0.30)}
+        variants |= {f"blend@{r:.2f}": ("blend", r, None) for r in ratios}
         result["quality"] = bench_quality(engine, rows[:n_q], variants, 32)
         _print_quality(f"Answer quality on {n_q} {args.data.name} questions (all paragraphs as passages)", result["quality"])
     if "ablation" not in skip:

@@ -170,3 +170,12 @@ def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypa
     rotations = [cases["prefix_cache (shuffled)"](i).passages for i in range(len(ctx.passages) - 1)]
     assert len(set(rotations)) == len(rotations) and ctx.passages not in rotations
     assert all(sorted(r) == sorted(ctx.passages) for r in rotations)
+
+
+@pytest.mark.parametrize("spec", ["0.15,2", "abc", ""])
+def test_engine_bench_refuses_bad_ratios_before_loading_the_model(spec, monkeypatch):
+    from blend_engine import bench
+
+    monkeypatch.setattr(bench.ModelRunner, "load", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit, match="--ratios"):
+        bench.main(["--ratios", spec, "--skip", "speed,ablation"])
