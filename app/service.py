@@ -74,7 +74,7 @@ class QueryOutcome:
     ttft_ms: float
     total_ms: float
     queue_ms: float
-    store_ms: float = 0.0
+    store_ms: float
 
     def response(self) -> QueryResponse:
         r = self.report

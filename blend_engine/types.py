@@ -148,4 +148,4 @@ class BlendResult:
     report: BlendReport
     ttft_ms: float
     total_ms: float  # prefill and decoding: the answer is complete
-    store_ms: float = 0.0  # after the answer: storing the KV of passages that missed the cache
+    store_ms: float  # after the answer: storing the KV of passages that missed the cache

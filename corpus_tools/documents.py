@@ -140,6 +140,9 @@ class Reader:
             self._error(f"{path}: unreadable: {exc}")
             return
         self.files += 1
+        if not content.strip():
+            self._error(f"{path}: empty file")
+            return
         if suffix in TEXT_SUFFIXES:
             yield from self._text_file(path, rel, content)
         elif suffix in JSONL_SUFFIXES:
@@ -148,9 +151,6 @@ class Reader:
             yield from self._json(path, content)
 
     def _text_file(self, path: Path, rel: str, content: str) -> Iterator[Document]:
-        if not content.strip():
-            self._error(f"{path}: empty file")
-            return
         title = path.stem
         first = content.lstrip().splitlines()[0].strip()
         if path.suffix.lower() in (".md", ".markdown") and first.startswith("#"):
@@ -158,9 +158,6 @@ class Reader:
         yield Document(text=content, title=title, doc_id=rel, source=f"file:{path.suffix.lower().lstrip('.')}")
 
     def _jsonl(self, path: Path, content: str) -> Iterator[Document]:
-        if not content.strip():
-            self._error(f"{path}: empty file")
-            return
         for lineno, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import sqlite3
 
 import pytest
 import torch
@@ -170,57 +171,50 @@ def test_concurrent_writers_in_two_processes_leave_one_valid_entry(tmp_path):
     assert [p.name for p in tmp_path.glob("chunks/*/*")] == [store.path("same").name]
 
 
+class _LockedIndex:
+    """A SQLite connection whose switch to WAL fails with "database is locked" `fails` times."""
+
+    def __init__(self, db, fails: float) -> None:
+        self.db, self.fails, self.tries = db, fails, 0
+
+    def execute(self, query, *args):
+        if query.startswith("PRAGMA journal_mode"):
+            self.tries += 1
+            if self.tries <= self.fails:
+                raise sqlite3.OperationalError("database is locked")
+        return self.db.execute(query, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def _lock_index(monkeypatch, fails: float) -> list[_LockedIndex]:
+    """Make every new index connection fail its WAL switch `fails` times; returns the connections."""
+    from blend_engine.kv_store import disk as disk_mod
+
+    real_connect, opened = sqlite3.connect, []
+
+    def connect(*a, **k):
+        opened.append(_LockedIndex(real_connect(*a, **k), fails))
+        return opened[-1]
+
+    monkeypatch.setattr(disk_mod.sqlite3, "connect", connect)
+    return opened
+
+
 def test_index_set_up_retries_while_another_process_holds_the_database(tmp_path, monkeypatch):
     """Switching to WAL can fail at once with "database is locked" while another process opens the
     same index (seen in CI with two writers); opening must retry instead of failing the store."""
-    import sqlite3
-
-    from blend_engine.kv_store import disk as disk_mod
-
-    real_connect = sqlite3.connect
-
-    class LockedTwice:
-        def __init__(self, db):
-            self.db, self.fails = db, 2
-
-        def execute(self, query, *args):
-            if query.startswith("PRAGMA journal_mode") and self.fails:
-                self.fails -= 1
-                raise sqlite3.OperationalError("database is locked")
-            return self.db.execute(query, *args)
-
-        def __getattr__(self, name):
-            return getattr(self.db, name)
-
-    monkeypatch.setattr(disk_mod.sqlite3, "connect", lambda *a, **k: LockedTwice(real_connect(*a, **k)))
+    opened = _lock_index(monkeypatch, fails=2)
     store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
     assert store.put("a", make_kv(1)) and store.contains("a")
+    assert opened[0].tries == 3
 
 
 def test_index_set_up_gives_up_when_the_database_stays_locked(tmp_path, monkeypatch):
     """A lock that never clears is reported, after the bounded retries, as the SQLite error."""
-    import sqlite3
-
-    from blend_engine.kv_store import disk as disk_mod
-
     store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
-    real_connect = sqlite3.connect
-    tries = []
-
-    class AlwaysLocked:
-        def __init__(self, db):
-            self.db = db
-
-        def execute(self, query, *args):
-            if query.startswith("PRAGMA journal_mode"):
-                tries.append(query)
-                raise sqlite3.OperationalError("database is locked")
-            return self.db.execute(query, *args)
-
-        def __getattr__(self, name):
-            return getattr(self.db, name)
-
-    monkeypatch.setattr(disk_mod.sqlite3, "connect", lambda *a, **k: AlwaysLocked(real_connect(*a, **k)))
+    opened = _lock_index(monkeypatch, fails=float("inf"))
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         store._open_db(attempts=3)
-    assert len(tries) == 3
+    assert opened[0].tries == 3
