@@ -373,11 +373,11 @@ class BlendEngine:
                     sel = _Selection(narrowed, cos_all, sin_all)
             if layer == n_layers - 1:  # only the last position's output is used: it alone attends, to every key
                 q, hidden = q[:, -1:], hidden[-1:]  # [Hq, 1, D], [1, E]
-                out = r.attend(q, K[:, :N], V[:, :N], None)  # [1, Hq*D]
+                out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, pos[-1:], N))  # [1, Hq*D]
             elif sel is None:
-                out = r.attend(q, K[:, :N], V[:, :N], None, causal=True)  # [N, Hq*D]
+                out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, pos, N), causal=True)  # [N, Hq*D]
             else:
-                out = sel.attend(r, q, K, V)  # [S, Hq*D]
+                out = sel.attend(r, q, K, V, layer)  # [S, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [S or N, E]
             sizes.append(N if sel is None else int(sel.pos.numel()))
             t3 = time.perf_counter()
@@ -411,7 +411,8 @@ class BlendEngine:
             q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, 1, D], [H, 1, D], [H, 1, D]
             cache.k[layer][:, p:p + 1] = k
             cache.v[layer][:, p:p + 1] = v
-            out = r.attend(q, cache.k[layer][:, :p + 1], cache.v[layer][:, :p + 1], None)  # [1, Hq*D]
+            window = r.window_mask(layer, torch.tensor([p]), p + 1)  # [1, p+1] or None (full attention)
+            out = r.attend(q, cache.k[layer][:, :p + 1], cache.v[layer][:, :p + 1], window)  # [1, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [1, E]
         cache.length = p + 1
         return r.logits(hidden)[0]  # [V]
@@ -537,10 +538,16 @@ class _Selection:
             mask = torch.zeros(allowed.shape, dtype=cos_all.dtype, device=pos.device)  # [s, hi]
             self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf"))))
 
-    def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-        """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D]."""
-        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], mask) for idx, hi, mask in self._blocks]  # [s, Hq*D] each
+    def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
+        """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D].
+        A sliding-window layer uses the model's window mask per block instead of the causal one."""
+        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], self._mask(r, layer, idx, hi, mask))
+                for idx, hi, mask in self._blocks]  # [s, Hq*D] each
         return torch.cat(outs)  # [S, Hq*D]
+
+    def _mask(self, r: ModelRunner, layer: int, idx: torch.Tensor, hi: int, causal: torch.Tensor) -> torch.Tensor:
+        window = r.window_mask(layer, self.pos[idx], hi)  # [s, hi] or None
+        return causal if window is None else window
 
 
 class _RankSpace:

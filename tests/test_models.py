@@ -1,0 +1,224 @@
+"""Model families: exact against transformers' own forward, blend at ratio 1 == full prefill, the
+sliding window in every mode and in decoding, and clear refusals of what cannot be blended.
+
+Each family is a tiny random config (4 layers, 64 hidden) sharing the real tokenizer; biases and
+norm weights are perturbed so that qkv bias and q/k norms matter. The test prompt is longer than
+every sliding window and every `original_max_position_embeddings` below.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import MemoryStore
+from blend_engine.model import ModelRunner, UnsupportedModel, check_blendable, layer_windows
+from blend_engine.types import BlendPlan
+
+PASSAGES = (
+    "Paris is the capital of France. The Louvre is a museum in Paris.",
+    "Berlin is the capital of Germany. The Spree flows through Berlin.",
+    "The Rhine flows through Basel, Strasbourg and Cologne before reaching the North Sea.",
+    "Mount Blanc is the highest mountain in the Alps, on the border of France and Italy.",
+)
+QUESTION = "Which river flows through Berlin?"
+WINDOW = 24  # sliding window, tokens
+ORIGINAL_MAX = 64  # original_max_position_embeddings of the scaled RoPE types
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024)
+
+FAMILIES = {
+    "llama": lambda v: LlamaForCausalLM(LlamaConfig(vocab_size=v, **_COMMON)),
+    "llama3-rope": lambda v: LlamaForCausalLM(LlamaConfig(vocab_size=v, **_COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_MAX})),
+    "linear-rope": lambda v: LlamaForCausalLM(LlamaConfig(vocab_size=v, **_COMMON, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+    "yarn-rope": lambda v: LlamaForCausalLM(LlamaConfig(vocab_size=v, **{**_COMMON, "max_position_embeddings": 256},
+                                                        rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": ORIGINAL_MAX})),
+    "mistral-window": lambda v: MistralForCausalLM(MistralConfig(vocab_size=v, **_COMMON, sliding_window=WINDOW)),
+    "qwen2": lambda v: Qwen2ForCausalLM(Qwen2Config(vocab_size=v, **_COMMON)),
+    "qwen2-window-mixed": lambda v: Qwen2ForCausalLM(Qwen2Config(vocab_size=v, **_COMMON, use_sliding_window=True,
+                                                                 sliding_window=WINDOW, max_window_layers=2)),
+    "qwen3": lambda v: Qwen3ForCausalLM(Qwen3Config(vocab_size=v, **_COMMON, head_dim=32)),
+}
+
+
+def perturb(model: torch.nn.Module) -> torch.nn.Module:
+    """Random biases and norm weights (initialised to 0 and 1), so that they matter in the checks."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(real_runner):
+    return real_runner.tokenizer
+
+
+def make_engine(family: str, tokenizer) -> BlendEngine:
+    torch.manual_seed(0)
+    runner = ModelRunner(perturb(FAMILIES[family](len(tokenizer))), tokenizer, f"tiny-{family}")
+    return BlendEngine(runner, MemoryStore(1 << 30, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_engine(request, tokenizer) -> BlendEngine:
+    return make_engine(request.param, tokenizer)
+
+
+def _hf_last_logits(engine: BlendEngine, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return engine.runner.model(torch.tensor([ids])).logits[0, -1]  # [V]
+
+
+def test_prompt_is_longer_than_every_window_and_original_context(family_engine):
+    n = family_engine.layout(BlendPlan(PASSAGES, QUESTION)).n_tokens
+    assert n > 2 * WINDOW and n > ORIGINAL_MAX
+
+
+def test_full_prefill_matches_transformers_forward(family_engine):
+    state = family_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    ref = _hf_last_logits(family_engine, state.layout.token_ids())
+    assert (state.logits - ref).abs().max().item() < 1e-4
+
+
+def test_blend_at_ratio_one_equals_full_prefill(family_engine):
+    for p in PASSAGES:
+        family_engine.ensure_cached(p)
+    full = family_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    blend = family_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=1.0))
+    assert blend.report.cache_hits >= len(PASSAGES)
+    assert (blend.logits - full.logits).abs().max().item() < 1e-4
+
+
+def test_decoding_matches_transformers_past_the_window(family_engine):
+    """decode_step after a prefill: each new token's logits equal transformers' over the whole sequence."""
+    state = family_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"), max_new_tokens=3)
+    ids = state.layout.token_ids()
+    for tok in family_engine.runner.encode(" Spree river")[:3]:
+        ours = family_engine.decode_step(state.cache, tok)
+        ids.append(tok)
+        assert (ours - _hf_last_logits(family_engine, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window-mixed"])
+def test_window_applies_in_full_reuse_and_precompute(family, tokenizer):
+    """full_reuse over an exact cached system prefix (precomputed alone, longer than the window) and
+    passages that missed (recomputed in context through the selection path) is exactly full prefill."""
+    engine = make_engine(family, tokenizer)
+    plan = BlendPlan(PASSAGES, QUESTION, mode="full_reuse")
+    sys_ids = engine.layout(plan).segments[0].token_ids
+    assert len(sys_ids) > WINDOW
+    engine.store.put(engine.key_of(sys_ids), engine.precompute(sys_ids))
+    reuse = engine.prefill(plan)
+    assert reuse.report.cache_hits == 1 and reuse.report.cache_misses == len(PASSAGES)
+    ref = _hf_last_logits(engine, reuse.layout.token_ids())
+    assert (reuse.logits - ref).abs().max().item() < 1e-4
+
+
+def test_sliding_window_per_layer():
+    mistral = MistralConfig(num_hidden_layers=3, sliding_window=7)
+    qwen = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=9, max_window_layers=2)
+    assert layer_windows(mistral) == (7, 7, 7)
+    assert layer_windows(qwen) == (None, None, 9, 9)
+    assert layer_windows(Qwen2Config(num_hidden_layers=2)) == (None, None)  # use_sliding_window off
+
+
+def test_rope_tables_are_private_and_stable_across_threads(tokenizer):
+    """Our inv_freq is a copy fixed at load time: threads computing tables for different lengths
+    all get the single-threaded answer, and the model's own buffer is not the one we use."""
+    engine = make_engine("yarn-rope", tokenizer)
+    r = engine.runner
+    assert r._inv_freq.data_ptr() != r.model.model.rotary_emb.inv_freq.data_ptr()
+    expected = {n: r.rope(torch.arange(n)) for n in (8, 200)}
+    bad: list[int] = []
+
+    def work(n: int) -> None:
+        for _ in range(20):
+            cos, sin = r.rope(torch.arange(n))
+            if not (torch.equal(cos, expected[n][0]) and torch.equal(sin, expected[n][1])):
+                bad.append(n)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in (8, 200, 8, 200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+# ---------------------------------------------------------------------- refusals (config level)
+def _cfg(model_type: str, **kw):
+    return AutoConfig.for_model(model_type, **kw)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (lambda: LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+         "RoPE type 'dynamic'.*change with the sequence"),
+        (lambda: _cfg("phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                               "short_factor": [1.0] * 48, "long_factor": [2.0] * 48,
+                                               "original_max_position_embeddings": 4096}),
+         "'phi3'.*fused qkv_proj"),
+        (lambda: LlamaConfig(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 64,
+                                              "long_factor": [2.0] * 64, "original_max_position_embeddings": 4096}),
+         "RoPE type 'longrope'"),
+        (lambda: _cfg("gemma2"), "'gemma2'.*soft-capping"),
+        (lambda: _cfg("gemma"), "'gemma'.*RMSNorm"),
+        (lambda: _cfg("mixtral"), "'mixtral'.*mixture-of-experts"),
+        (lambda: _cfg("qwen3_moe"), "'qwen3_moe'.*mixture-of-experts"),
+        (lambda: _cfg("deepseek_v3"), "'deepseek_v3'.*latent attention"),
+        (lambda: _cfg("gpt2"), "unsupported architecture 'gpt2'"),
+    ],
+)
+def test_unblendable_checkpoints_are_refused_with_type_and_reason(config, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        check_blendable(config())
+
+
+def test_generic_checks_catch_moe_and_softcapping_on_a_supported_type():
+    cfg = Qwen2Config()
+    cfg.num_experts = 8
+    with pytest.raises(UnsupportedModel, match="mixture-of-experts"):
+        check_blendable(cfg)
+    cfg = LlamaConfig()
+    cfg.attn_logit_softcapping = 50.0
+    with pytest.raises(UnsupportedModel, match="attn_logit_softcapping"):
+        check_blendable(cfg)
+
+
+def test_refusal_stops_loading_a_checkpoint_folder(tmp_path):
+    """The start path: a folder whose config cannot be blended fails before any weight is read."""
+    from blend_engine.model import _load_hf
+
+    LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match="dynamic"):
+        _load_hf(str(tmp_path), torch.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "linear-rope", "yarn-rope", "mistral-window", "qwen2",
+                                    "qwen3"])
+def test_supported_families_pass_the_check(family):
+    check_blendable(FAMILIES[family](64).config)
