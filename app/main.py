@@ -38,6 +38,7 @@ from app.schemas import (
     IngestRequest,
     IngestResponse,
     InlineDocument,
+    QueryExplainedResponse,
     QueryRequest,
     QueryResponse,
     Readiness,
@@ -193,7 +194,7 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body.model_dump())
 
 
-@api.post("/v1/query", response_model=QueryResponse,
+@api.post("/v1/query", response_model=QueryExplainedResponse | QueryResponse,
           responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
                      400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
 async def query(req: QueryRequest, request: Request):
@@ -205,6 +206,7 @@ async def query(req: QueryRequest, request: Request):
         documents=tuple(req.documents) if req.documents is not None else None,
         mode=Mode.parse(req.mode or s.default_mode), recompute_ratio=_ratio(req.recompute_ratio, s),
         gen=_gen_config(req.max_tokens, req.temperature),
+        explain=req.explain, explain_max_tokens=s.explain_max_tokens,
     )
     if not req.stream:
         stack = svc.require_stack()
@@ -250,6 +252,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         mode=Mode.parse(req.mode or s.default_mode), recompute_ratio=_ratio(req.recompute_ratio, s),
         gen=_gen_config(max_tokens, req.temperature or 0.0, req.top_p or 1.0, stop, req.seed),
         system_prompt=system or None,
+        explain=req.explain, explain_max_tokens=s.explain_max_tokens,
     )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -363,7 +366,10 @@ def _usage(outcome: QueryOutcome) -> Usage:
 
 def _blend_extra(outcome: QueryOutcome) -> dict:
     r = outcome.response()
-    return {"mode": r.mode, "timings": r.timings.model_dump(), "stats": r.stats.model_dump()}
+    extra = {"mode": r.mode, "timings": r.timings.model_dump(), "stats": r.stats.model_dump()}
+    if isinstance(r, QueryExplainedResponse):
+        extra["explain"] = r.explain.model_dump()
+    return extra
 
 
 def _endpoint(request: Request) -> str:

@@ -47,6 +47,8 @@ class QueryRequest(BaseModel):
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
     stream: bool = False
+    explain: bool = Field(False, description="add `explain`: per passage token, recomputed or not, its check-layer "
+                                             "score, and the passage's cache hit/miss and tier (see docs/api.md)")
 
     _question_not_blank = field_validator("question")(_not_blank)
 
@@ -84,6 +86,68 @@ class QueryResponse(BaseModel):
     finish_reason: str
     timings: Timings
     stats: QueryStats
+
+
+CacheStatus = Literal["hit", "miss", "off"]
+
+
+class SystemExplain(BaseModel):
+    """The chat template's system prefix (cached alone at position 0; exact, so blend never recomputes it)."""
+
+    n_tokens: int
+    recomputed_tokens: int
+    cache: CacheStatus
+    tier: str | None = None
+
+
+class PassageExplain(BaseModel):
+    """One passage, in prompt order (the same order as `passages`). `tokens`, `recomputed` and
+    `scores` are aligned and hold the first `len(tokens)` of `n_tokens` tokens (fewer when the
+    request's explain budget ran out: `truncated`); the counts always cover every token."""
+
+    index: int = Field(description="position in `passages`")
+    id: str
+    title: str
+    n_tokens: int
+    recomputed_tokens: int = Field(description="tokens in the final recomputed set, over all n_tokens")
+    cache: CacheStatus = Field(description="hit: KV loaded; miss: recomputed whole; off: this mode loads nothing")
+    tier: str | None = Field(None, description="the store tier that held the KV (hits): memory, disk, redis, prefix")
+    tokens: list[str] = Field(description="token text pieces; joined they give the passage text")
+    recomputed: list[bool]
+    scores: list[float | None] = Field(description="check-layer score that ranked the token; null when it did "
+                                                   "not compete (mode, or the passage missed)")
+    truncated: bool = False
+
+
+class QuestionExplain(BaseModel):
+    """The question and the chat template's suffix: never cached, always recomputed."""
+
+    n_tokens: int
+    recomputed_tokens: int
+    tokens: list[str]
+    recomputed: list[bool]
+    truncated: bool = False
+
+
+class Explain(BaseModel):
+    """`system.recomputed_tokens + passage_recomputed_tokens + question.recomputed_tokens ==
+    stats.recomputed_tokens`, cut or not."""
+
+    check_layer: int | None = Field(description="blend's check layer; null in modes that rank nothing")
+    metric: str = Field(description="what a score is, e.g. 'k deviation x question attention'")
+    max_tokens: int = Field(description="BLENDSERVE_EXPLAIN_MAX_TOKENS: tokens listed at most, in prompt order")
+    explained_tokens: int = Field(description="tokens listed (passages and question)")
+    truncated: bool = Field(description="true when some tokens were not listed")
+    passage_recomputed_tokens: int
+    system: SystemExplain
+    passages: list[PassageExplain]
+    question: QuestionExplain
+
+
+class QueryExplainedResponse(QueryResponse):
+    """The response to `explain: true`."""
+
+    explain: Explain
 
 
 # ====================================================================== documents
@@ -142,7 +206,7 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     """OpenAI's shape; unknown OpenAI fields are accepted and ignored. Blend extras may be sent
-    with the client's `extra_body`: top_k, documents, mode, recompute_ratio."""
+    with the client's `extra_body`: top_k, documents, mode, recompute_ratio, explain."""
 
     model_config = ConfigDict(extra="ignore", **_REQUEST)
 
@@ -162,6 +226,7 @@ class ChatCompletionRequest(BaseModel):
     documents: list[InlineDocument] | None = Field(None, min_length=1)
     mode: ModeName | None = None
     recompute_ratio: float | None = Field(None, ge=0, le=1)
+    explain: bool = Field(False, description="add `blend.explain` (see /v1/query)")
 
 
 class ChatChoiceMessage(BaseModel):

@@ -10,8 +10,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.schemas import InlineDocument, PassageOut, QueryResponse, QueryStats, Timings
+from app.schemas import (
+    Explain,
+    InlineDocument,
+    PassageExplain,
+    PassageOut,
+    QueryExplainedResponse,
+    QueryResponse,
+    QueryStats,
+    QuestionExplain,
+    SystemExplain,
+    Timings,
+)
 from app.worker import Cancelled, EngineWorker, Job
+from blend_engine.explain import Explanation, SegmentExplanation, token_pieces
 from blend_engine.layout import format_passage
 from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
 
@@ -61,6 +73,8 @@ class QuerySpec:
     recompute_ratio: float | None
     gen: GenerationConfig
     system_prompt: str | None = None
+    explain: bool = False
+    explain_max_tokens: int = 4096
 
 
 @dataclass
@@ -75,10 +89,13 @@ class QueryOutcome:
     total_ms: float
     queue_ms: float
     store_ms: float
+    explain: Explain | None = None
 
     def response(self) -> QueryResponse:
         r = self.report
-        return QueryResponse(
+        extra = {"explain": self.explain} if self.explain is not None else {}
+        return (QueryExplainedResponse if extra else QueryResponse)(
+            **extra,
             answer=self.answer,
             passages=self.passages,
             mode=r.mode,
@@ -131,7 +148,7 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         texts, passages = _passages(stack, spec)
         retrieval_ms = (time.perf_counter() - t0) * 1e3
         plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=spec.mode,
-                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt)
+                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain)
         generation = stack.engine.generate(plan, spec.gen)
         it = iter(generation)
         try:
@@ -158,6 +175,44 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         total_ms=retrieval_ms + result.total_ms,
         queue_ms=job.queue_ms,
         store_ms=result.store_ms,
+        explain=(explain_response(stack.engine.runner.tokenizer, result.explanation, passages, spec.explain_max_tokens)
+                 if result.explanation is not None else None),
+    )
+
+
+def explain_response(tokenizer, ex: Explanation, passages: list[PassageOut], max_tokens: int) -> Explain:
+    """The engine's explanation as the API shows it: token text pieces, at most `max_tokens` listed
+    (passages then the question, in prompt order); counts always cover every token."""
+    sys_seg, *middle, q_seg = ex.segments
+    budget = max_tokens
+
+    def take(seg: SegmentExplanation) -> int:
+        nonlocal budget
+        n = min(len(seg.token_ids), budget)
+        budget -= n
+        return n
+
+    out = []
+    for i, (seg, meta) in enumerate(zip(middle, passages)):
+        n = take(seg)
+        out.append(PassageExplain(
+            index=i, id=meta.id, title=meta.title, n_tokens=len(seg.token_ids),
+            recomputed_tokens=seg.recomputed_tokens, cache=seg.cache, tier=seg.tier,
+            tokens=token_pieces(tokenizer, seg.token_ids[:n]), recomputed=list(seg.recomputed[:n]),
+            scores=[None if s is None else float(f"{s:.5g}") for s in seg.scores[:n]],
+            truncated=n < len(seg.token_ids),
+        ))
+    nq = take(q_seg)
+    question = QuestionExplain(n_tokens=len(q_seg.token_ids), recomputed_tokens=q_seg.recomputed_tokens,
+                               tokens=token_pieces(tokenizer, q_seg.token_ids[:nq]),
+                               recomputed=list(q_seg.recomputed[:nq]), truncated=nq < len(q_seg.token_ids))
+    return Explain(
+        check_layer=ex.check_layer, metric=ex.metric, max_tokens=max_tokens, explained_tokens=max_tokens - budget,
+        truncated=any(p.truncated for p in out) or question.truncated,
+        passage_recomputed_tokens=sum(p.recomputed_tokens for p in out),
+        system=SystemExplain(n_tokens=len(sys_seg.token_ids), recomputed_tokens=sys_seg.recomputed_tokens,
+                             cache=sys_seg.cache, tier=sys_seg.tier),
+        passages=out, question=question,
     )
 
 

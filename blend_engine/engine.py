@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from blend_engine.explain import Explanation, ScoreProbe, build_explanation, tier_of
 from blend_engine.keys import chain_key, chunk_key, store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore, MemoryStore
 from blend_engine.kv_store.loader import LayerLoader, LoadTrace
@@ -93,6 +94,7 @@ class PrefillState:
     report: BlendReport
     layout: PromptLayout
     missing: list[int]  # segment indices whose alone-KV should be stored after answering
+    explanation: Explanation | None = None  # only when the plan asked for it
 
 
 @dataclass
@@ -219,6 +221,8 @@ class BlendEngine:
             sel0 = torch.cat(uncached).to(ids.device)  # [S]
             stream_store = self.store
         full_upto = policy.check_layer if plan.mode is Mode.BLEND else None
+        probe = ScoreProbe() if plan.explain else None
+        tiers = {k: tier_of(stream_store, k) for _, k in cached} if plan.explain else {}  # before loading promotes
         stream = None
         if cached:
             repair = self._repairer({k: s for s, k in cached}, plan.mode is Mode.PREFIX_CACHE)
@@ -228,7 +232,7 @@ class BlendEngine:
             cache, last_hidden, per_layer = self._run_layers(
                 ids, [s for s, _ in cached], stream, sel0 if plan.mode is not Mode.BLEND else None,
                 max_new_tokens, ratio, timer, full_upto=full_upto, policy=policy, layout=layout,
-                rotate=plan.mode is not Mode.PREFIX_CACHE,
+                rotate=plan.mode is not Mode.PREFIX_CACHE, probe=probe,
             )
         finally:
             if stream is not None:
@@ -260,7 +264,29 @@ class BlendEngine:
         )
         if self.controller is not None and plan.mode is Mode.BLEND and cached:
             self.controller.observe(report, self._bytes_per_layer(sum(len(s.token_ids) for s, _ in cached)))
-        return PrefillState(cache, logits, report, layout, missing)
+        explanation = None
+        if probe is not None:
+            explanation = self._explain(plan, layout, final_sel, probe, cached, tiers, trace, full_upto, policy)
+        return PrefillState(cache, logits, report, layout, missing, explanation)
+
+    @staticmethod
+    def _explain(plan: BlendPlan, layout: PromptLayout, final: list[int], probe: ScoreProbe,
+                 cached: list[tuple[Segment, str]], tiers: dict[str, str | None], trace: LoadTrace,
+                 check_layer: int | None, policy: SelectionPolicy) -> Explanation:
+        """Per segment: recomputed flags, check-layer scores (one host copy), cache status and tier."""
+        loaded = {s.offset: k for s, k in cached if k not in trace.repaired}
+        status: list[tuple[str, str | None]] = []
+        for seg in layout.segments:
+            if seg.kind == "question" or plan.mode is Mode.FULL_PREFILL:
+                status.append(("off", None))
+            elif seg.offset in loaded:
+                status.append(("hit", tiers.get(loaded[seg.offset])))
+            else:
+                status.append(("miss", None))
+        metric = "none"
+        if check_layer is not None and policy.use_deviation:
+            metric = f"{policy.metric} deviation" + (" x question attention" if policy.query_weighted else "")
+        return build_explanation(layout, final, probe.to_host(), status, check_layer, metric)
 
     def _repairer(self, seg_of_key: dict[str, Segment], in_context: bool):
         def repair(key: str) -> ChunkKV:
@@ -315,6 +341,7 @@ class BlendEngine:
         policy: SelectionPolicy | None = None,
         layout: PromptLayout | None = None,
         rotate: bool = True,
+        probe: ScoreProbe | None = None,
     ) -> tuple[KVCache, torch.Tensor, tuple[list[int], list[int], list[float]]]:
         """Run every layer once.
 
@@ -336,7 +363,7 @@ class BlendEngine:
         cos_all, sin_all = r.rope(pos)  # [N, D] each
         sel = None if fixed_sel is None else _Selection(fixed_sel, cos_all, sin_all)  # None = all tokens
         hidden = r.embed(ids if sel is None else ids[sel.pos])  # [N or S, E]
-        ranked = _RankSpace(layout, cached, r.scaling, ids.device) if full_upto is not None else None
+        ranked = _RankSpace(layout, cached, r.scaling, ids.device, probe) if full_upto is not None else None
         schedule = dict(policy.schedule) if policy is not None else {}
         sizes: list[int] = []
         layer_times: list[float] = []
@@ -481,6 +508,7 @@ class Generation:
             ttft_ms=self.ttft_ms if self.ttft_ms is not None else total_ms,
             total_ms=total_ms,
             store_ms=store_ms,
+            explanation=state.explanation,
         )
 
 
@@ -561,9 +589,10 @@ class _RankSpace:
     """
 
     def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", probe: ScoreProbe | None = None) -> None:
         self.scale = scale
         self.device = device
+        self.probe = probe  # explain: keeps the check layer's scores (device tensors, no sync)
         cached_offsets = {s.offset for s in cached}
         compete, always, sinks = [], [], []
         for seg in layout.segments:
@@ -600,6 +629,8 @@ class _RankSpace:
             score = _deviation(k[:, rows], v[:, rows], K[:, cand], V[:, cand], policy.metric)  # [P']
             if policy.query_weighted:
                 score = score * self._attention_mass(q, k, K, current)[cand]  # [P']
+            if self.probe is not None and current is None:
+                self.probe.record(cand, score)
             chosen = cand[torch.topk(score, min(n_keep, len(cand))).indices]
         out = torch.unique(torch.cat([chosen, *forced]))  # sorted
         if current is not None:

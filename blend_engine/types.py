@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blend_engine.explain import Explanation
 
 
 class Mode(str, Enum):
@@ -97,6 +101,7 @@ class BlendPlan:
     recompute_ratio: float | None = None
     system_prompt: str | None = None
     policy: SelectionPolicy | None = None
+    explain: bool = False  # record per-token choices (`BlendResult.explanation`); off costs nothing
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -149,3 +154,4 @@ class BlendResult:
     ttft_ms: float
     total_ms: float  # prefill and decoding: the answer is complete
     store_ms: float  # after the answer: storing the KV of passages that missed the cache
+    explanation: Explanation | None = None  # per-token choices, when the plan asked (`explain`)

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     max_document_chars: int = Field(100_000, ge=1)
     max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
     max_top_k: int = Field(50, ge=1)
+    explain_max_tokens: int = Field(4096, ge=1, description="tokens explained per request (explain=true); "
+                                                            "the rest are counted but not listed")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # storage
     data_dir: Path = Path("data")

@@ -196,6 +196,129 @@ def test_query_stream(client):
     assert final["timings"]["ttft_ms"] <= final["timings"]["total_ms"]
 
 
+# ============================================================================ explain
+def check_explain(body: dict, tokenizer=None) -> dict:
+    """The invariants every explained response keeps; returns body["explain"]."""
+    ex, stats = body["explain"], body["stats"]
+    assert [p["index"] for p in ex["passages"]] == list(range(len(body["passages"])))
+    assert [(p["id"], p["title"]) for p in ex["passages"]] == [(p["id"], p["title"]) for p in body["passages"]]
+    # counted the same way: every prompt position in the final recomputed set
+    assert ex["passage_recomputed_tokens"] == sum(p["recomputed_tokens"] for p in ex["passages"])
+    assert ex["system"]["recomputed_tokens"] + ex["passage_recomputed_tokens"] + ex["question"]["recomputed_tokens"] \
+        == stats["recomputed_tokens"]
+    assert ex["system"]["n_tokens"] + sum(p["n_tokens"] for p in ex["passages"]) + ex["question"]["n_tokens"] \
+        == stats["context_tokens"]
+    listed = sum(len(p["tokens"]) for p in ex["passages"]) + len(ex["question"]["tokens"])
+    assert listed == ex["explained_tokens"] <= ex["max_tokens"]
+    for p in ex["passages"]:
+        assert len(p["tokens"]) == len(p["recomputed"]) == len(p["scores"]) <= p["n_tokens"]
+        assert p["truncated"] == (len(p["tokens"]) < p["n_tokens"])
+        if not p["truncated"]:
+            assert sum(p["recomputed"]) == p["recomputed_tokens"]
+    q = ex["question"]
+    assert all(q["recomputed"]) and q["recomputed_tokens"] == q["n_tokens"]  # always recomputed
+    assert ex["truncated"] == (listed < sum(p["n_tokens"] for p in ex["passages"]) + q["n_tokens"])
+    return ex
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_query_explain(client, mode):
+    from blend_engine.layout import format_passage, passage_text
+
+    r = client.post("/v1/query", json={"question": "What is the capital of France?", "top_k": 3, "mode": mode,
+                                       "max_tokens": 3, "recompute_ratio": 0.2 if mode == "blend" else None,
+                                       "explain": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ex = check_explain(body)
+    assert not ex["truncated"]
+    by_title = {d["title"]: d for d in FIXTURE_DOCS}
+    for p in ex["passages"]:  # the pieces are the passage text as placed in the prompt
+        doc = by_title[p["title"]]
+        assert "".join(p["tokens"]) == passage_text(format_passage(doc["text"], doc["title"]))
+    assert "".join(ex["question"]["tokens"]).count("What is the capital of France?") == 1
+    if mode == "blend":
+        assert ex["check_layer"] == 1 and "deviation" in ex["metric"]
+        assert all(p["cache"] == "hit" and p["tier"] == "memory" for p in ex["passages"])
+        assert all(s is not None and s >= 0 for p in ex["passages"] for s in p["scores"])
+        assert 0 < ex["passage_recomputed_tokens"] < sum(p["n_tokens"] for p in ex["passages"])
+        assert ex["system"]["recomputed_tokens"] == 0 and ex["system"]["cache"] == "hit"
+    else:
+        assert ex["check_layer"] is None and ex["metric"] == "none"
+        assert all(s is None for p in ex["passages"] for s in p["scores"])
+    if mode == "full_prefill":
+        assert {p["cache"] for p in ex["passages"]} == {"off"}
+        assert all(all(p["recomputed"]) for p in ex["passages"])
+    if mode == "full_reuse":
+        assert ex["passage_recomputed_tokens"] == 0
+
+
+def test_explain_is_off_by_default(client):
+    r = client.post("/v1/query", json={"question": "Where is the Louvre?", "top_k": 2, "max_tokens": 2})
+    assert r.status_code == 200 and "explain" not in r.json()
+    r = client.post("/v1/query", json={"question": "Where is the Louvre?", "top_k": 2, "max_tokens": 2,
+                                       "explain": False})
+    assert "explain" not in r.json()
+    assert client.post("/v1/query", json={"question": "q?", "explain": "yes"}).status_code == 422
+
+
+def test_explain_with_a_missed_passage_and_streaming(client):
+    docs = [{"title": "Cached", "text": FIXTURE_DOCS[1]["text"]},
+            {"title": "Fresh", "text": "Explain-stream passage: the Danube flows into the Black Sea."}]
+    r = client.post("/v1/query", json={"question": "Where does the Danube flow?", "max_tokens": 4, "stream": True,
+                                       "documents": docs, "mode": "blend", "recompute_ratio": 0.15, "explain": True})
+    events = sse_events(r.text)
+    assert events[-1][0] == "done", r.text
+    body = json.loads(events[-1][1])
+    ex = check_explain(body)
+    fresh = ex["passages"][1]
+    assert fresh["cache"] == "miss" and fresh["tier"] is None and all(fresh["recomputed"])
+    assert all(s is None for s in fresh["scores"])  # it did not compete: recomputed whole
+
+
+def test_explain_cap_cuts_and_says_so(tmp_path, tiny_stack_factory):
+    app = create_app(make_settings(tmp_path / "data", explain_max_tokens=12), tiny_stack_factory)
+    with TestClient(app) as c:
+        wait_ready(c)
+        assert c.post("/v1/documents", json={"documents": FIXTURE_DOCS}).status_code == 201
+        r = c.post("/v1/query", json={"question": "What is the capital of Germany?", "top_k": 3, "max_tokens": 2,
+                                      "recompute_ratio": 0.5, "explain": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        ex = check_explain(body)  # the counts still add up to stats.recomputed_tokens
+        assert ex["truncated"] and ex["max_tokens"] == 12 and ex["explained_tokens"] == 12
+        first = ex["passages"][0]
+        assert first["n_tokens"] > 12 and len(first["tokens"]) == 12 and first["truncated"]
+        assert all(p["tokens"] == [] and p["truncated"] for p in ex["passages"][1:])
+        assert ex["question"]["tokens"] == [] and ex["question"]["truncated"]
+        assert ex["question"]["recomputed_tokens"] == ex["question"]["n_tokens"] > 0
+
+
+def test_chat_explain_in_extra_body(client):
+    from openai import OpenAI
+
+    oa = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    messages = [{"role": "user", "content": "What is the capital of Germany?"}]
+    resp = oa.chat.completions.create(model="blendserve", messages=messages, max_tokens=3,
+                                      extra_body={"top_k": 2, "mode": "blend", "explain": True})
+    blend = resp.model_extra["blend"]
+    check_explain({**blend, "passages": resp.model_extra["passages"]})
+    plain = oa.chat.completions.create(model="blendserve", messages=messages, max_tokens=3, extra_body={"top_k": 2})
+    assert "explain" not in plain.model_extra["blend"]
+
+
+def test_explain_in_the_openapi_schema(client):
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    assert "explain" in schemas["QueryRequest"]["properties"]
+    assert "explain" in schemas["ChatCompletionRequest"]["properties"]
+    assert "explain" in schemas["QueryExplainedResponse"]["properties"]
+    assert {"tokens", "recomputed", "scores", "cache", "tier", "truncated"} <= set(schemas["PassageExplain"]["properties"])
+    ok = spec["paths"]["/v1/query"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    refs = json.dumps(ok)
+    assert "QueryExplainedResponse" in refs and "QueryResponse" in refs
+
+
 def test_prompt_too_long_is_400_naming_sizes(client):
     store = svc(client).stack.store
     entries = store.stats().entries
