@@ -190,7 +190,7 @@ async def readyz(request: Request) -> JSONResponse:
     stack = svc.stack
     index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
     body = Readiness(ready=True, status="ready", model=getattr(stack.engine.runner, "name", svc.settings.model),
-                     index=jsonable_encoder(index), store=jsonable_encoder(store))
+                     index=jsonable_encoder(index), store=jsonable_encoder(store), sync=_sync_status(stack))
     return JSONResponse(body.model_dump())
 
 
@@ -342,6 +342,14 @@ async def metrics(request: Request) -> Response:
 
 
 # ====================================================================== small helpers
+def _sync_status(stack: Stack) -> dict | None:
+    """This replica's index against the passage store: generation, head, lag, the store it follows."""
+    sync = getattr(stack, "sync", None)
+    if sync is None:
+        return None
+    return {**sync.status().as_dict(), "passage_store": stack.pipeline.db.describe(), "vectors": len(sync.index)}
+
+
 def _ratio(requested: float | None, settings: Settings) -> float | None:
     return requested if requested is not None else settings.recompute_ratio
 
@@ -482,6 +490,7 @@ def create_app(settings: Settings | None = None, stack_factory: StackFactory | N
     )
     app.state.svc = AppState(settings, metrics_)
     metrics_.bind_store(lambda: app.state.svc.stack.store if app.state.svc.stack is not None else None)
+    metrics_.bind_sync(lambda: getattr(app.state.svc.stack, "sync", None))
     _install_handlers(app)
     for router in (health, api, docs, ops):
         app.include_router(router)

@@ -49,6 +49,29 @@ class _StoreCollector(Collector):
         yield from (hits, misses, used, entries)
 
 
+class _SyncCollector(Collector):
+    """The replica's FAISS index against the passage store's change log, read at scrape time."""
+
+    def __init__(self, get_sync: Callable[[], object | None]) -> None:
+        self._get_sync = get_sync
+
+    def collect(self) -> Iterable[Metric]:
+        sync = self._get_sync()
+        if sync is None:
+            return
+        st = sync.status()
+        yield GaugeMetricFamily("blendserve_index_generation", "Last passage-store change applied to this "
+                                "replica's index", value=st.generation)
+        yield GaugeMetricFamily("blendserve_index_store_head", "Newest passage-store change seen", value=st.head)
+        yield GaugeMetricFamily("blendserve_index_lag_changes", "Passage-store changes not yet in this replica's "
+                                "index", value=st.lag_changes)
+        yield GaugeMetricFamily("blendserve_index_lag_seconds", "Age of the oldest change not yet in this "
+                                "replica's index", value=st.lag_s)
+        yield GaugeMetricFamily("blendserve_index_vectors", "Vectors in this replica's index", value=len(sync.index))
+        yield GaugeMetricFamily("blendserve_index_sync_ok", "1 when the last change-log poll succeeded",
+                                value=0 if st.error else 1)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -90,6 +113,9 @@ class Metrics:
 
     def bind_store(self, get_store: Callable[[], object | None]) -> None:
         self.registry.register(_StoreCollector(get_store))
+
+    def bind_sync(self, get_sync: Callable[[], object | None]) -> None:
+        self.registry.register(_SyncCollector(get_sync))
 
     def observe_query(self, report: BlendReport, ttft_ms: float, total_ms: float) -> None:
         mode = report.mode

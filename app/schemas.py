@@ -269,4 +269,5 @@ class Readiness(BaseModel):
     model: str | None = None
     index: dict[str, Any] | None = None
     store: dict[str, Any] | None = None
+    sync: dict[str, Any] | None = None  # the index against the passage store's change log (generation, lag)
     error: str | None = None

@@ -49,6 +49,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             stack.close()
             return
         svc.stack = stack
+        stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         sample = settings.sample_corpus
         if settings.ingest_sample_on_start and sample is not None and _is_empty(stack):
             if Path(sample).is_file():

@@ -1,8 +1,9 @@
 """Ingestion: documents -> passages -> (KV cache, embedding, SQLite row, index entry).
 
 Crash safety. Per batch: KV entries are written first (content-keyed, so rewriting is harmless),
-then the rows in one SQLite transaction, then the index is saved atomically. SQLite is the
-source of truth; at start-up `open_index` re-adds vectors the index lacks and drops ones no
+then the rows (with their embeddings and change-log entries) in one passage-store transaction,
+then the index is saved atomically. The passage store (SQLite or PostgreSQL) is the source of
+truth; at start-up `open_index` re-adds vectors the index lacks and drops ones no
 passage owns, so a run killed at any point resumes without duplicates.
 """
 
@@ -26,7 +27,7 @@ from corpus_tools.chunking import chunk_text
 from corpus_tools.documents import Document, resolve_doc_id
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
-from retrieval.passages import PassageDB, PassageRow, passage_id, vec_id_of
+from retrieval.passages import PassageRow, PassageStore, passage_id, vec_id_of
 from retrieval.retriever import embed_text, reconcile
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class VerifyReport:
 class IngestPipeline:
     """Thread-safe: writes (ingest batches, deletes, verify, gc) are serialized by one lock."""
 
-    def __init__(self, engine: BlendEngine, embedder: Embedder, index: VectorIndex, db: PassageDB,
+    def __init__(self, engine: BlendEngine, embedder: Embedder, index: VectorIndex, db: PassageStore,
                  index_dir: Path, chunk_tokens: int = 256, batch_size: int = 32) -> None:
         self.engine = engine
         self.embedder = embedder
@@ -191,13 +192,14 @@ class IngestPipeline:
             vecs = self.embedder.encode([embed_text(r.title, r.text) for r in new_rows])  # [N, dim]
             tally.embed_s += time.perf_counter() - t
             t = time.perf_counter()
-            if new_rows or changed:
-                self.db.upsert(new_rows + changed)  # one transaction
+            inserted: list[str] = []
+            if new_rows or changed:  # one transaction; embeddings stored with the rows, `add`s logged
+                inserted = self.db.upsert(new_rows + changed, dict(zip((r.vec_id for r in new_rows), vecs)))
             if new_rows:
                 self.index.add(np.asarray([r.vec_id for r in new_rows], dtype=np.int64), vecs)
                 self.index.save(self.index_dir)
             tally.index_s += time.perf_counter() - t
-            tally.new += len(new_rows)
+            tally.new += len(inserted)  # another replica may have inserted some of them first
         bar.update(len(batch))
 
     def _cache_one(self, cand: _Candidate, row: PassageRow | None, tally: _Tally) -> PassageRow | None:

@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     memory_cache_mb: int = Field(1024, ge=0)
     disk_cache_mb: int = Field(20480, ge=0)
     redis_url: str | None = None
+    database_url: str | None = Field(None, description="postgresql://... = shared passage store; unset = SQLite "
+                                                        "in data_dir")
+    index_sync_interval_s: float = Field(0.5, gt=0, le=60, description="how often the FAISS index polls the "
+                                                                       "passage store's change log")
     redis_timeout_s: float = Field(0.5, gt=0)
     # model and engine
     model: str = "smollm2-135m-instruct"
@@ -66,10 +70,17 @@ class Settings(BaseSettings):
     ivf_nprobe: int = Field(16, ge=1)
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
-    @field_validator("redis_url", "api_key", mode="before")
+    @field_validator("redis_url", "api_key", "database_url", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (unset = SQLite in the data dir)")
+        return v
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> Settings:

@@ -15,8 +15,9 @@ from corpus_tools.pipeline import IngestPipeline, IngestSummary
 from corpus_tools.settings import Settings
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams
-from retrieval.passages import PassageDB
+from retrieval.passages import open_passage_store
 from retrieval.retriever import Retriever, open_index
+from retrieval.sync import IndexSync
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,18 @@ class Stack:
     engine: BlendEngine
     retriever: Retriever
     pipeline: IngestPipeline
+    sync: IndexSync | None = None
+
+    def start_sync(self) -> IndexSync | None:
+        """Follow the passage store's change log (other replicas', the CLI's ingestions) on a thread."""
+        if self.sync is not None:
+            self.sync.start()
+        return self.sync
 
     def close(self) -> None:
-        """Persist the index, close the passage store and the KV store. Safe to call twice."""
+        """Stop index sync, persist the index, close the passage store and the KV store. Safe to call twice."""
+        if self.sync is not None:
+            self.sync.stop()
         try:
             self.pipeline.index.save(self.pipeline.index_dir)
         except OSError as exc:
@@ -89,13 +99,15 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format))
     engine = build_engine(settings, runner, store)
     embedder = embedder or Embedder(settings.embedder, batch_size=settings.embed_batch_size)
-    db = PassageDB(data_dir / DB_FILE)
+    db = open_passage_store(settings.database_url, data_dir, DB_FILE)
     index, info = open_index(data_dir, db, embedder, index_params(settings))
-    logger.info("index: %d vectors (%s; loaded=%s, reconciled +%d -%d)", len(index), index.kind,
-                info["loaded"], info["added"], info["removed"])
+    logger.info("index: %d vectors (%s; loaded=%s, reconciled +%d -%d; passage store %s at generation %d)",
+                len(index), index.kind, info["loaded"], info["added"], info["removed"], db.describe(),
+                info["generation"])
     retriever = Retriever(embedder, index, db, settings.placement)
     pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size)
-    return Stack(settings, runner, store, engine, retriever, pipeline)
+    sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s)
+    return Stack(settings, runner, store, engine, retriever, pipeline, sync)
 
 
 def ingest_sample_on_first_start(stack: Stack, progress: bool = False) -> IngestSummary | None:

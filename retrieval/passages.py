@@ -1,7 +1,18 @@
-"""Passage store: SQLite (standard library), the source of truth for what is ingested.
+"""Passage store: the source of truth for what is ingested, behind one interface, two backends.
 
-One row per passage: id (content-derived), vector id (its FAISS id), document id, position in
-the document, title, text, source, token count, KV key and ingestion time.
+- `PassageDB`: SQLite (standard library), the embedded default, one file in the data dir.
+- `retrieval.passages_pg.PgPassageStore`: PostgreSQL (psycopg 3), shared by every replica
+  (`BLENDSERVE_DATABASE_URL=postgresql://...`).
+
+Both hold the same tables: `passages` (one row per passage: id (content-derived), vector id (its
+FAISS id), document id, position in the document, title, text, source, token count, KV key,
+ingestion time and its embedding), `passage_changes` (the ingestion change log: one `add` per
+passage inserted, one `del` per passage deleted, numbered in commit order) and `store_meta`
+(the schema version). Every FAISS index follows the change log (`retrieval.sync.IndexSync`).
+
+Writes are serialized (SQLite: BEGIN IMMEDIATE; PostgreSQL: a transaction-scoped advisory lock
+taken before the first log entry), so change sequence numbers are handed out in commit order and a
+follower that has applied every change up to N never sees a later commit with a number <= N.
 """
 
 from __future__ import annotations
@@ -10,28 +21,19 @@ import hashlib
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS passages (
-    id          TEXT PRIMARY KEY,
-    vec_id      INTEGER NOT NULL UNIQUE,
-    doc_id      TEXT NOT NULL,
-    seq         INTEGER NOT NULL,
-    title       TEXT NOT NULL,
-    text        TEXT NOT NULL,
-    source      TEXT NOT NULL,
-    token_count INTEGER NOT NULL,
-    kv_key      TEXT NOT NULL,
-    ingested_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS passages_doc ON passages(doc_id);
-CREATE INDEX IF NOT EXISTS passages_kv ON passages(kv_key);
-"""
+import numpy as np
+
+SCHEMA_VERSION = 2  # 1: passages only (no meta table); 2: + embedding column, change log, store_meta
+
 _COLUMNS = ("id", "vec_id", "doc_id", "seq", "title", "text", "source", "token_count", "kv_key", "ingested_at")
-_UPDATE = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[1:])
+_SELECT = ", ".join(_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,259 @@ class PassageRow:
     ingested_at: float = 0.0
 
 
-class PassageDB:
-    """Thread-safe (one connection, check_same_thread=False, a lock). WAL journal."""
+@dataclass(frozen=True)
+class Change:
+    """One change-log entry: `op` is "add" (passage inserted) or "del" (passage deleted)."""
+    seq: int
+    op: str
+    vec_id: int
+    passage_id: str
+    doc_id: str
+    at: float  # the store's clock, seconds since the epoch
+
+
+@dataclass(frozen=True)
+class StoreHead:
+    """The newest change sequence number (0 when the log is empty) and the store's clock now."""
+    seq: int
+    now: float
+
+
+class PassageConflict(RuntimeError):
+    """A write broke a uniqueness rule (a vec_id owned by another passage); nothing was written."""
+
+
+class SchemaTooNew(RuntimeError):
+    """The store was written by a newer Blendserve: refuse to start rather than misread it."""
+
+    def __init__(self, found: int, supported: int = SCHEMA_VERSION, where: str = "") -> None:
+        super().__init__(f"passage store{' ' + where if where else ''} has schema version {found}, newer than "
+                         f"this build supports ({supported}); upgrade Blendserve on this replica (or point it at "
+                         f"another store)")
+        self.found = found
+        self.supported = supported
+
+
+def vector_bytes(vec: np.ndarray) -> bytes:
+    return np.ascontiguousarray(vec, dtype="<f4").tobytes()
+
+
+def vector_from(data: bytes | memoryview | None) -> np.ndarray | None:
+    return None if data is None else np.frombuffer(bytes(data), dtype="<f4").copy()
+
+
+class PassageStore(ABC):
+    """What ingestion, retrieval and index sync need from a passage store. Thread-safe.
+
+    Subclasses provide a transaction (`_write`) and one-statement reads (`_fetch`) with `?`
+    placeholders; the SQL below is common to SQLite and PostgreSQL."""
+
+    backend = "abstract"
+    _NOW = ""  # SQL for the store's clock in seconds since the epoch (change-log times, lag)
+
+    # ------------------------------------------------------------------ backend hooks
+    @abstractmethod
+    def _fetch(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        """Run one read statement; all rows as tuples."""
+
+    @abstractmethod
+    @contextmanager
+    def _write(self) -> Iterator[Any]:
+        """A serialized write transaction; yields `ex(sql, args)` / `ex.many(sql, seq)` runner."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def schema_version(self) -> int: ...
+
+    def describe(self) -> str:
+        """Where the store lives, without credentials (for logs and /readyz)."""
+        return self.backend
+
+    # ------------------------------------------------------------------ writes (one transaction each)
+    def upsert(self, rows: Sequence[PassageRow], vectors: Mapping[int, np.ndarray] | None = None) -> list[str]:
+        """Insert or update rows (by id) in one transaction: all of them are stored, or none.
+
+        `vectors` maps vec_id -> embedding [dim] (stored with the row). Each row inserted (not
+        updated) gets an `add` change. Returns the ids inserted. A vec_id owned by another
+        passage is an integrity error, never a silent replace."""
+        if not rows:
+            return []
+        vectors = vectors or {}
+        now = time.time()
+        with self._write() as ex:
+            present = self._ids_present(ex, [r.id for r in rows])
+            new = [r for r in rows if r.id not in present]
+            old = [r for r in rows if r.id in present]
+            if new:
+                ex.many(f"INSERT INTO passages ({_SELECT}, embedding) VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})",
+                        [self._values(r, now) + (self._blob(vectors.get(r.vec_id)),) for r in new])
+                self._log(ex, "add", new)
+            if old:
+                sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
+                ex.many(f"UPDATE passages SET {sets}, embedding = COALESCE(?, embedding) WHERE id = ?",
+                        [self._values(r, now)[1:] + (self._blob(vectors.get(r.vec_id)), r.id) for r in old])
+        return [r.id for r in new]
+
+    def _log(self, ex, op: str, rows: Sequence[PassageRow]) -> None:
+        """Change-log entries for `rows`, inside the caller's write transaction (store clock)."""
+        ex.many(f"INSERT INTO passage_changes (op, vec_id, passage_id, doc_id, at) VALUES (?, ?, ?, ?, {self._NOW})",
+                [(op, r.vec_id, r.id, r.doc_id) for r in rows])
+
+    def _ids_present(self, ex, ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for part in _parts(list(ids)):
+            found.update(r[0] for r in ex(f"SELECT id FROM passages WHERE id IN ({_marks(part)})", part))
+        return found
+
+    @staticmethod
+    def _values(r: PassageRow, now: float) -> tuple:
+        return tuple(getattr(r, c) for c in _COLUMNS[:-1]) + (r.ingested_at or now,)
+
+    def _blob(self, vec: np.ndarray | None) -> Any:
+        return None if vec is None else vector_bytes(vec)
+
+    def set_kv(self, passage_id: str, kv_key: str, token_count: int) -> None:
+        with self._write() as ex:
+            ex("UPDATE passages SET kv_key = ?, token_count = ? WHERE id = ?", (kv_key, token_count, passage_id))
+
+    def set_vectors(self, vectors: Mapping[int, np.ndarray]) -> None:
+        """Store embeddings of rows that lack one (rows from schema version 1); no change entry."""
+        if not vectors:
+            return
+        with self._write() as ex:
+            ex.many("UPDATE passages SET embedding = ? WHERE vec_id = ?",
+                    [(self._blob(v), int(k)) for k, v in vectors.items()])
+
+    def delete_document(self, doc_id: str) -> list[PassageRow]:
+        """Remove a document's passages in one transaction (a `del` change each); the removed rows."""
+        with self._write() as ex:
+            rows = [_row(r) for r in ex(f"SELECT {_SELECT} FROM passages WHERE doc_id = ? ORDER BY seq", (doc_id,))]
+            if rows:
+                ex("DELETE FROM passages WHERE doc_id = ?", (doc_id,))
+                self._log(ex, "del", rows)
+        return rows
+
+    # ------------------------------------------------------------------ reads
+    def _rows(self, sql: str, args: Iterable = ()) -> list[PassageRow]:
+        return [_row(r) for r in self._fetch(sql, tuple(args))]
+
+    def get_many(self, ids: Sequence[str]) -> dict[str, PassageRow]:
+        out: dict[str, PassageRow] = {}
+        for part in _parts(list(ids)):
+            out.update((r.id, r) for r in self._rows(f"SELECT {_SELECT} FROM passages WHERE id IN ({_marks(part)})",
+                                                     part))
+        return out
+
+    def by_vec_ids(self, vec_ids: Sequence[int]) -> dict[int, PassageRow]:
+        out: dict[int, PassageRow] = {}
+        for part in _parts([int(v) for v in vec_ids]):
+            q = f"SELECT {_SELECT} FROM passages WHERE vec_id IN ({_marks(part)})"
+            out.update((r.vec_id, r) for r in self._rows(q, part))
+        return out
+
+    def vectors(self, vec_ids: Sequence[int]) -> dict[int, np.ndarray | None]:
+        """Stored embeddings of present passages (None where a row has none); absent ids are left out."""
+        out: dict[int, np.ndarray | None] = {}
+        for part in _parts([int(v) for v in vec_ids]):
+            for vid, blob in self._fetch(f"SELECT vec_id, embedding FROM passages WHERE vec_id IN ({_marks(part)})",
+                                         part):
+                out[int(vid)] = vector_from(blob)
+        return out
+
+    def document(self, doc_id: str) -> list[PassageRow]:
+        return self._rows(f"SELECT {_SELECT} FROM passages WHERE doc_id = ? ORDER BY seq", (doc_id,))
+
+    def all_rows(self) -> list[PassageRow]:
+        return self._rows(f"SELECT {_SELECT} FROM passages ORDER BY doc_id, seq")
+
+    def vec_ids(self) -> set[int]:
+        return {int(r[0]) for r in self._fetch("SELECT vec_id FROM passages")}
+
+    def kv_keys(self) -> set[str]:
+        return {r[0] for r in self._fetch("SELECT DISTINCT kv_key FROM passages")}
+
+    def key_in_use(self, kv_key: str) -> bool:
+        return bool(self._fetch("SELECT 1 FROM passages WHERE kv_key = ? LIMIT 1", (kv_key,)))
+
+    def counts(self) -> dict:
+        r = self._fetch(
+            "SELECT COUNT(*), COUNT(DISTINCT doc_id), COALESCE(SUM(token_count), 0), COUNT(DISTINCT kv_key), "
+            "MIN(ingested_at), MAX(ingested_at) FROM passages"
+        )[0]
+        return {"passages": int(r[0]), "documents": int(r[1]), "tokens": int(r[2]), "kv_keys": int(r[3]),
+                "first_ingested_at": r[4], "last_ingested_at": r[5]}
+
+    # ------------------------------------------------------------------ change log
+    def head(self) -> StoreHead:
+        seq, now = self._fetch(f"SELECT COALESCE(MAX(seq), 0), {self._NOW} FROM passage_changes")[0]
+        return StoreHead(int(seq), float(now))
+
+    def changes_since(self, seq: int, limit: int = 1000) -> list[Change]:
+        """Change-log entries after `seq`, oldest first, at most `limit`."""
+        q = "SELECT seq, op, vec_id, passage_id, doc_id, at FROM passage_changes WHERE seq > ? ORDER BY seq LIMIT ?"
+        return [Change(int(s), op, int(v), pid, did, float(at)) for s, op, v, pid, did, at in self._fetch(q, (seq, limit))]
+
+
+def _row(r: Sequence[Any]) -> PassageRow:
+    return PassageRow(*r[:len(_COLUMNS)])
+
+
+def _marks(part: Sequence[Any]) -> str:
+    return ", ".join("?" * len(part))
+
+
+def _parts(items: list, size: int = 500) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+# ====================================================================== SQLite
+_SQLITE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS passages (
+    id          TEXT PRIMARY KEY,
+    vec_id      INTEGER NOT NULL UNIQUE,
+    doc_id      TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    title       TEXT NOT NULL,
+    text        TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    token_count INTEGER NOT NULL,
+    kv_key      TEXT NOT NULL,
+    ingested_at REAL NOT NULL,
+    embedding   BLOB
+);
+CREATE INDEX IF NOT EXISTS passages_doc ON passages(doc_id);
+CREATE INDEX IF NOT EXISTS passages_kv ON passages(kv_key);
+CREATE TABLE IF NOT EXISTS passage_changes (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    op         TEXT NOT NULL CHECK (op IN ('add', 'del')),
+    vec_id     INTEGER NOT NULL,
+    passage_id TEXT NOT NULL,
+    doc_id     TEXT NOT NULL,
+    at         REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class _SqliteRunner:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def __call__(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        return [tuple(r) for r in self._conn.execute(sql, tuple(args)).fetchall()]
+
+    def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._conn.executemany(sql, rows)
+
+
+class PassageDB(PassageStore):
+    """SQLite backend. Thread-safe (one connection, check_same_thread=False, a lock). WAL journal."""
+
+    backend = "sqlite"
+    _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
@@ -57,101 +310,71 @@ class PassageDB:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._conn.row_factory = sqlite3.Row
         with self._lock:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(_SCHEMA)
+            self._conn.execute("PRAGMA busy_timeout=10000")
+            self._migrate()
+
+    def _migrate(self) -> None:
+        found = self.schema_version()
+        if found > SCHEMA_VERSION:
+            self._conn.close()
+            raise SchemaTooNew(found, where=str(self.path))
+        if found == SCHEMA_VERSION:
+            return
+        with self._write():
+            cols = {r[1] for r in self._conn.execute("PRAGMA table_info(passages)")}
+            if cols and "embedding" not in cols:  # version 1: the passages table without embeddings
+                self._conn.execute("ALTER TABLE passages ADD COLUMN embedding BLOB")
+            for stmt in filter(str.strip, _SQLITE_SCHEMA.split(";")):
+                self._conn.execute(stmt)
+            self._conn.execute("INSERT OR REPLACE INTO store_meta (key, value) VALUES ('schema_version', ?)",
+                               (str(SCHEMA_VERSION),))
+
+    def schema_version(self) -> int:
+        with self._lock:
+            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "store_meta" in tables:
+                row = self._conn.execute("SELECT value FROM store_meta WHERE key = 'schema_version'").fetchone()
+                if row is not None:
+                    return int(row[0])
+            return 1 if "passages" in tables else 0
+
+    def describe(self) -> str:
+        return f"sqlite:{self.path}"
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    # ------------------------------------------------------------------ writes (one transaction each)
-    def upsert(self, rows: Sequence[PassageRow]) -> None:
-        """Insert or update rows (by id) in one transaction: all of them are stored, or none.
+    def _fetch(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        with self._lock:
+            return _SqliteRunner(self._conn)(sql, args)
 
-        A vec_id owned by another passage is an error (IntegrityError), never a silent replace."""
-        now = time.time()
-        values = [tuple(getattr(r, c) for c in _COLUMNS[:-1]) + (r.ingested_at or now,) for r in rows]
+    @contextmanager
+    def _write(self) -> Iterator[_SqliteRunner]:
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(
-                    f"INSERT INTO passages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
-                    f"ON CONFLICT(id) DO UPDATE SET {_UPDATE}",
-                    values,
-                )
+                yield _SqliteRunner(self._conn)
                 self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
+            except BaseException as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.IntegrityError):
+                    raise PassageConflict(str(exc)) from exc
                 raise
 
-    def set_kv(self, passage_id: str, kv_key: str, token_count: int) -> None:
-        with self._lock:
-            self._conn.execute("UPDATE passages SET kv_key = ?, token_count = ? WHERE id = ?",
-                               (kv_key, token_count, passage_id))
 
-    def delete_document(self, doc_id: str) -> list[PassageRow]:
-        """Remove a document's passages in one transaction; returns the removed rows."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                rows = self._rows("SELECT * FROM passages WHERE doc_id = ? ORDER BY seq", (doc_id,))
-                self._conn.execute("DELETE FROM passages WHERE doc_id = ?", (doc_id,))
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-        return rows
+# ====================================================================== choosing a backend
+def open_passage_store(database_url: str | None, data_dir: Path, sqlite_file: str = "passages.sqlite3") -> PassageStore:
+    """PostgreSQL when `database_url` is set (postgresql://...), else SQLite in `data_dir`."""
+    if database_url:
+        from retrieval.passages_pg import PgPassageStore
 
-    # ------------------------------------------------------------------ reads
-    def _rows(self, sql: str, args: Iterable = ()) -> list[PassageRow]:
-        with self._lock:
-            cur = self._conn.execute(sql, tuple(args))
-            return [PassageRow(**dict(r)) for r in cur.fetchall()]
-
-    def get_many(self, ids: Sequence[str]) -> dict[str, PassageRow]:
-        out: dict[str, PassageRow] = {}
-        for i in range(0, len(ids), 500):
-            part = list(ids[i:i + 500])
-            q = f"SELECT * FROM passages WHERE id IN ({', '.join('?' * len(part))})"
-            out.update((r.id, r) for r in self._rows(q, part))
-        return out
-
-    def by_vec_ids(self, vec_ids: Sequence[int]) -> dict[int, PassageRow]:
-        vec_ids = [int(v) for v in vec_ids]
-        if not vec_ids:
-            return {}
-        q = f"SELECT * FROM passages WHERE vec_id IN ({', '.join('?' * len(vec_ids))})"
-        return {r.vec_id: r for r in self._rows(q, vec_ids)}
-
-    def document(self, doc_id: str) -> list[PassageRow]:
-        return self._rows("SELECT * FROM passages WHERE doc_id = ? ORDER BY seq", (doc_id,))
-
-    def all_rows(self) -> list[PassageRow]:
-        return self._rows("SELECT * FROM passages ORDER BY doc_id, seq")
-
-    def vec_ids(self) -> set[int]:
-        with self._lock:
-            return {int(r[0]) for r in self._conn.execute("SELECT vec_id FROM passages")}
-
-    def kv_keys(self) -> set[str]:
-        with self._lock:
-            return {r[0] for r in self._conn.execute("SELECT DISTINCT kv_key FROM passages")}
-
-    def key_in_use(self, kv_key: str) -> bool:
-        with self._lock:
-            return self._conn.execute("SELECT 1 FROM passages WHERE kv_key = ? LIMIT 1", (kv_key,)).fetchone() is not None
-
-    def counts(self) -> dict:
-        with self._lock:
-            r = self._conn.execute(
-                "SELECT COUNT(*), COUNT(DISTINCT doc_id), COALESCE(SUM(token_count), 0), COUNT(DISTINCT kv_key), "
-                "MIN(ingested_at), MAX(ingested_at) FROM passages"
-            ).fetchone()
-        return {"passages": r[0], "documents": r[1], "tokens": r[2], "kv_keys": r[3],
-                "first_ingested_at": r[4], "last_ingested_at": r[5]}
+        return PgPassageStore(database_url)
+    return PassageDB(Path(data_dir) / sqlite_file)
 
 
 def passage_id(doc_id: str, title: str, text: str) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 from blend_engine.layout import format_passage
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
-from retrieval.passages import PassageDB, PassageRow
+from retrieval.passages import PassageRow, PassageStore
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def embed_text(row_title: str, row_text: str) -> str:
 
 
 class Retriever:
-    def __init__(self, embedder: Embedder, index: VectorIndex, db: PassageDB, placement: str = "best_last") -> None:
+    def __init__(self, embedder: Embedder, index: VectorIndex, db: PassageStore, placement: str = "best_last") -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
         self.embedder = embedder
@@ -75,13 +75,16 @@ def _to_result(row: PassageRow, score: float) -> RetrievedPassage:
     return RetrievedPassage(id=row.id, doc_id=row.doc_id, title=row.title, text=row.text, score=score)
 
 
-def open_index(folder: Path, db: PassageDB, embedder: Embedder, params: IndexParams,
+def open_index(folder: Path, db: PassageStore, embedder: Embedder, params: IndexParams,
                batch_size: int = 256) -> tuple[VectorIndex, dict]:
-    """Load the persisted index and reconcile it with SQLite (the source of truth).
+    """Load the persisted index and reconcile it with the passage store (the source of truth).
 
-    Vectors of passages the index lacks are re-embedded and added; vectors no passage owns are
-    removed. Returns (index, {"loaded", "added", "removed"}); saves the index when it changed.
+    Vectors of passages the index lacks are added (the stored embedding, else embedded now and
+    stored); vectors no passage owns are removed. Returns (index, {"loaded", "added", "removed",
+    "generation"}), generation being the store's change-log head read before reconciling (an
+    `IndexSync` starts from it); saves the index when it changed.
     """
+    generation = db.head().seq
     index = VectorIndex.load(folder, embedder.dim, params, embedder.name)
     loaded = index is not None
     if index is None:
@@ -91,11 +94,11 @@ def open_index(folder: Path, db: PassageDB, embedder: Embedder, params: IndexPar
         index.save(folder)
     if added or removed:
         logger.info("index reconciled with the passage store: %d added, %d removed", added, removed)
-    return index, {"loaded": loaded, "added": added, "removed": removed}
+    return index, {"loaded": loaded, "added": added, "removed": removed, "generation": generation}
 
 
-def reconcile(index: VectorIndex, db: PassageDB, embedder: Embedder, batch_size: int = 256) -> tuple[int, int]:
-    """Make the index hold exactly the passages in SQLite. Returns (added, removed)."""
+def reconcile(index: VectorIndex, db: PassageStore, embedder: Embedder, batch_size: int = 256) -> tuple[int, int]:
+    """Make the index hold exactly the passages in the store. Returns (added, removed)."""
     want = db.vec_ids()
     have = set(index.ids().tolist())
     extra = np.asarray(sorted(have - want), dtype=np.int64)
@@ -103,7 +106,23 @@ def reconcile(index: VectorIndex, db: PassageDB, embedder: Embedder, batch_size:
     missing = sorted(want - have)
     added = 0
     for start in range(0, len(missing), batch_size):
-        rows = list(db.by_vec_ids(missing[start:start + batch_size]).values())
-        vecs = embedder.encode([embed_text(r.title, r.text) for r in rows])
-        added += index.add(np.asarray([r.vec_id for r in rows], dtype=np.int64), vecs)
+        vectors = stored_or_embedded(db, embedder, missing[start:start + batch_size])
+        if vectors:
+            ids = np.fromiter(vectors, dtype=np.int64, count=len(vectors))  # [N]
+            added += index.add(ids, np.stack(list(vectors.values())))  # [N, dim]
     return added, removed
+
+
+def stored_or_embedded(db: PassageStore, embedder: Embedder, vec_ids: list[int]) -> dict[int, np.ndarray]:
+    """Embeddings of the present passages among `vec_ids`: stored ones, the others embedded now and
+    stored (rows from before embeddings were kept, or from another embedder's dimension)."""
+    stored = db.vectors(vec_ids)
+    out = {k: v for k, v in stored.items() if v is not None and v.shape == (embedder.dim,)}
+    lacking = [k for k in stored if k not in out]
+    if lacking:
+        rows = db.by_vec_ids(lacking)
+        vecs = embedder.encode([embed_text(r.title, r.text) for r in rows.values()])  # [N, dim]
+        fresh = dict(zip(rows, vecs))
+        db.set_vectors(fresh)
+        out.update(fresh)
+    return out

@@ -68,3 +68,44 @@ def tiny_stack_factory(tiny_runner, embedder):
         return build_stack(settings, runner=tiny_runner, embedder=embedder)
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster for the session (skips with a message when the binaries are missing)."""
+    from local_services import start_cluster
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request, tmp_path):
+    """A function opening a handle on one fresh passage store (each call: another replica's handle),
+    on SQLite and on PostgreSQL (a new database per test). Handles are closed after the test."""
+    import uuid
+
+    from retrieval.passages import PassageDB
+
+    handles = []
+    if request.param == "sqlite":
+        def opener():
+            return PassageDB(tmp_path / "passages.sqlite3")
+    else:
+        from retrieval.passages_pg import PgPassageStore
+
+        url = request.getfixturevalue("pg_cluster").create_database(f"t{uuid.uuid4().hex[:12]}")
+
+        def opener():
+            return PgPassageStore(url)
+
+    def open_one():
+        handles.append(opener())
+        return handles[-1]
+
+    open_one.backend = request.param
+    open_one.url = None if request.param == "sqlite" else url
+    yield open_one
+    for h in handles:
+        h.close()

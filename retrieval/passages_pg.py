@@ -1,0 +1,159 @@
+"""PostgreSQL passage store (psycopg 3): one store shared by every replica.
+
+`BLENDSERVE_DATABASE_URL=postgresql://user:password@host:5432/db`. The tables are those of the
+SQLite store (see `retrieval.passages`); the SQL is shared, only connections, transactions and
+the schema differ. Writes take a transaction-scoped advisory lock before their first change-log
+entry, so `passage_changes.seq` is handed out in commit order (a follower never misses a change
+that commits after a higher number it has already applied). Schema changes run under another
+advisory lock, so replicas starting together do not race to create the tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from retrieval.passages import SCHEMA_VERSION, PassageConflict, PassageStore, SchemaTooNew
+
+logger = logging.getLogger(__name__)
+
+WRITE_LOCK = 0x626C656E64  # pg_advisory_xact_lock key serializing change-log writers ("blend")
+SCHEMA_LOCK = 0x736368656D  # ... and schema creation/migration ("schem")
+
+_PG_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS passages (
+        id          TEXT PRIMARY KEY,
+        vec_id      BIGINT NOT NULL UNIQUE,
+        doc_id      TEXT NOT NULL,
+        seq         INTEGER NOT NULL,
+        title       TEXT NOT NULL,
+        text        TEXT NOT NULL,
+        source      TEXT NOT NULL,
+        token_count INTEGER NOT NULL,
+        kv_key      TEXT NOT NULL,
+        ingested_at DOUBLE PRECISION NOT NULL,
+        embedding   BYTEA
+    )""",
+    "CREATE INDEX IF NOT EXISTS passages_doc ON passages(doc_id)",
+    "CREATE INDEX IF NOT EXISTS passages_kv ON passages(kv_key)",
+    """CREATE TABLE IF NOT EXISTS passage_changes (
+        seq        BIGSERIAL PRIMARY KEY,
+        op         TEXT NOT NULL CHECK (op IN ('add', 'del')),
+        vec_id     BIGINT NOT NULL,
+        passage_id TEXT NOT NULL,
+        doc_id     TEXT NOT NULL,
+        at         DOUBLE PRECISION NOT NULL
+    )""",
+    "CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+)
+
+
+def redact_url(url: str) -> str:
+    """postgresql://host:port/dbname, without user or password."""
+    try:
+        parts = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unparsable url)"
+    return f"postgresql://{parts.get('host', '')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
+
+
+def _pg(sql: str) -> str:
+    return sql.replace("?", "%s")
+
+
+class _PgRunner:
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self._conn = conn
+
+    def __call__(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        cur = self._conn.execute(_pg(sql), tuple(args))
+        return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
+
+    def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        with self._conn.cursor() as cur:
+            cur.executemany(_pg(sql), [tuple(r) for r in rows])
+
+
+class PgPassageStore(PassageStore):
+    """Thread-safe: one autocommit connection behind a lock, reconnected when it breaks."""
+
+    backend = "postgresql"
+    _NOW = "extract(epoch from clock_timestamp())::double precision"
+
+    def __init__(self, url: str, connect_timeout_s: float = 5.0) -> None:
+        self.url = url
+        self._where = redact_url(url)
+        self._timeout = max(1, int(connect_timeout_s))
+        self._lock = threading.RLock()
+        self._conn: psycopg.Connection | None = None
+        with self._lock:
+            self._migrate()
+
+    # ------------------------------------------------------------------ connection
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                logger.warning("connection to %s lost; reconnecting", self._where)
+            self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=self._timeout,
+                                         application_name="blendserve")
+        return self._conn
+
+    def describe(self) -> str:
+        return self._where
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and not self._conn.closed:
+                self._conn.close()
+
+    # ------------------------------------------------------------------ schema
+    def schema_version(self) -> int:
+        with self._lock:
+            run = _PgRunner(self._connection())
+            if run("SELECT to_regclass('store_meta')")[0][0] is None:
+                return 1 if run("SELECT to_regclass('passages')")[0][0] is not None else 0
+            row = run("SELECT value FROM store_meta WHERE key = 'schema_version'")
+            return int(row[0][0]) if row else 0
+
+    def _migrate(self) -> None:
+        conn = self._connection()
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+            found = self.schema_version()
+            if found > SCHEMA_VERSION:
+                raise SchemaTooNew(found, where=self._where)
+            if found == SCHEMA_VERSION:
+                return
+            for stmt in _PG_SCHEMA:
+                conn.execute(stmt)
+            conn.execute("ALTER TABLE passages ADD COLUMN IF NOT EXISTS embedding BYTEA")
+            conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "
+                         "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+        logger.info("passage store %s: schema version %d (was %d)", self._where, SCHEMA_VERSION, found)
+
+    # ------------------------------------------------------------------ statements
+    def _fetch(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return _PgRunner(self._connection())(sql, args)
+            except psycopg.OperationalError:
+                if self._conn is None or not self._conn.broken:
+                    raise
+            return _PgRunner(self._connection())(sql, args)  # one retry on a fresh connection (reads only)
+
+    @contextmanager
+    def _write(self) -> Iterator[_PgRunner]:
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+                    yield _PgRunner(conn)
+            except psycopg.IntegrityError as exc:
+                raise PassageConflict(str(exc).strip()) from exc

@@ -1,0 +1,129 @@
+"""Throwaway PostgreSQL clusters for tests: initdb into a temp dir, pg_ctl on a free loopback port.
+
+PostgreSQL refuses to run as root, and CI runs as root: then every PostgreSQL command runs as an
+unprivileged user (`postgres` when the Debian package created it, else `nobody`) through
+`runuser`, in a temp dir that user owns.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pg_bin_dir() -> Path | None:
+    """The directory holding initdb, pg_ctl and postgres (PATH first, then Debian's layout)."""
+    found = shutil.which("pg_ctl")
+    candidates = [str(Path(os.path.realpath(found)).parent)] if found else []
+    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    for folder in candidates:
+        if all(os.access(Path(folder) / b, os.X_OK) for b in ("initdb", "pg_ctl", "postgres")):
+            return Path(folder)
+    return None
+
+
+def _run_as() -> tuple[list[str], int | None, int | None]:
+    """(command prefix, uid, gid) for running PostgreSQL: as ourselves unless we are root."""
+    if os.geteuid() != 0:
+        return [], None, None
+    for name in ("postgres", "nobody"):
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return ["runuser", "-u", name, "--"], pw.pw_uid, pw.pw_gid
+    raise RuntimeError("running as root and no unprivileged user (postgres, nobody) to run PostgreSQL as")
+
+
+class PgCluster:
+    """A PostgreSQL cluster on 127.0.0.1:<port>, trust authentication, removed by `destroy()`."""
+
+    def __init__(self, bin_dir: Path) -> None:
+        self.bin = bin_dir
+        self.prefix, uid, gid = _run_as()
+        self.dir = Path(tempfile.mkdtemp(prefix="blendserve-pg-"))
+        if uid is not None:
+            os.chown(self.dir, uid, gid)
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.user = "blendserve"
+
+    def _cmd(self, *args: str, timeout: float = 60) -> None:
+        proc = subprocess.run([*self.prefix, *args], capture_output=True, text=True, timeout=timeout, cwd=self.dir)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{args[0]} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+
+    def init(self) -> PgCluster:
+        self._cmd(str(self.bin / "initdb"), "-D", str(self.data), "-U", self.user, "-A", "trust", "-E", "UTF8",
+                  "--no-sync", "--no-instructions")
+        return self
+
+    def start(self) -> PgCluster:
+        opts = (f"-h 127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off -c synchronous_commit=off "
+                f"-c full_page_writes=off -c max_connections=50 -c shared_buffers=16MB")
+        self._cmd(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-o", opts,
+                  "-w", "-t", "60", "start")
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        if (self.data / "postmaster.pid").exists():
+            self._cmd(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{dbname}"
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def destroy(self) -> None:
+        try:
+            self.stop("immediate")
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_cluster() -> PgCluster:
+    """A started cluster, or pytest.skip with what is missing."""
+    bin_dir = pg_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl, postgres) not found: apt-get install postgresql")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg not installed (pip install 'psycopg[binary]')")
+    cluster = PgCluster(bin_dir)
+    try:
+        return cluster.init().start()
+    except Exception:
+        cluster.destroy()
+        raise
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (None)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
