@@ -61,6 +61,8 @@ class VectorIndex:
         self._lock = threading.RLock()
         self._index = self._new_staging() if self.params.kind != "hnsw" else self._new_hnsw()
         self._ids: dict[int, None] = {}  # insertion-ordered set of ids present
+        # the passage-store change applied last: every change up to it is in the index (None = unknown)
+        self.generation: int | None = None
 
     # ------------------------------------------------------------------ construction
     def _new_flat(self) -> faiss.Index:
@@ -176,6 +178,7 @@ class VectorIndex:
             meta = {
                 "version": _FORMAT_VERSION, "kind": self.kind, "params": self.params.__dict__,
                 "dim": self.dim, "label": self.label, "ntotal": int(self._index.ntotal), "ids": list(self._ids),
+                "generation": self.generation,
             }
         _atomic_write(folder / INDEX_FILE, data)
         _atomic_write(folder / IDMAP_FILE, json.dumps(meta).encode())
@@ -203,6 +206,8 @@ class VectorIndex:
         self = cls(dim, params, label)
         self._index = index
         self._ids = dict.fromkeys(int(i) for i in meta["ids"])
+        generation = meta.get("generation")
+        self.generation = int(generation) if isinstance(generation, int) else None
         self._tune()
         return self
 

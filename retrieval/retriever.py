@@ -77,24 +77,34 @@ def _to_result(row: PassageRow, score: float) -> RetrievedPassage:
 
 def open_index(folder: Path, db: PassageStore, embedder: Embedder, params: IndexParams,
                batch_size: int = 256) -> tuple[VectorIndex, dict]:
-    """Load the persisted index and reconcile it with the passage store (the source of truth).
+    """Load the persisted index, catch up from the passage store's change log, and reconcile.
 
-    Vectors of passages the index lacks are added (the stored embedding, else embedded now and
-    stored); vectors no passage owns are removed. Returns (index, {"loaded", "added", "removed",
-    "generation"}), generation being the store's change-log head read before reconciling (an
-    `IndexSync` starts from it); saves the index when it changed.
+    A persisted index that knows its generation (the last change it holds) first applies the
+    change log after it. Then, as a safety net (and the only way for an index without a
+    generation), vectors of passages the index lacks are added (the stored embedding, else
+    embedded now and stored) and vectors no passage owns are removed. Returns (index, {"loaded",
+    "caught_up", "added", "removed", "generation"}), generation being the store's change-log head
+    read before reconciling (an `IndexSync` starts from it); saves the index when it changed.
     """
-    generation = db.head().seq
+    from retrieval.sync import IndexSync
+
     index = VectorIndex.load(folder, embedder.dim, params, embedder.name)
     loaded = index is not None
-    if index is None:
+    caught_up = 0
+    if index is not None and index.generation is not None:
+        caught_up = IndexSync(index, db, embedder, index.generation).step()
+    elif index is None:
         index = VectorIndex(embedder.dim, params, embedder.name)
+    generation = db.head().seq
     added, removed = reconcile(index, db, embedder, batch_size)
-    if added or removed or not loaded:
+    index.generation = generation
+    if caught_up or added or removed or not loaded:
         index.save(folder)
-    if added or removed:
-        logger.info("index reconciled with the passage store: %d added, %d removed", added, removed)
-    return index, {"loaded": loaded, "added": added, "removed": removed, "generation": generation}
+    if caught_up or added or removed:
+        logger.info("index caught up with the passage store: %d changes from its log, then reconciled +%d -%d",
+                    caught_up, added, removed)
+    return index, {"loaded": loaded, "caught_up": caught_up, "added": added, "removed": removed,
+                   "generation": generation}
 
 
 def reconcile(index: VectorIndex, db: PassageStore, embedder: Embedder, batch_size: int = 256) -> tuple[int, int]:

@@ -75,6 +75,7 @@ class IndexSync:
                     break
                 self._apply(changes)
                 self._generation = changes[-1].seq
+                self.index.generation = self._generation  # saved with the index: a restart resumes here
                 total += len(changes)
                 if len(changes) < self.batch:
                     break

@@ -223,3 +223,23 @@ def test_add_then_delete_in_one_batch_leaves_nothing(open_store, tmp_path):
     sync = IndexSync(index, db, emb, info["generation"])
     assert sync.step() == 3 and index.ids().tolist() == [again[0].vec_id]
 
+
+
+def test_a_restarted_replica_catches_up_from_the_change_log(open_store, tmp_path):
+    """The index saved with its generation; while the replica is down another one ingests and
+    deletes; on restart the replica applies exactly those changes, and reconciling finds nothing."""
+    emb = HashEmbedder()
+    mine, other = open_store(), open_store()
+    kept, dropped = rows_of("kept", ["stays"]), rows_of("dropped", ["goes away"])
+    other.upsert(kept + dropped, vectors_of(kept + dropped, emb))
+    index, info = open_index(tmp_path, mine, emb, IndexParams())
+    assert index.generation == info["generation"] == 2 and len(index) == 2
+    index.save(tmp_path)  # then the replica goes down
+    late = rows_of("late", ["ingested while down", "and another"])
+    other.upsert(late, vectors_of(late, emb))
+    other.delete_document("dropped")
+    calls = emb.calls
+    index2, info2 = open_index(tmp_path, mine, emb, IndexParams())
+    assert (info2["loaded"], info2["caught_up"], info2["added"], info2["removed"]) == (True, 3, 0, 0)
+    assert sorted(index2.ids().tolist()) == sorted(r.vec_id for r in kept + late) and emb.calls == calls
+    assert index2.generation == mine.head().seq == 5
