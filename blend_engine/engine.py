@@ -33,6 +33,7 @@ from blend_engine.kv_store.loader import LayerLoader, LoadTrace
 from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, Segment, build_layout, passage_text
 from blend_engine.model import ModelRunner
 from blend_engine.sampling import Sampler, StreamDecoder
+from blend_engine.transfer import LayerPacker, PackedLayer, cuda_ready
 from blend_engine.types import (
     BlendPlan,
     BlendReport,
@@ -218,7 +219,7 @@ class BlendEngine:
                     missing.append(i)
                     misses += 1
             uncached = [torch.arange(s.offset, s.end) for i, s in enumerate(segs) if keys[i] is None or i in missing]
-            sel0 = torch.cat(uncached).to(ids.device)  # [S]
+            sel0 = torch.cat(uncached).to(ids.device, non_blocking=True)  # [S]
             stream_store = self.store
         full_upto = policy.check_layer if plan.mode is Mode.BLEND else None
         probe = ScoreProbe() if plan.explain else None
@@ -227,7 +228,8 @@ class BlendEngine:
         if cached:
             repair = self._repairer({k: s for s, k in cached}, plan.mode is Mode.PREFIX_CACHE)
             loader = self.loader if stream_store is self.store else LayerLoader(stream_store)
-            stream = loader.stream([k for _, k in cached], self.runner.shape.n_layers, repair)
+            packer = LayerPacker(self.runner.device, self.runner.dtype, slots=loader.prefetch_depth + 2)
+            stream = loader.stream([k for _, k in cached], self.runner.shape.n_layers, repair, packer)
         try:
             cache, last_hidden, per_layer = self._run_layers(
                 ids, [s for s, _ in cached], stream, sel0 if plan.mode is not Mode.BLEND else None,
@@ -255,7 +257,7 @@ class BlendEngine:
             prefix_tokens_reused=prefix_tokens,
             repaired_chunks=len(trace.repaired),
             assemble_ms=timer.assemble * 1e3,
-            recompute_ms=timer.compute * 1e3,
+            recompute_ms=sum(layer_compute) * 1e3,  # device time on CUDA (events), wall time elsewhere
             load_ms=sum(trace.read_s) * 1e3,
             load_wait_ms=timer.wait * 1e3,
             prefill_ms=(time.perf_counter() - t_start) * 1e3,
@@ -361,43 +363,43 @@ class BlendEngine:
         cache.length = N
         pos = torch.arange(N, device=ids.device)  # [N]
         cos_all, sin_all = r.rope(pos)  # [N, D] each
-        sel = None if fixed_sel is None else _Selection(fixed_sel, cos_all, sin_all)  # None = all tokens
+        sel = None if fixed_sel is None else _Selection(fixed_sel, cos_all, sin_all, N)  # None = all tokens
         hidden = r.embed(ids if sel is None else ids[sel.pos])  # [N or S, E]
         ranked = _RankSpace(layout, cached, r.scaling, ids.device, probe) if full_upto is not None else None
         schedule = dict(policy.schedule) if policy is not None else {}
         sizes: list[int] = []
-        layer_times: list[float] = []
         layers = iter(stream) if stream is not None else None
         placer = _Placer(r, cached, rotate)
+        clock = _LayerClock(r.device)
 
         for layer in range(n_layers):
             t0 = time.perf_counter()
-            kv_layer = next(layers) if layers is not None else []
+            packed = next(layers) if layers is not None else None
             t1 = time.perf_counter()
             timer.wait += t1 - t0
             K, V = cache.k[layer], cache.v[layer]  # [H, C, D] each
-            if kv_layer and not (sel is None and full_upto is not None and layer < full_upto):
-                placer.place(K, V, kv_layer)  # below the check layer everything is overwritten anyway
+            if packed is not None and not (sel is None and full_upto is not None and layer < full_upto):
+                placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
             t2 = time.perf_counter()
             timer.assemble += t2 - t1
+            clock.mark()
 
             if sel is None:
                 q, k, v = r.qkv(layer, hidden, cos_all, sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
                 if full_upto is not None and layer == full_upto:
-                    picked = ranked.select(q, k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
-                    sel = _Selection(picked, cos_all, sin_all)
-                    q, hidden = q[:, sel.pos], hidden[sel.pos]  # [Hq, S, D], [S, E]
+                    picked, rows = ranked.select_rows(q, k, v, K, V, ratio * policy.check_multiplier, policy, None)  # [S]
+                    sel = _Selection(picked, cos_all, sin_all, N)
+                    q, hidden = q[:, rows], hidden[rows]  # [Hq, S, D], [S, E]
                 K[:, :N], V[:, :N] = k, v
             else:
                 q, k, v = r.qkv(layer, hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
                 keep = None
                 if ranked is not None and layer in schedule:
-                    narrowed = ranked.select(q, k, v, K, V, ratio * schedule[layer], policy, sel.pos)  # [S']
-                    keep = torch.searchsorted(sel.pos, narrowed)  # [S'] indices into sel
+                    narrowed, keep = ranked.select_rows(q, k, v, K, V, ratio * schedule[layer], policy, sel.pos)  # [S']
                 K[:, sel.pos], V[:, sel.pos] = k, v
                 if keep is not None:
                     q, hidden = q[:, keep], hidden[keep]  # [Hq, S', D], [S', E]
-                    sel = _Selection(narrowed, cos_all, sin_all)
+                    sel = _Selection(narrowed, cos_all, sin_all, N)
             if layer == n_layers - 1:  # only the last position's output is used: it alone attends, to every key
                 q, hidden = q[:, -1:], hidden[-1:]  # [Hq, 1, D], [1, E]
                 out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, pos[-1:], N))  # [1, Hq*D]
@@ -406,11 +408,11 @@ class BlendEngine:
             else:
                 out = sel.attend(r, q, K, V, layer)  # [S, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [S or N, E]
-            sizes.append(N if sel is None else int(sel.pos.numel()))
-            t3 = time.perf_counter()
-            timer.compute += t3 - t2
-            layer_times.append(t3 - t2)
-        final = list(range(N)) if sel is None else sel.pos.tolist()
+            sizes.append(N if sel is None else sel.pos.shape[0])
+            clock.mark()
+            timer.compute += time.perf_counter() - t2
+        final = list(range(N)) if sel is None else _to_host(sel.pos)  # the request's one host sync
+        layer_times = clock.seconds()
         if final[-1] != N - 1:
             raise AssertionError("the last prompt position must always be recomputed")
         return cache, hidden[-1:], (final, sizes, layer_times)
@@ -515,8 +517,10 @@ class Generation:
 class _Placer:
     """Writes one layer of cached chunks into the request's cache at their new positions.
 
-    Rotation tables for every cached token's move (its segment's offset) are built once per
-    request; each layer then needs one concatenation and one fused rotation.
+    The layer arrives packed (`transfer.PackedLayer`: one contiguous [H, Tc, D] block per K and V,
+    already on the device or being copied there). Rotation tables for every cached token's move
+    (its segment's offset) are built once per request on the device in fp32; each layer then
+    needs one fused rotation in fp32, cast to the compute dtype, and two writes.
     """
 
     def __init__(self, runner: ModelRunner, cached: list[Segment], rotate: bool) -> None:
@@ -525,57 +529,95 @@ class _Placer:
         self._contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         self._start = spans[0][0] if spans else 0
         self._end = spans[-1][1] if spans else 0
-        self._index = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device) if spans else None
+        self._index = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device) if spans else None  # [Tc]
         self._rot = None
         if rotate and spans:
             deltas = torch.cat([torch.full((b - a,), a) for a, b in spans])  # [Tc]
-            cos, sin = runner.rotation(deltas)  # [Tc, D] each
-            self._rot = (cos.to(self._dtype), sin.to(self._dtype))
+            self._rot = runner.rotation(deltas, torch.float32)  # [Tc, D] each, fp32 on the device
 
-    def place(self, K: torch.Tensor, V: torch.Tensor, kv_layer) -> None:
-        """K, V [H, C, D]; kv_layer: per cached chunk (k, v) [H, T, D] at positions 0..T-1."""
-        k = torch.cat([kc for kc, _ in kv_layer], dim=1).to(self._dtype)  # [H, Tc, D]
-        v = torch.cat([vc for _, vc in kv_layer], dim=1).to(self._dtype)  # [H, Tc, D]
+    def place(self, K: torch.Tensor, V: torch.Tensor, packed: PackedLayer) -> None:
+        """K, V [H, C, D]; packed: the cached chunks' k, v [H, Tc, D] at positions 0..T-1 each."""
+        k, v = packed.wait()  # [H, Tc, D] each
         if self._rot is not None:
-            k = ModelRunner.apply_rotation(k, *self._rot)  # [H, Tc, D]
+            k = ModelRunner.apply_rotation(k.float(), *self._rot).to(self._dtype)  # [H, Tc, D]
         if self._contiguous:
             K[:, self._start:self._end] = k
             V[:, self._start:self._end] = v
         else:
-            K[:, self._index] = k
-            V[:, self._index] = v
+            K[:, self._index] = k.to(self._dtype)
+            V[:, self._index] = v.to(self._dtype)
+
+
+class _LayerClock:
+    """Per-layer compute time: CUDA events on CUDA (read once, after the loop), perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = cuda_ready(device)
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds from each even mark to the next (start, stop pairs); for CUDA events the one
+        host wait is here, after the loop."""
+        starts, stops = self._marks[0::2], self._marks[1::2]
+        if self._cuda and stops:
+            stops[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(starts, stops)]
+        return [b - a for a, b in zip(starts, stops)]
 
 
 class _Selection:
     """The positions recomputed at a layer and what attending from them needs, built once per set
     (the set changes only at the check layer and the schedule's layers, not at every layer).
 
-    Queries are split into position-ordered blocks; each block reads only the keys up to its last
-    position, under an additive causal mask by absolute position: ~S x N / 2 work, not S x N.
+    On the CPU, queries are split into position-ordered blocks; each block reads only the keys up
+    to its last position, under an additive causal mask by absolute position: ~S x N / 2 work,
+    not S x N (reading a block's last position is free on the host). On a device that would be a
+    host sync per set, so there one boolean mask [S, N] by absolute position is built on the
+    device (no data-dependent shape) and SDPA keeps its memory-efficient kernel.
     """
 
-    def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, blocks: int = 4) -> None:
+    def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, n: int,
+                 blocks: int = 4) -> None:
         self.pos = pos  # [S] sorted absolute positions
         self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
-        S = pos.numel()
+        self._n = n
         self._blocks: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-        for idx in torch.tensor_split(torch.arange(S, device=pos.device), min(blocks, S)):
+        self._mask: torch.Tensor | None = None
+        if pos.device.type != "cpu":
+            self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
+            return
+        S = pos.numel()
+        for idx in torch.tensor_split(torch.arange(S), min(blocks, S)):
             p = pos[idx]  # [s]
-            hi = int(p[-1]) + 1
-            allowed = torch.arange(hi, device=pos.device)[None, :] <= p[:, None]  # [s, hi]
-            mask = torch.zeros(allowed.shape, dtype=cos_all.dtype, device=pos.device)  # [s, hi]
+            hi = int(p[-1]) + 1  # a host read: free on the CPU
+            allowed = torch.arange(hi)[None, :] <= p[:, None]  # [s, hi]
+            mask = torch.zeros(allowed.shape, dtype=cos_all.dtype)  # [s, hi]
             self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf"))))
 
     def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
         """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D].
-        A sliding-window layer uses the model's window mask per block instead of the causal one."""
-        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], self._mask(r, layer, idx, hi, mask))
+        A sliding-window layer uses the model's window mask instead of the causal one."""
+        if self._mask is not None:
+            window = r.window_mask(layer, self.pos, self._n)  # [S, N] or None
+            return r.attend(q, K[:, :self._n], V[:, :self._n], self._mask if window is None else window)  # [S, Hq*D]
+        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], self._block_mask(r, layer, idx, hi, mask))
                 for idx, hi, mask in self._blocks]  # [s, Hq*D] each
         return torch.cat(outs)  # [S, Hq*D]
 
-    def _mask(self, r: ModelRunner, layer: int, idx: torch.Tensor, hi: int, causal: torch.Tensor) -> torch.Tensor:
+    def _block_mask(self, r: ModelRunner, layer: int, idx: torch.Tensor, hi: int, causal: torch.Tensor) -> torch.Tensor:
         window = r.window_mask(layer, self.pos[idx], hi)  # [s, hi] or None
         return causal if window is None else window
+
+
+_OTHER, _COMPETE, _FORCED = 0, 1, 2
 
 
 class _RankSpace:
@@ -586,6 +628,10 @@ class _RankSpace:
     is never recomputed: cached alone at position 0 it is exact.
 
         | sys (exact) | passage_1 .. passage_k (compete) | question (always) |
+
+    Selection has fixed sizes known on the host: every row of the current set is scored, forced
+    rows get +inf, rows that never compete -inf, and one `topk` of a size computed from counts
+    keeps the forced rows plus the best competitors. No host sync, no data-dependent shape.
     """
 
     def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float,
@@ -594,78 +640,111 @@ class _RankSpace:
         self.device = device
         self.probe = probe  # explain: keeps the check layer's scores (device tensors, no sync)
         cached_offsets = {s.offset for s in cached}
-        compete, always, sinks = [], [], []
+        self.n = layout.n_tokens
+        self.kind = [_OTHER] * self.n  # per position, on the host
+        compete, always = [], []
+        self.passages: list[tuple[int, int]] = []
         for seg in layout.segments:
             span = list(range(seg.offset, seg.end))
             if seg.offset not in cached_offsets:
                 always += span
             elif seg.kind == "passage":
                 compete += span
-                sinks.append(seg.offset)
+                self.passages.append((seg.offset, seg.end))
+        for i in always:
+            self.kind[i] = _FORCED
+        for i in compete:
+            self.kind[i] = _COMPETE
         self.compete = torch.tensor(compete, dtype=torch.long, device=device)  # [P]
         self.always = torch.tensor(always, dtype=torch.long, device=device)  # [U]
         last = layout.segments[-1]
-        self.query = torch.arange(last.offset, last.end, device=device)  # [Q] the question: always recomputed
-        self.passage_starts = sinks
-        self.passage_ends = [s.end for s in layout.segments if s.offset in cached_offsets and s.kind == "passage"]
+        self.n_query = last.end - last.offset  # the question: always recomputed, the last Q positions
+        self.query = torch.arange(last.offset, last.end, device=device)  # [Q]
+        self._base: dict[int, tuple[torch.Tensor, int, int]] = {}
+
+    def base(self, sink_tokens: int) -> tuple[torch.Tensor, int, int]:
+        """(score offset per position [N]: +inf forced, -inf never, 0 competing; #forced; #competing)."""
+        if sink_tokens not in self._base:
+            kind = list(self.kind)
+            for s, e in self.passages:
+                kind[s:min(s + sink_tokens, e)] = [_FORCED] * (min(s + sink_tokens, e) - s)
+            table = {_OTHER: float("-inf"), _COMPETE: 0.0, _FORCED: float("inf")}
+            base = torch.tensor([table[c] for c in kind], dtype=torch.float32).to(self.device)  # [N]
+            self._base[sink_tokens] = (base, kind.count(_FORCED), kind.count(_COMPETE))
+        return self._base[sink_tokens]
 
     def select(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None) -> torch.Tensor:
-        """Positions to keep recomputing, sorted.
+        """Positions to keep recomputing, sorted [S']. See `select_rows`."""
+        return self.select_rows(q, k, v, K, V, ratio, policy, current)[0]
+
+    def select_rows(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy,
+                    current: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions to keep recomputing [S'], their rows in `current`), both sorted.
 
         q [Hq, S, D], k, v [H, S, D]: fresh values for `current` (None = all N positions);
         K, V [H, C, D]: the blended cache of this layer before the fresh values are written.
+        `current` always holds every forced position (they are kept at every narrowing).
         """
+        base, n_forced, n_compete = self.base(policy.sink_tokens)
         n_keep = min(len(self.compete), math.ceil(ratio * len(self.compete) - 1e-9))
-        forced = [self.always]
-        if policy.sink_tokens > 0:
-            forced += [torch.arange(s, min(s + policy.sink_tokens, e), device=self.device)
-                       for s, e in zip(self.passage_starts, self.passage_ends)]
-        cand = self.compete
-        if current is not None:
-            cand = cand[torch.isin(cand, current)]  # [P']
-        chosen = torch.empty(0, dtype=torch.long, device=self.device)
-        if policy.use_deviation and n_keep > 0 and len(cand) > 0:
-            rows = cand if current is None else torch.searchsorted(current, cand)  # rows of k/v
-            score = _deviation(k[:, rows], v[:, rows], K[:, cand], V[:, cand], policy.metric)  # [P']
+        S = self.n if current is None else current.shape[0]
+        present = n_compete if current is None else S - n_forced  # competitors in the current set
+        take = n_forced + (min(n_keep, present) if policy.use_deviation else 0)
+        rows_base = base if current is None else base[current]  # [S]
+        if policy.use_deviation and take > n_forced:
+            old_k = K[:, :S] if current is None else K[:, current]  # [H, S, D]
+            old_v = V[:, :S] if current is None else V[:, current]  # [H, S, D]
+            score = _deviation(k, v, old_k, old_v, policy.metric, weight=rows_base == 0)  # [S]
             if policy.query_weighted:
-                score = score * self._attention_mass(q, k, K, current)[cand]  # [P']
-            if self.probe is not None and current is None:
-                self.probe.record(cand, score)
-            chosen = cand[torch.topk(score, min(n_keep, len(cand))).indices]
-        out = torch.unique(torch.cat([chosen, *forced]))  # sorted
-        if current is not None:
-            out = out[torch.isin(out, current)]
-        return out
+                mass = self._attention_mass(q, k, K, current)  # [N]
+                score = score * (mass if current is None else mass[current])  # [S]
+            if self.probe is not None and current is None:  # rows are positions at the check layer
+                self.probe.record(self.compete, score[self.compete])  # [P] each, device tensors
+            score = score + rows_base  # [S]
+        else:
+            score = rows_base  # [S]
+        rows = torch.topk(score, take).indices.sort().values  # [S'] rows, sorted = positions sorted
+        return (rows if current is None else current[rows]), rows
 
     def _attention_mass(self, q, k, K, current: torch.Tensor | None) -> torch.Tensor:
         """Attention the question's queries pay each position, summed over heads and queries: [N].
 
         Keys are this layer's as the question will see them: fresh for `current`, cached elsewhere.
+        The question is the last Q positions, so its rows are the last Q of q in either case.
         """
-        n = int(self.query[-1]) + 1
+        n, Q = self.n, self.n_query
         if current is None:
             keys = k[:, :n]  # [H, N, D]
-            rows = self.query
         else:
             keys = K[:, :n].clone()  # [H, N, D]
             keys[:, current] = k
-            rows = torch.searchsorted(current, self.query)  # [Q]
         H, D = keys.shape[0], keys.shape[2]
         group = q.shape[0] // H
-        qq = q[:, rows].reshape(H, group * len(rows), D)  # [H, G*Q, D] (q heads grouped per kv head)
+        qq = q[:, -Q:].reshape(H, group * Q, D)  # [H, G*Q, D] (q heads grouped per kv head)
         logits = (qq.float() @ keys.float().transpose(1, 2)) * self.scale  # [H, G*Q, N]
-        qpos = self.query.repeat(group)  # [G*Q]
-        mask = torch.arange(n, device=self.device)[None, :] <= qpos[:, None]  # [G*Q, N]
+        qpos = torch.arange(n - Q, n, device=keys.device).repeat(group)  # [G*Q]
+        mask = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]  # [G*Q, N]
         logits = logits.masked_fill(~mask, float("-inf"))  # [H, G*Q, N]
         return torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [N]
 
 
-def _deviation(k_new, v_new, k_old, v_old, metric: str) -> torch.Tensor:
-    """Per-token squared L2 deviation, summed over heads. Inputs [H, P, D]; output [P]."""
+def _deviation(k_new, v_new, k_old, v_old, metric: str, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token squared L2 deviation, summed over heads. Inputs [H, P, D]; output [P].
+
+    For "kv" each part is normalised by its mean over the rows where `weight` [P] is True (the
+    competing rows; all rows when None)."""
     dk = (k_new.float() - k_old.float()).pow(2).sum(dim=(0, 2))  # [P]
     if metric == "k":
         return dk
     dv = (v_new.float() - v_old.float()).pow(2).sum(dim=(0, 2))  # [P]
     if metric == "v":
         return dv
-    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+    w = torch.ones_like(dk) if weight is None else weight.to(dk.dtype)  # [P]
+    n = w.sum().clamp_min(1.0)
+    return dk / ((dk * w).sum() / n).clamp_min(1e-12) + dv / ((dv * w).sum() / n).clamp_min(1e-12)
+
+
+def _to_host(t: torch.Tensor) -> list[int]:
+    """THE device->host sync of a prefill: the final recomputed positions, once, after the layer
+    loop (the report needs them). Nothing inside the loop reads a device value on the host."""
+    return t.tolist()

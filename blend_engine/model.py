@@ -322,12 +322,14 @@ class ModelRunner:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._embed(input_ids)  # [T, E]
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for explicit positions, [T, D] each, computed as transformers' rotary embedding
-        does (attention scaling included) from the frequencies fixed at load time."""
+        does (attention scaling included) from the frequencies fixed at load time; in the model's
+        dtype unless `dtype` is given."""
         freqs = positions.to(self.device).view(-1, 1).float() * self._inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return (emb.cos() * self._rope_scale).to(self.dtype), (emb.sin() * self._rope_scale).to(self.dtype)
+        dt = dtype or self.dtype
+        return (emb.cos() * self._rope_scale).to(dt), (emb.sin() * self._rope_scale).to(dt)
 
     def window_mask(self, layer: int, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor | None:
         """Additive causal sliding-window mask [S, n_keys] for queries at absolute positions q_pos [S]
@@ -341,9 +343,9 @@ class ModelRunner:
         allowed = (j <= q) & (j > q - window)  # [S, n]
         return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
 
-    def rotation(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, deltas: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Relative rotation tables for moving keys by `deltas` positions: cos, sin [T, D]."""
-        cos, sin = self.rope(deltas)  # [T, D] each
+        cos, sin = self.rope(deltas, dtype)  # [T, D] each
         # the model's cos/sin carry attention_scaling once; a relative rotation must not add it again
         return cos / self._rope_scale, sin / self._rope_scale
 

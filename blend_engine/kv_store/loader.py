@@ -1,9 +1,11 @@
 """Layer-wise loading: the engine consumes one layer of every chunk at a time.
 
 `LayerStream` is an iterator over layers; each item is the list of (k, v) [H, T, D] for the
-requested chunks in order. `PrefetchStream` reads layers i+1.. on a background thread while the
-engine computes layer i (bounded read-ahead); `LayerStream` reads synchronously. Either way a
-missing or corrupt chunk is recomputed through `repair(key)`, stored again, and counted.
+requested chunks in order, or, given a `pack` callable (the engine's `transfer.LayerPacker`),
+whatever it makes of that list: packing runs on the reader thread, off the critical path.
+`PrefetchStream` reads layers i+1.. on a background thread while the engine computes layer i
+(bounded read-ahead); `LayerStream` reads synchronously. Either way a missing or corrupt chunk
+is recomputed through `repair(key)`, stored again, and counted.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from blend_engine.kv_store.codec import FORMATS, roundtrip
 logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+Pack = Callable[[LayerKV], object]
 
 
 @dataclass
@@ -38,8 +41,10 @@ class LoadTrace:
 class LayerStream:
     """Synchronous stream: reads layer i when the engine asks for it (no overlap)."""
 
-    def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair) -> None:
+    def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair,
+                 pack: Pack | None = None) -> None:
         self._store = store
+        self._pack = pack
         self._keys = list(keys)
         self._n_layers = n_layers
         self._repair = repair
@@ -71,9 +76,11 @@ class LayerStream:
         for layer in range(self._n_layers):
             t0 = time.perf_counter()
             item = self._read(layer)
-            dt = time.perf_counter() - t0
-            self.trace.read_s.append(dt)
-            self.trace.wait_s.append(dt)
+            read = time.perf_counter() - t0
+            self.trace.read_s.append(read)
+            if self._pack is not None:
+                item = self._pack(item)
+            self.trace.wait_s.append(read if self._pack is None else time.perf_counter() - t0)
             yield item
 
     def close(self) -> None:
@@ -87,8 +94,9 @@ class PrefetchStream(LayerStream):
     for it. Reader errors are raised in the consumer. `close()` stops and joins the reader.
     """
 
-    def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair, depth: int) -> None:
-        super().__init__(store, keys, n_layers, repair)
+    def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair, depth: int,
+                 pack: Pack | None = None) -> None:
+        super().__init__(store, keys, n_layers, repair, pack)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="kv-prefetch", daemon=True)
@@ -103,7 +111,7 @@ class PrefetchStream(LayerStream):
                 t0 = time.perf_counter()
                 item = self._read(layer)
                 self.trace.read_s.append(time.perf_counter() - t0)
-                self._offer((item, None))
+                self._offer((item if self._pack is None else self._pack(item), None))
         except BaseException as exc:  # handed to the consumer, raised there
             self._offer((None, exc))
 
@@ -143,7 +151,8 @@ class LayerLoader:
         self.store = store
         self.prefetch_depth = prefetch_depth
 
-    def stream(self, keys: Sequence[str], n_layers: int, repair: Repair) -> LayerStream:
+    def stream(self, keys: Sequence[str], n_layers: int, repair: Repair, pack: Pack | None = None) -> LayerStream:
+        """`pack` turns each layer's chunk list into the item yielded (run where the read runs)."""
         if self.prefetch_depth == 0:
-            return LayerStream(self.store, keys, n_layers, repair)
-        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth)
+            return LayerStream(self.store, keys, n_layers, repair, pack)
+        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth, pack)

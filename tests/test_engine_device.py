@@ -1,0 +1,159 @@
+"""Device-correctness on CPU CI: the engine on a non-CPU model with KV from CPU-side stores.
+
+The tiny Llama's weights live on torch's `meta` device: a real non-CPU device with shapes,
+dtypes and no values, available on every build. (FakeTensorMode's fake `cuda` tensors were tried
+first: the CPU-only build's Python bindings of indexing and `.contiguous()` refuse CUDA before
+dispatch, inside transformers' own rotary embedding, so they cannot run a model.) On it:
+
+- any op whose result needs tensor *values* on the host raises (`.item()`, `int(t)`, `.tolist()`,
+  boolean indexing, `nonzero`, `torch.unique`): exactly the host syncs that stall a GPU pipeline;
+- `DeviceChecker` (a dispatch mode) raises on any op mixing a CPU tensor with a device tensor,
+  except explicit transfers (`.to`, `copy_`) and 0-dim scalars. This is stricter than CUDA.
+
+So a prefill that completes here is device-correct and free of host syncs, except the one named
+sync per request (`engine._to_host`, after the layer loop), which the test replaces by a
+counting stand-in answering from shapes alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import blend_engine.engine as engine_mod
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import MemoryStore
+from blend_engine.kv_store.disk import DiskStore
+from blend_engine.kv_store.loader import LayerLoader
+from blend_engine.model import ModelRunner
+from blend_engine.types import BlendPlan, SelectionPolicy, default_policy
+
+PASSAGES = (
+    "Paris is the capital of France. It lies on the Seine and has about two million inhabitants.",
+    "The Danube flows through ten countries, more than any other river in the world, into the Black Sea.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, a dormant volcano with three cones.",
+)
+QUESTION = "Which river flows through ten countries?"
+CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+FINGERPRINT = "fake-cuda-test"
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    return ModelRunner.load().tokenizer
+
+
+def _runner(model) -> ModelRunner:
+    """A runner whose fingerprint is fixed: the fake model has no weight values to digest."""
+    orig = ModelRunner._fingerprint
+    ModelRunner._fingerprint = lambda self: FINGERPRINT
+    try:
+        return ModelRunner(model, _tokenizer(), "tiny")
+    finally:
+        ModelRunner._fingerprint = orig
+
+
+_TRANSFERS = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.lift_fresh.default}
+_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten._unique2.default}
+
+
+class DeviceMix(AssertionError):
+    pass
+
+
+class DeviceChecker(TorchDispatchMode):
+    """Raises on an op that mixes CPU and device tensors (other than transfers) or reads values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNCS:
+            raise DeviceMix(f"host sync: {func}")
+        if func not in _TRANSFERS:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            devices = {t.device.type for t in tensors if t.dim() > 0}
+            if "cpu" in devices and len(devices) > 1:
+                raise DeviceMix(f"{func} mixes devices {sorted(devices)}")
+        return func(*args, **kwargs)
+
+
+def _device_runner() -> ModelRunner:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    return _runner(model.requires_grad_(False))
+
+
+@functools.lru_cache(maxsize=1)
+def _real_kv() -> dict:
+    """Real KV of the system prefix and the passages, computed by a real CPU model of the same shape: {key: ChunkKV}."""
+    torch.manual_seed(0)
+    eng = BlendEngine(_runner(LlamaForCausalLM(LlamaConfig(**CONFIG))), MemoryStore(1 << 26, kv_format="fp16"),
+                      EngineConfig(kv_format="fp16"))
+    segments = eng.layout(BlendPlan(PASSAGES, QUESTION)).segments[:-1]  # the system prefix and the passages
+    return {eng.key_of(s.token_ids): eng.precompute(s.token_ids) for s in segments}
+
+
+def _store(tier: str, tmp_path):
+    store = MemoryStore(1 << 26, kv_format="fp16") if tier == "memory" else DiskStore(tmp_path, kv_format="fp16")
+    for key, kv in _real_kv().items():
+        assert store.put(key, kv)
+    return store
+
+
+@pytest.fixture
+def host_sync_counter(monkeypatch):
+    """Replace the engine's one named device->host sync by a counter answering from shapes only."""
+    class Counter(list):
+        n_tokens = 0  # the prompt length: the stand-in's positions end at its last position
+
+    calls = Counter()
+
+    def to_host(t: torch.Tensor) -> list[int]:
+        calls.append(t.numel())
+        return list(range(calls.n_tokens - t.numel(), calls.n_tokens))
+
+    monkeypatch.setattr(engine_mod, "_to_host", to_host, raising=False)
+    return calls
+
+
+POLICIES = {"default": default_policy(), "single": SelectionPolicy(check_layer=1, metric="kv"),
+            "sinks": SelectionPolicy(check_layer=2, metric="v", sink_tokens=2, schedule=((3, 1.0),))}
+
+
+@pytest.mark.parametrize("tier,depth", [("memory", 0), ("disk", 2)])
+def test_every_mode_runs_on_a_device_model_with_cpu_side_kv(tier, depth, tmp_path, host_sync_counter):
+    store = _store(tier, tmp_path)
+    runner = _device_runner()
+    assert runner.device.type == "meta"
+    engine = BlendEngine(runner, store, EngineConfig(kv_format="fp16"), loader=LayerLoader(store, depth))
+    for mode, policy, ratio in [("full_prefill", None, None), ("full_reuse", None, None),
+                                ("blend", "default", 0.15), ("blend", "single", 0.3),
+                                ("blend", "sinks", 0.2), ("blend", "default", 1.0)]:
+        host_sync_counter.clear()
+        plan = BlendPlan(PASSAGES, QUESTION, mode=mode, recompute_ratio=ratio, policy=POLICIES.get(policy or ""))
+        host_sync_counter.n_tokens = engine.layout(plan).n_tokens
+        with DeviceChecker():
+            state = engine.prefill(plan, max_new_tokens=2)
+            logits = engine.decode_step(state.cache, 5)
+        assert state.logits.device == runner.device and state.logits.shape == (CONFIG["vocab_size"],)
+        assert state.cache.k[0].device == runner.device and logits.device == runner.device
+        if mode != "full_prefill":
+            assert state.report.cache_hits == len(PASSAGES) + 1 and state.report.cache_misses == 0
+        assert len(host_sync_counter) <= 1, f"{mode}: more than one device->host sync per request"
+
+
+def test_the_checker_catches_syncs_and_device_mixes():
+    """The mechanism itself: each of these fails on a device tensor."""
+    t = torch.zeros(4, device="meta")
+    with DeviceChecker():
+        for bad in (lambda: int(t[0]), lambda: t[t > 0], lambda: t.tolist(), lambda: torch.unique(t),
+                    lambda: t + torch.zeros(4), lambda: torch.cat([t, torch.zeros(4)])):
+            with pytest.raises((DeviceMix, RuntimeError, NotImplementedError)):
+                bad()
+        assert (t + torch.tensor(1.0)).device == t.device  # 0-dim scalars are fine, as on CUDA
+        assert torch.zeros(4).to(t.device).device == t.device  # explicit transfers are fine
