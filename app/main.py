@@ -347,7 +347,8 @@ def _sync_status(stack: Stack) -> dict | None:
     sync = getattr(stack, "sync", None)
     if sync is None:
         return None
-    return {**sync.status().as_dict(), "passage_store": stack.pipeline.db.describe(), "vectors": len(sync.index)}
+    return {**sync.status().as_dict(), "passage_store": stack.pipeline.db.describe(), "vectors": len(sync.index),
+            "start": sync.start_info}
 
 
 def _ratio(requested: float | None, settings: Settings) -> float | None:

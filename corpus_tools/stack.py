@@ -106,7 +106,7 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
                 info["generation"])
     retriever = Retriever(embedder, index, db, settings.placement)
     pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size)
-    sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s)
+    sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s, start_info=info)
     return Stack(settings, runner, store, engine, retriever, pipeline, sync)
 
 

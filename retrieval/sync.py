@@ -45,8 +45,9 @@ class IndexSync:
     """Applies the change log to `index`. `step()` once by hand, or `start()` a polling thread."""
 
     def __init__(self, index: VectorIndex, store: PassageStore, embedder: Embedder, generation: int,
-                 interval_s: float = 0.5, batch: int = 1000) -> None:
+                 interval_s: float = 0.5, batch: int = 1000, start_info: dict | None = None) -> None:
         self.index = index
+        self.start_info = dict(start_info or {})  # how the index was opened: loaded, caught_up, added, removed
         self.store = store
         self.embedder = embedder
         self.interval_s = interval_s

@@ -127,3 +127,36 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
             return value
         time.sleep(interval)
     return None
+
+
+class RedisProcess:
+    """A throwaway redis-server on a free loopback port, no persistence."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RedisProcess:
+        import redis
+
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.2)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        if not wait_for(up, timeout=10):
+            self.stop()
+            raise RuntimeError("redis-server did not start")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
