@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.auth import BearerAuthMiddleware
+from app.auth import BearerAuthMiddleware, token_matches
 from app.limits import BodySizeLimitMiddleware
 from app.metrics import Metrics
 from app.schemas import (
@@ -51,16 +52,23 @@ from app.service import (
     QuerySpec,
     RequestTimeout,
     ServiceError,
+    StorageFault,
     StreamHandle,
     run_job,
     run_query,
+    storage_fault,
 )
 from app.startup import build_and_warm
+from app.validation import reject_surrogates
 from app.worker import Cancelled, EngineWorker, QueueFull
+from blend_engine.errors import StorageError
 from blend_engine.types import GenerationConfig, Mode
+from corpus_tools import logsafe
 from corpus_tools.documents import Document
+from corpus_tools.pipeline import DocumentRejected
 from corpus_tools.settings import Settings
 from corpus_tools.stack import Stack, build_stack
+from retrieval.passages import PassageStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +124,9 @@ def _check_documents(settings: Settings, documents) -> None:
     if len(documents) > settings.max_documents:
         raise _field_error(("documents",), f"{len(documents)} documents; the limit is {settings.max_documents}")
     for i, doc in enumerate(documents):
+        if doc.title is not None and len(doc.title) > settings.max_title_chars:
+            raise _field_error(("documents", i, "title"), f"title is {len(doc.title)} characters; the limit is "
+                                                          f"{settings.max_title_chars}")
         if len(doc.text) > settings.max_document_chars:
             raise _field_error(("documents", i, "text"), f"document text is {len(doc.text)} characters; the limit "
                                                          f"is {settings.max_document_chars}")
@@ -181,11 +192,11 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
-@health.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(request: Request) -> JSONResponse:
-    svc = _svc(request)
+async def _readiness(svc: AppState) -> JSONResponse:
+    """Ready or not, with the model, index and store details (the data dir, counts, store stats)."""
     if svc.error is not None or not svc.ready:
-        body = Readiness(ready=False, status="error" if svc.error else "starting", error=svc.error)
+        body = Readiness(ready=False, status="error" if svc.error else "starting", error=svc.error,
+                         reason="start-up failed" if svc.error else "the model, index and KV store are loading")
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "5"})
     stack = svc.stack
     index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
@@ -194,10 +205,47 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body.model_dump())
 
 
+@health.get("/readyz", response_model=Readiness, response_model_exclude_none=True,
+            responses={503: {"model": Readiness}})
+async def readyz(request: Request) -> JSONResponse:
+    """With BLENDSERVE_API_KEY set, callers without the key get only ready, status and reason;
+    the details are at the authenticated GET /v1/status."""
+    svc = _svc(request)
+    key = svc.settings.api_key
+    if key and not token_matches(request.headers.get("authorization"), key):
+        ready = svc.ready and svc.error is None
+        status = "ready" if ready else ("error" if svc.error else "starting")
+        reason = None if ready else ("start-up failed; details at /v1/status" if svc.error
+                                     else "the model, index and KV store are loading")
+        body = {"ready": ready, "status": status, **({"reason": reason} if reason else {})}
+        return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
+    return await _readiness(svc)
+
+
+@ops.get("/v1/status", response_model=Readiness, responses={503: {"model": Readiness}})
+async def status(request: Request) -> JSONResponse:
+    """/readyz with every detail (the same body /readyz gives when no API key is set)."""
+    return await _readiness(_svc(request))
+
+
+@ops.get("/v1/verify")
+async def verify(request: Request) -> dict:
+    """Check every passage's KV and the index against the passage store (no repair); names documents whose
+    ingestion did not finish (`incomplete`). Runs on the engine queue."""
+    svc = _svc(request)
+    stack = svc.require_stack()
+    report = await run_job(svc.worker, lambda job: stack.pipeline.verify(repair=False), svc.settings.request_timeout_s,
+                           "verify")
+    return {"ok": report.ok, "passages": report.passages, "kv_ok": report.kv_ok, "problems": list(report.problems),
+            "incomplete": list(report.incomplete), "index_missing": report.index_missing,
+            "index_extra": report.index_extra}
+
+
 @api.post("/v1/query", response_model=QueryExplainedResponse | QueryResponse,
           responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
                      400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
 async def query(req: QueryRequest, request: Request):
+    reject_surrogates(req)
     svc = _svc(request)
     s = svc.settings
     check_limits(s, question=req.question, top_k=req.top_k, max_tokens=req.max_tokens, documents=req.documents)
@@ -235,6 +283,7 @@ async def query(req: QueryRequest, request: Request):
 @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
           responses={200: {"content": {"text/event-stream": {}}}, 400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
 async def chat_completions(req: ChatCompletionRequest, request: Request):
+    reject_surrogates(req)  # every field, `model` included, before anything is generated
     svc = _svc(request)
     s = svc.settings
     users = [i for i, m in enumerate(req.messages) if m.role == "user"]
@@ -305,12 +354,22 @@ async def list_models(request: Request) -> dict:
 @docs.post("/v1/documents", response_model=IngestResponse, status_code=201,
            responses={400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
 async def ingest_documents(req: IngestRequest, request: Request) -> IngestResponse:
+    """All or nothing: the documents become visible together at the end, unless the request fails or
+    times out first (then nothing is committed). Re-ingesting a doc_id replaces that document."""
+    reject_surrogates(req)
     svc = _svc(request)
     _check_documents(svc.settings, req.documents)
     stack = svc.require_stack()
     docs_in = [Document(text=d.text, title=d.title, doc_id=d.doc_id, source="api") for d in req.documents]
-    summary = await run_job(svc.worker, lambda job: stack.pipeline.ingest(docs_in, progress=False),
-                            svc.settings.request_timeout_s, "ingest")
+
+    def ingest(job):
+        return stack.pipeline.ingest(docs_in, progress=False, publish="request", before_commit=job.begin_commit,
+                                     strict=True)
+
+    try:
+        summary = await run_job(svc.worker, ingest, svc.settings.request_timeout_s, "ingest")
+    except DocumentRejected as exc:
+        raise _field_error(("documents", exc.index, exc.field), exc.message) from None
     body = IngestResponse(**_as_dict(summary))
     svc.metrics.ingested.inc(body.new_passages)
     if body.errors and not body.doc_ids:
@@ -413,7 +472,10 @@ def _describe(err: dict) -> dict:
         return {"param": None, "msg": f"invalid JSON{at}" + (f": {ctx}" if ctx else ""),
                 "detail": {"type": "json_invalid", "loc": ["body", *loc], "msg": err.get("msg", "")}}
     param = ".".join(str(x) for x in loc) or None
-    detail = {"type": err.get("type"), "loc": ["body", *loc], "msg": err.get("msg", "invalid")}
+    msg = err.get("msg", "invalid")
+    if "unable to parse raw data as a unicode string" in msg:  # pydantic's words for a lone surrogate
+        msg = "contains a lone UTF-16 surrogate (invalid Unicode text)"
+    detail = {"type": err.get("type"), "loc": ["body", *loc], "msg": msg}
     return {"param": param, "msg": detail["msg"], "detail": detail}
 
 
@@ -441,6 +503,9 @@ def _install_handlers(app: FastAPI) -> None:
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
         if isinstance(exc, RequestTimeout):
             request.app.state.svc.metrics.timeouts.inc()
+        if isinstance(exc, StorageFault):
+            request.app.state.svc.metrics.storage_errors.inc()
+            logger.error("%s %s: %s", request.method, _endpoint(request), exc.message, exc_info=exc.__cause__)
         request.app.state.svc.metrics.requests.labels(_endpoint(request), str(exc.status_code)).inc()
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(_error_body(exc.message, exc.code, kind), status_code=exc.status_code, headers=exc.headers)
@@ -453,6 +518,19 @@ def _install_handlers(app: FastAPI) -> None:
         return JSONResponse(_error_body(str(exc), "overloaded", "server_error"), status_code=503,
                             headers={"Retry-After": "1"})
 
+    async def _storage(request: Request, exc: Exception) -> JSONResponse:
+        return await _service(request, storage_fault(exc))
+
+    for kind in (StorageError, PassageStoreError, sqlite3.Error, OSError):
+        app.add_exception_handler(kind, _storage)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        """Anything unexpected: logged with its traceback, counted, and a JSON 500 (never plain text)."""
+        logger.error("%s %s failed", request.method, _endpoint(request), exc_info=exc)
+        request.app.state.svc.metrics.requests.labels(_endpoint(request), "500").inc()
+        return JSONResponse(_error_body("internal error", "internal_error", "server_error"), status_code=500)
+
     @app.exception_handler(Cancelled)
     async def _cancelled(request: Request, exc: Cancelled) -> JSONResponse:
         return JSONResponse(_error_body(str(exc), "cancelled", "server_error"), status_code=503,
@@ -463,6 +541,7 @@ def _install_handlers(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None, stack_factory: StackFactory | None = None) -> FastAPI:
     settings = settings or Settings()
     factory = stack_factory or build_stack
+    logsafe.install()
     metrics_ = Metrics()
 
     @asynccontextmanager

@@ -106,6 +106,8 @@ class Metrics:
         self.rejected = Counter("blendserve_rejected", "Requests refused because the queue was full", registry=r)
         self.timeouts = Counter("blendserve_timeouts", "Requests that ran past the request timeout", registry=r)
         self.ingested = Counter("blendserve_ingested_passages", "Passages ingested online", registry=r)
+        self.storage_errors = Counter("blendserve_storage_errors", "Requests failed by a storage fault (5xx)",
+                                      registry=r)
 
     def bind_worker(self, worker) -> None:
         self.queue_depth.set_function(lambda: worker.depth)

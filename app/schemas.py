@@ -6,6 +6,7 @@ integer is still a valid float) and NaN / Infinity are refused."""
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,6 +20,13 @@ _REQUEST = ConfigDict(strict=True, allow_inf_nan=False)
 def _not_blank(v: str) -> str:
     if not v.strip():
         raise ValueError("must not be empty or whitespace")
+    return v
+
+
+def _printable_id(v: str | None) -> str | None:
+    """Document ids must be addressable in a URL path and safe to log: no control characters."""
+    if v is not None and any(unicodedata.category(ch) == "Cc" or ch in "\u2028\u2029" for ch in v):
+        raise ValueError("must not contain control characters (newline, carriage return, tab, escape, ...)")
     return v
 
 
@@ -156,9 +164,11 @@ class DocumentIn(BaseModel):
 
     text: str = Field(min_length=1)
     title: str = ""
-    doc_id: str | None = Field(None, min_length=1, max_length=200)
+    doc_id: str | None = Field(None, min_length=1, max_length=200,
+                               description="no control characters; re-ingesting a doc_id replaces the document")
 
     _text_not_blank = field_validator("text")(_not_blank)
+    _id_printable = field_validator("doc_id")(_printable_id)
 
 
 class IngestRequest(BaseModel):
@@ -264,8 +274,11 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
+    """With an API key set, unauthenticated callers get only ready, status and reason."""
+
     ready: bool
     status: str
+    reason: str | None = None
     model: str | None = None
     index: dict[str, Any] | None = None
     store: dict[str, Any] | None = None

@@ -23,6 +23,7 @@ from app.schemas import (
     Timings,
 )
 from app.worker import Cancelled, EngineWorker, Job
+from blend_engine.errors import InputError, StorageError
 from blend_engine.explain import Explanation, SegmentExplanation, token_pieces
 from blend_engine.layout import format_passage
 from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
@@ -60,6 +61,28 @@ class NotReady(ServiceError):
 class RequestTimeout(ServiceError):
     status_code = 504
     code = "timeout"
+
+
+class StorageFault(ServiceError):
+    """A store could not be read or written: never the caller's fault. 507 when the disk is full."""
+
+    status_code = 503
+    code = "storage_error"
+    headers = {"Retry-After": "5"}
+
+    def __init__(self, message: str, insufficient_storage: bool = False) -> None:
+        super().__init__(message)
+        if insufficient_storage:
+            self.status_code = 507
+            self.code = "insufficient_storage"
+            self.headers = None
+
+
+def storage_fault(exc: BaseException) -> StorageFault:
+    """The service error for a storage exception (StorageError, sqlite3.Error, OSError), naming its cause."""
+    text = str(exc) or type(exc).__name__
+    full = "disk is full" in text or "No space left" in text or getattr(exc, "errno", None) == 28
+    return StorageFault(f"storage fault: {text}", insufficient_storage=full)
 
 
 @dataclass(frozen=True)
@@ -159,8 +182,10 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
                     emit(delta)
         finally:
             it.close()
-    except ValueError as exc:  # the engine's and the plan's input errors (context overflow, ...)
+    except InputError as exc:  # the engine's and the plan's input errors (context overflow, ...)
         raise BadRequest(str(exc)) from exc
+    except StorageError as exc:  # not the caller's fault: a logged, counted 5xx
+        raise storage_fault(exc) from exc
     result = generation.result
     if result is None:
         raise Cancelled("generation did not finish")
@@ -233,7 +258,7 @@ class StreamHandle:
         self._items: asyncio.Queue = asyncio.Queue()
         self._deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
-        self.job = worker.submit(lambda job: fn(job, self._emit), name)
+        self.job = worker.submit(lambda job: fn(job, self._emit), name, timeout_s)
         self.job.future.add_done_callback(lambda _f: self._emit(_DONE))
 
     def _emit(self, item) -> None:

@@ -2,8 +2,12 @@
 
 The event loop never runs model compute: routes submit a job (a plain function) and await its
 future. When `max_queue` jobs are already waiting, `submit` raises `QueueFull` at once (503).
-A job can be cancelled: a queued job is then skipped, a running one sees `job.cancelled` and
-stops at its next check (streaming jobs check between tokens).
+A job can be cancelled, and it has a deadline (its request's timeout): a queued job that is
+cancelled or past its deadline is never started; a running one stops at its next check, which
+the engine makes between layers (`blend_engine.cancel.checkpoint`), generation between tokens and
+ingestion between batches. Work that commits (ingestion) calls `job.begin_commit()` first: from
+then on a cancel is refused, so a request is either told it failed and nothing was committed, or
+it waits the few milliseconds the commit takes and gets its answer.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from blend_engine.cancel import Cancelled, cancel_scope
+
+__all__ = ["Cancelled", "EngineWorker", "Job", "QueueFull"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,27 +32,44 @@ class QueueFull(Exception):
     """Every worker is busy and the waiting queue is at capacity."""
 
 
-class Cancelled(Exception):
-    """The job was cancelled (timeout, client gone, shutdown) before or while it ran."""
-
-
 class Job:
     """One unit of engine work. `fn(job)` runs on a worker thread; its return value is the result."""
 
-    def __init__(self, fn: Callable[[Job], Any], name: str = "job") -> None:
+    def __init__(self, fn: Callable[[Job], Any], name: str = "job", timeout_s: float | None = None) -> None:
         self.fn = fn
         self.name = name
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.submitted = time.perf_counter()
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.started: float | None = None
         self._cancel = threading.Event()
+        self._commit_lock = threading.Lock()
+        self._committing = False
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        """Cancelled, or past its deadline (unless it already began committing)."""
+        return self._cancel.is_set() or (self.expired and not self._committing)
 
-    def cancel(self) -> None:
-        self._cancel.set()
+    def cancel(self) -> bool:
+        """Ask the job to stop. False when it is too late: the job has begun committing."""
+        with self._commit_lock:
+            if self._committing:
+                return False
+            self._cancel.set()
+            return True
+
+    def begin_commit(self) -> None:
+        """Called by work right before it commits: raises Cancelled when cancelled or past its deadline,
+        else makes the job uncancellable (its request waits for the commit instead of timing out)."""
+        with self._commit_lock:
+            if self._cancel.is_set() or self.expired:
+                raise Cancelled(f"{self.name} cancelled before it committed")
+            self._committing = True
 
     @property
     def queue_ms(self) -> float:
@@ -79,10 +104,11 @@ class EngineWorker:
             return len(self._active)
 
     # ------------------------------------------------------------------ submission
-    def submit(self, fn: Callable[[Job], Any], name: str = "job") -> Job:
+    def submit(self, fn: Callable[[Job], Any], name: str = "job", timeout_s: float | None = None) -> Job:
+        """Queue `fn`; with `timeout_s` the job has a deadline past which it is not started or stops."""
         if self._closed:
             raise QueueFull("the engine is shutting down")
-        job = Job(fn, name)
+        job = Job(fn, name, timeout_s)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -90,15 +116,18 @@ class EngineWorker:
         return job
 
     async def run(self, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
-        """Submit and await the result; on timeout or caller cancellation the job is cancelled."""
-        job = self.submit(fn, name)
+        """Submit and await the result; on timeout or caller cancellation the job is cancelled.
+
+        A job already committing cannot be cancelled: then its result is awaited after all."""
+        job = self.submit(fn, name, timeout_s)
         result = asyncio.wrap_future(job.future)
         result.add_done_callback(_consume)  # an abandoned job's late error is not "never retrieved"
         try:
             return await asyncio.wait_for(asyncio.shield(result), timeout_s)
         except BaseException:
-            job.cancel()
-            raise
+            if job.cancel():
+                raise
+        return await result
 
     # ------------------------------------------------------------------ the worker loop
     def _loop(self) -> None:
@@ -108,14 +137,16 @@ class EngineWorker:
                 return
             if job.cancelled or not job.future.set_running_or_notify_cancel():
                 if not job.future.done():
-                    job.future.set_exception(Cancelled(f"{job.name} cancelled while queued"))
+                    why = "its deadline passed" if job.expired else "it was cancelled"
+                    job.future.set_exception(Cancelled(f"{job.name} not started: {why} while queued"))
                 continue
             job.started = time.perf_counter()
             with self._lock:
                 self._active.add(job)
             error: BaseException | None = None
             try:
-                result = job.fn(job)
+                with cancel_scope(lambda job=job: job.cancelled):
+                    result = job.fn(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
                 error, result = exc, None
             with self._lock:  # free the slot before anyone can see the outcome

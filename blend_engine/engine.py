@@ -26,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from blend_engine.cancel import checkpoint
+from blend_engine.errors import InputError
 from blend_engine.explain import Explanation, ScoreProbe, build_explanation, tier_of
 from blend_engine.keys import chain_key, chunk_key, store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore, MemoryStore
@@ -159,7 +161,7 @@ class BlendEngine:
     def _check_fits(self, n_tokens: int, extra: int) -> None:
         limit = self.runner.shape.max_positions
         if n_tokens + extra > limit:
-            raise ValueError(
+            raise InputError(
                 f"prompt of {n_tokens} tokens plus {extra} new tokens exceeds the model context of {limit}"
             )
 
@@ -373,6 +375,7 @@ class BlendEngine:
         clock = _LayerClock(r.device)
 
         for layer in range(n_layers):
+            checkpoint(f"at layer {layer}")  # a timed-out or abandoned request stops here, not after the prefill
             t0 = time.perf_counter()
             packed = next(layers) if layers is not None else None
             t1 = time.perf_counter()

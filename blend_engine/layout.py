@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blend_engine.errors import InputError
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a precise question answering assistant. Answer the question using only the "
     "passages the user gives. Reply with the short answer only: a name, date, number or "
@@ -78,7 +80,7 @@ def build_layout(encode, tokenizer, system_prompt: str, passages: tuple[str, ...
     segments, offset = [], 0
     for kind, ids in pieces:
         if not ids:
-            raise ValueError(f"a {kind} segment tokenized to nothing")
+            raise InputError(f"a {kind} segment tokenized to nothing")
         segments.append(Segment(kind, tuple(ids), offset))
         offset += len(ids)
     return PromptLayout(tuple(segments))

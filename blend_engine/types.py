@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from blend_engine.explain import Explanation
 
+from blend_engine.errors import InputError
+
 
 class Mode(str, Enum):
     BLEND = "blend"
@@ -81,11 +83,11 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+            raise InputError("max_tokens must be >= 1")
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise InputError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise InputError("top_p must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -107,14 +109,14 @@ class BlendPlan:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "passages", tuple(self.passages))
         if not self.passages:
-            raise ValueError("a blend plan needs at least one passage")
+            raise InputError("a blend plan needs at least one passage")
         if any(not isinstance(p, str) or not p.strip() for p in self.passages):
-            raise ValueError("passages must be non-empty strings")
+            raise InputError("passages must be non-empty strings")
         if not isinstance(self.question, str) or not self.question.strip():
-            raise ValueError("question must be a non-empty string")
+            raise InputError("question must be a non-empty string")
         r = self.recompute_ratio
         if r is not None and not (0.0 <= r <= 1.0):
-            raise ValueError(f"recompute_ratio must be within [0, 1], got {r}")
+            raise InputError(f"recompute_ratio must be within [0, 1], got {r}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from corpus_tools import logsafe
 from corpus_tools.documents import InputError, Reader
 from corpus_tools.pipeline import IngestSummary
 from corpus_tools.settings import Settings
@@ -129,7 +130,10 @@ def cmd_verify(stack, args: argparse.Namespace) -> int:
     for p in report.problems:
         err(f"problem: {p}")
     out(f"passages {report.passages}, KV ok {report.kv_ok}, problems {len(report.problems)}, "
-        f"repaired {report.repaired}, index missing {report.index_missing}, extra {report.index_extra}")
+        f"repaired {report.repaired}, index missing {report.index_missing}, extra {report.index_extra}, "
+        f"incomplete documents {len(report.incomplete)}")
+    for doc_id in report.incomplete:
+        out(f"incomplete: {logsafe.printable(doc_id)}")
     if not report.problems:
         out("verify: OK")
         return EXIT_OK
@@ -137,6 +141,8 @@ def cmd_verify(stack, args: argparse.Namespace) -> int:
         again = stack.pipeline.verify(repair=False)
         out("verify after repair: " + ("OK" if not again.problems else f"{len(again.problems)} problems remain"))
         return EXIT_OK if not again.problems else EXIT_PARTIAL
+    if report.incomplete:
+        err("re-run the ingestion of the incomplete documents to complete them (or `verify --repair` drops them)")
     err("run `python -m corpus_tools verify --repair` to recompute what is broken")
     return EXIT_PARTIAL
 
@@ -181,6 +187,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logsafe.install()
     _quiet_libraries()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")

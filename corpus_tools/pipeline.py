@@ -1,10 +1,22 @@
 """Ingestion: documents -> passages -> (KV cache, embedding, SQLite row, index entry).
 
 Crash safety. Per batch: KV entries are written first (content-keyed, so rewriting is harmless),
-then the rows (with their embeddings and change-log entries) in one passage-store transaction,
-then the index is saved atomically. The passage store (SQLite or PostgreSQL) is the source of
-truth; at start-up `open_index` re-adds vectors the index lacks and drops ones no
-passage owns, so a run killed at any point resumes without duplicates.
+then the rows (with their embeddings) are *staged* in one passage-store transaction (invisible to retrieval and to
+`get_document`). A document becomes visible whole: once all its passages are staged, `publish`
+moves them into the passage table in one transaction, removing the passages of its previous
+version (re-ingesting a doc_id replaces the document), and only then does the FAISS index gain
+their vectors (and lose the replaced ones); the change log records the publish like any write. The
+passage store (SQLite or PostgreSQL) is the source of truth; at start-up
+`open_index` re-adds vectors the index lacks and drops ones no passage owns, so a run killed at
+any point resumes without duplicates. Staged rows left by a kill mark the document incomplete:
+`verify` names it; re-running the ingestion completes it.
+
+Publishing: `publish="batch"` (CLI, sample corpus) publishes the documents completed by each
+batch, so a long run keeps its progress; `publish="request"` (the HTTP API) publishes every
+document at the end in one transaction, after `before_commit()` (the request's last chance to be
+cancelled), so a request that fails or times out commits nothing. Cancellation
+(`blend_engine.cancel`) is checked between batches and between the layers of every precompute;
+a cancelled run drops what it staged.
 """
 
 from __future__ import annotations
@@ -13,26 +25,40 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from blend_engine.cancel import Cancelled, checkpoint
 from blend_engine.engine import BlendEngine
+from blend_engine.errors import InputError
 from blend_engine.layout import format_passage
 from blend_engine.types import BlendPlan
 from corpus_tools.chunking import chunk_text
 from corpus_tools.documents import Document, resolve_doc_id
+from corpus_tools.logsafe import printable
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
 from retrieval.passages import PassageRow, PassageStore, passage_id, vec_id_of
-from retrieval.retriever import embed_text, reconcile
+from retrieval.retriever import embed_text, reconcile, stored_or_embedded
 
 logger = logging.getLogger(__name__)
 
 KV_WIDTH = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+PUBLISH_MODES = ("batch", "request")
+
+
+class DocumentRejected(InputError):
+    """A document that cannot be ingested as given: `index` in the input, `field` at fault."""
+
+    def __init__(self, index: int, field: str, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+        self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,16 @@ class _Tally:
     doc_ids: dict[str, None] = field(default_factory=dict)
 
 
+@dataclass
+class _Run:
+    """One ingest call's unpublished state: documents staged but not yet visible, and their new vectors."""
+
+    staged: dict[str, None] = field(default_factory=dict)  # doc ids with rows staged by this run
+    complete: list[str] = field(default_factory=list)  # doc ids whose every passage is staged
+    vecs: dict[int, np.ndarray] = field(default_factory=dict)  # vec_id -> embedding of a passage new to the index
+    published: dict[str, set[str]] = field(default_factory=dict)  # doc id -> passage ids this run made visible
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     passages: int
@@ -91,6 +127,7 @@ class VerifyReport:
     repaired: int
     index_missing: int
     index_extra: int
+    incomplete: tuple[str, ...] = ()  # documents whose ingestion did not finish (staged, not visible)
 
     @property
     def ok(self) -> bool:
@@ -143,12 +180,43 @@ class IngestPipeline:
             for seq, (text, ids) in enumerate(chunk_text(doc.text, tokens_of, self.chunk_tokens))
         ]
 
+    def check_document(self, doc: Document, doc_id: str) -> tuple[str, str] | None:
+        """(field, message) when a document cannot be ingested as given, else None.
+
+        Its id must be addressable and safe to log (no control characters); its title, repeated in
+        every passage, may take at most half a passage so that the text always fits beside it."""
+        if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u2029" for ch in doc_id):
+            return "doc_id", "doc_id must not contain control characters (newline, carriage return, tab, escape, ...)"
+        if not doc.text.strip():
+            return "text", "empty text"
+        title = doc.title.strip()
+        if title:
+            n = len(self.engine.passage_tokens(format_passage("x", title))) - len(self.engine.passage_tokens("x"))
+            if n > self.chunk_tokens // 2:
+                return "title", (f"title is {n} tokens; title and text must fit a passage of {self.chunk_tokens} "
+                                 f"tokens, so a title may take at most {self.chunk_tokens // 2}")
+        return None
+
     # ------------------------------------------------------------------ ingest
-    def ingest(self, docs: Iterable[Document], progress: bool = False) -> IngestSummary:
+    def ingest(self, docs: Iterable[Document], progress: bool = False, publish: str = "batch",
+               before_commit: Callable[[], None] | None = None, strict: bool = False) -> IngestSummary:
+        """Chunk, precompute, embed, stage and publish `docs` (see the module docstring).
+
+        strict: a document that fails `check_document` raises DocumentRejected before anything is
+        written (the API); otherwise it is skipped and reported in `errors` (the CLI)."""
+        if publish not in PUBLISH_MODES:
+            raise ValueError(f"publish must be one of {PUBLISH_MODES}, not {publish!r}")
         t0 = time.perf_counter()
         tally = _Tally()
-        seen: set[str] = set()
+        run = _Run()
         pending: list[_Candidate] = []
+        seen: set[str] = set()  # within one run, documents sharing a doc_id add up (HotpotQA repeats paragraphs)
+        if strict:
+            docs = list(docs)
+            for i, doc in enumerate(docs):
+                problem = self.check_document(doc, resolve_doc_id(doc))
+                if problem is not None:
+                    raise DocumentRejected(i, *problem)
         bar = tqdm(desc="ingest", unit="passage", file=sys.stderr, disable=not progress, dynamic_ncols=True)
         try:
             self.ensure_system_prefix()
@@ -156,8 +224,9 @@ class IngestPipeline:
                 doc_id = resolve_doc_id(doc)
                 tally.documents += 1
                 tally.doc_ids[doc_id] = None
-                if not doc.text.strip():
-                    tally.errors.append(f"document {doc_id}: empty text")
+                problem = self.check_document(doc, doc_id)
+                if problem is not None:
+                    tally.errors.append(f"document {printable(doc_id)}: {problem[1]}")
                     continue
                 for cand in self._chunks(doc, doc_id):
                     if cand.pid in seen:
@@ -165,10 +234,18 @@ class IngestPipeline:
                     seen.add(cand.pid)
                     pending.append(cand)
                     if len(pending) >= self.batch_size:
-                        self._flush(pending, tally, bar)
+                        self._flush(pending, tally, bar, run)
                         pending = []
+                        if publish == "batch":
+                            self._publish(run, before_commit)
+                run.complete.append(doc_id)
             if pending:
-                self._flush(pending, tally, bar)
+                self._flush(pending, tally, bar, run)
+            checkpoint("before publishing")
+            self._publish(run, before_commit)
+        except Cancelled:
+            self._discard(run)
+            raise
         finally:
             bar.close()
         return IngestSummary(
@@ -178,38 +255,79 @@ class IngestPipeline:
             kv_seconds=tally.kv_s, embed_seconds=tally.embed_s, index_seconds=tally.index_s,
         )
 
-    def _flush(self, batch: list[_Candidate], tally: _Tally, bar) -> None:
+    def _flush(self, batch: list[_Candidate], tally: _Tally, bar, run: _Run) -> None:
+        """Precompute and stage one batch (one transaction). Nothing becomes visible here."""
+        checkpoint("between ingestion batches")
         with self._lock:
             existing = self.db.get_many([c.pid for c in batch])
-            new_rows: list[PassageRow] = []
-            changed: list[PassageRow] = []
-            for cand in batch:
-                row = self._cache_one(cand, existing.get(cand.pid), tally)
-                if row is None:
-                    continue
-                (changed if cand.pid in existing else new_rows).append(row)
+            rows = [self._cache_one(cand, existing.get(cand.pid), tally) for cand in batch]
+            fresh = [r for r in rows if r.vec_id not in self.index]
             t = time.perf_counter()
-            vecs = self.embedder.encode([embed_text(r.title, r.text) for r in new_rows])  # [N, dim]
+            if fresh:
+                vecs = self.embedder.encode([embed_text(r.title, r.text) for r in fresh])  # [N, dim]
+                run.vecs.update(zip((r.vec_id for r in fresh), vecs))
             tally.embed_s += time.perf_counter() - t
+            checkpoint("before staging a batch")
             t = time.perf_counter()
-            inserted: list[str] = []
-            if new_rows or changed:  # one transaction; embeddings stored with the rows, `add`s logged
-                inserted = self.db.upsert(new_rows + changed, dict(zip((r.vec_id for r in new_rows), vecs)))
-            if new_rows:
-                self.index.add(np.asarray([r.vec_id for r in new_rows], dtype=np.int64), vecs)
-                self.index.save(self.index_dir)
+            self.db.stage(rows, {r.vec_id: run.vecs[r.vec_id] for r in rows if r.vec_id in run.vecs})  # one transaction
+            run.staged.update(dict.fromkeys(r.doc_id for r in rows))
             tally.index_s += time.perf_counter() - t
-            tally.new += len(inserted)  # another replica may have inserted some of them first
+            tally.new += sum(1 for r in rows if r.id not in existing)
         bar.update(len(batch))
 
-    def _cache_one(self, cand: _Candidate, row: PassageRow | None, tally: _Tally) -> PassageRow | None:
-        """Make sure the passage's KV is stored; the row to write, or None when nothing changes."""
+    def _publish(self, run: _Run, before_commit: Callable[[], None] | None) -> None:
+        """Make every completed document visible in one transaction, then update the index to match."""
+        docs = [d for d in run.complete if d in run.staged]
+        if not docs:
+            return
+        with self._lock:
+            if before_commit is not None:
+                before_commit()
+            removed, published = self.db.publish(docs, {d: run.published.get(d, set()) for d in docs})
+            for r in published:
+                run.published.setdefault(r.doc_id, set()).add(r.id)
+            self._sync_index(removed, published, run)
+            for key in {r.kv_key for r in removed} - {r.kv_key for r in published}:
+                if not self.db.key_in_use(key):
+                    self.store.delete(key)
+            logger.debug("published %d documents (%d passages, %d replaced)", len(docs), len(published), len(removed))
+        for d in docs:
+            run.staged.pop(d, None)
+        run.complete = [d for d in run.complete if d not in set(docs)]
+
+    def _sync_index(self, removed: list[PassageRow], published: list[PassageRow], run: _Run) -> None:
+        keep = {r.vec_id for r in published}
+        gone = [r.vec_id for r in removed if r.vec_id not in keep]
+        if gone:
+            self.index.remove(np.asarray(gone, dtype=np.int64))
+        new = [r for r in published if r.vec_id not in self.index]
+        missing = [r.vec_id for r in new if r.vec_id not in run.vecs]
+        if missing:  # staged by an earlier run: its stored embedding (else embedded now)
+            run.vecs.update(stored_or_embedded(self.db, self.embedder, missing))
+        if new:
+            self.index.add(np.asarray([r.vec_id for r in new], dtype=np.int64),
+                           np.stack([run.vecs[r.vec_id] for r in new]))
+        if gone or new:
+            self.index.save(self.index_dir)
+
+    def _discard(self, run: _Run) -> None:
+        """A cancelled run: drop what it staged (never visible), so nothing of it remains."""
+        if not run.staged:
+            return
+        try:
+            self.db.discard(list(run.staged))
+        except Exception:  # noqa: BLE001 - leftovers are invisible and reported by verify
+            logger.warning("could not drop the staged rows of a cancelled ingestion", exc_info=True)
+        run.staged.clear()
+
+    def _cache_one(self, cand: _Candidate, row: PassageRow | None, tally: _Tally) -> PassageRow:
+        """Make sure the passage's KV is stored; the row to stage."""
         tally.passages += 1
         tally.tokens += len(cand.token_ids)
         key = self.engine.key_of(cand.token_ids)
         if row is not None and row.kv_key == key and self.store.contains(key):
             tally.skipped += 1
-            return None
+            return PassageRow(**{**row.__dict__, "seq": cand.seq})
         t = time.perf_counter()
         key2, n_tokens, was_cached = self.engine.ensure_cached(cand.passage)
         tally.kv_s += time.perf_counter() - t
@@ -220,7 +338,7 @@ class IngestPipeline:
             tally.kv_bytes += n_tokens * self.kv_bytes_per_token()
         if row is not None and row.kv_key == key:
             tally.skipped += 1  # row present, KV was missing and is now back
-            return None
+            return PassageRow(**{**row.__dict__, "seq": cand.seq})
         return PassageRow(id=cand.pid, vec_id=vec_id_of(cand.pid), doc_id=cand.doc_id, seq=cand.seq,
                           title=cand.title, text=cand.text, source=cand.source, token_count=n_tokens, kv_key=key)
 
@@ -254,6 +372,7 @@ class IngestPipeline:
         store = self.store.stats().as_dict()
         return {
             **counts,
+            "incomplete_documents": len(self.db.incomplete()),
             "index": {"kind": self.index.kind, "configured": self.index.params.kind, "vectors": len(self.index),
                       "dim": self.index.dim, "embedder": self.embedder.name},
             "kv": {"format": self.engine.config.kv_format, "bytes_per_token": self.kv_bytes_per_token(),
@@ -279,6 +398,13 @@ class IngestPipeline:
                 if repair:
                     self._repair_row(row)
                     repaired += 1
+            incomplete = self.db.incomplete()
+            for doc_id, n in incomplete.items():
+                problems.append(f"document {printable(doc_id)}: incomplete ingestion ({n} passages staged, not visible); "
+                                "re-run its ingestion to complete it" + ("; dropped" if repair else ""))
+            if repair and incomplete:
+                self.db.discard(list(incomplete))
+                repaired += len(incomplete)
             want, have = self.db.vec_ids(), set(self.index.ids().tolist())
             missing, extra = len(want - have), len(have - want)
             if missing or extra:
@@ -287,7 +413,7 @@ class IngestPipeline:
                     reconcile(self.index, self.db, self.embedder)
                     self.index.save(self.index_dir)
                     repaired += 1
-            return VerifyReport(len(rows), kv_ok, tuple(problems), repaired, missing, extra)
+            return VerifyReport(len(rows), kv_ok, tuple(problems), repaired, missing, extra, tuple(incomplete))
 
     def _check_row(self, row: PassageRow, n_layers: int) -> str | None:
         ids = self.engine.passage_tokens(format_passage(row.text, row.title))

@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(4000, ge=1)
     max_documents: int = Field(32, ge=1, description="documents per request (inline or ingested)")
     max_document_chars: int = Field(100_000, ge=1)
+    max_title_chars: int = Field(300, ge=1, description="document titles above this get 422 (a title is repeated "
+                                                        "in every passage of its document)")
     max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
     max_top_k: int = Field(50, ge=1)
     explain_max_tokens: int = Field(4096, ge=1, description="tokens explained per request (explain=true); "
@@ -80,6 +82,15 @@ class Settings(BaseSettings):
     def _postgres_only(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("postgresql://", "postgres://")):
             raise ValueError("must be a postgresql:// URL (unset = SQLite in the data dir)")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _ascii_key(cls, v: str | None) -> str | None:
+        """HTTP headers arrive as latin-1 bytes: a key outside printable ASCII could never match."""
+        if v is not None and not all(0x21 <= ord(ch) <= 0x7E for ch in v):
+            raise ValueError("must be printable ASCII without spaces (an HTTP Authorization header cannot carry "
+                             "other characters reliably, so such a key could never match)")
         return v
 
     @model_validator(mode="after")

@@ -10,6 +10,12 @@ ingestion time and its embedding), `passage_changes` (the ingestion change log: 
 passage inserted, one `del` per passage deleted, numbered in commit order) and `store_meta`
 (the schema version). Every FAISS index follows the change log (`retrieval.sync.IndexSync`).
 
+Documents become visible whole: ingestion writes a document's passages to `staged` (the same
+columns, never read by retrieval), then `publish` moves them into `passages` in one transaction,
+removing the passages of the document's previous version (`del` and `add` changes logged as
+for any write). Staged rows left by a crash mark the document incomplete (`incomplete()`) until
+a re-run publishes them or `discard` drops them.
+
 Writes are serialized (SQLite: BEGIN IMMEDIATE; PostgreSQL: a transaction-scoped advisory lock
 taken before the first log entry), so change sequence numbers are handed out in commit order and a
 follower that has applied every change up to N never sees a later commit with a number <= N.
@@ -30,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 1: passages only (no meta table); 2: + embedding column, change log, store_meta
+SCHEMA_VERSION = 3  # 1: passages only (no meta table); 2: + embedding column, change log, store_meta; 3: + staged
 
 _COLUMNS = ("id", "vec_id", "doc_id", "seq", "title", "text", "source", "token_count", "kv_key", "ingested_at")
 _SELECT = ", ".join(_COLUMNS)
@@ -66,6 +72,10 @@ class StoreHead:
     """The newest change sequence number (0 when the log is empty) and the store's clock now."""
     seq: int
     now: float
+
+
+class PassageStoreError(RuntimeError):
+    """The passage store could not be written (disk full, I/O error): a storage fault, naming its cause."""
 
 
 class PassageConflict(RuntimeError):
@@ -129,21 +139,77 @@ class PassageStore(ABC):
         passage is an integrity error, never a silent replace."""
         if not rows:
             return []
+        with self._write() as ex:
+            return self._upsert_in(ex, rows, vectors or {})
+
+    def _upsert_in(self, ex, rows: Sequence[PassageRow], vectors: Mapping[int, np.ndarray | None]) -> list[str]:
+        now = time.time()
+        present = self._ids_present(ex, [r.id for r in rows])
+        new = [r for r in rows if r.id not in present]
+        old = [r for r in rows if r.id in present]
+        if new:
+            ex.many(f"INSERT INTO passages ({_SELECT}, embedding) VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})",
+                    [self._values(r, now) + (self._blob(vectors.get(r.vec_id)),) for r in new])
+            self._log(ex, "add", new)
+        if old:
+            sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
+            ex.many(f"UPDATE passages SET {sets}, embedding = COALESCE(?, embedding) WHERE id = ?",
+                    [self._values(r, now)[1:] + (self._blob(vectors.get(r.vec_id)), r.id) for r in old])
+        return [r.id for r in new]
+
+    # ------------------------------------------------------------------ staging: documents visible whole
+    def stage(self, rows: Sequence[PassageRow], vectors: Mapping[int, np.ndarray] | None = None) -> None:
+        """Write rows of documents being ingested, invisible until `publish` (one transaction, no change entry)."""
+        if not rows:
+            return
         vectors = vectors or {}
         now = time.time()
         with self._write() as ex:
-            present = self._ids_present(ex, [r.id for r in rows])
-            new = [r for r in rows if r.id not in present]
-            old = [r for r in rows if r.id in present]
-            if new:
-                ex.many(f"INSERT INTO passages ({_SELECT}, embedding) VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})",
-                        [self._values(r, now) + (self._blob(vectors.get(r.vec_id)),) for r in new])
-                self._log(ex, "add", new)
-            if old:
-                sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
-                ex.many(f"UPDATE passages SET {sets}, embedding = COALESCE(?, embedding) WHERE id = ?",
-                        [self._values(r, now)[1:] + (self._blob(vectors.get(r.vec_id)), r.id) for r in old])
-        return [r.id for r in new]
+            ex.many("DELETE FROM staged WHERE id = ?", [(r.id,) for r in rows])
+            ex.many(f"INSERT INTO staged ({_SELECT}, embedding) VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})",
+                    [self._values(r, now) + (self._blob(vectors.get(r.vec_id)),) for r in rows])
+
+    def publish(self, doc_ids: Sequence[str], keep: Mapping[str, set[str]] | None = None
+                ) -> tuple[list[PassageRow], list[PassageRow]]:
+        """Make the staged version of each document the visible one, all in one transaction.
+
+        Passages of a document's previous version that the new one lacks are removed, except the ids
+        in `keep[doc_id]` (passages the same ingestion published earlier). Documents with nothing
+        staged are left alone. Returns (removed rows, published rows)."""
+        keep = keep or {}
+        removed: list[PassageRow] = []
+        published: list[PassageRow] = []
+        with self._write() as ex:
+            for doc_id in dict.fromkeys(doc_ids):
+                found = ex(f"SELECT {_SELECT}, embedding FROM staged WHERE doc_id = ? ORDER BY seq", (doc_id,))
+                if not found:
+                    continue
+                rows = [_row(r) for r in found]
+                stay = {r.id for r in rows} | set(keep.get(doc_id, ()))
+                gone = [_row(r) for r in ex(f"SELECT {_SELECT} FROM passages WHERE doc_id = ?", (doc_id,))
+                        if r[0] not in stay]
+                if gone:
+                    ex.many("DELETE FROM passages WHERE id = ?", [(r.id,) for r in gone])
+                    self._log(ex, "del", gone)
+                self._upsert_in(ex, rows, {r.vec_id: vector_from(f[len(_COLUMNS)]) for r, f in zip(rows, found)})
+                ex("DELETE FROM staged WHERE doc_id = ?", (doc_id,))
+                removed += gone
+                published += rows
+        return removed, published
+
+    def discard(self, doc_ids: Sequence[str]) -> int:
+        """Drop staged rows of these documents (an ingestion that was cancelled or is abandoned)."""
+        doc_ids = list(dict.fromkeys(doc_ids))
+        if not doc_ids:
+            return 0
+        with self._write() as ex:
+            n = sum(int(ex("SELECT COUNT(*) FROM staged WHERE doc_id = ?", (d,))[0][0]) for d in doc_ids)
+            ex.many("DELETE FROM staged WHERE doc_id = ?", [(d,) for d in doc_ids])
+        return n
+
+    def incomplete(self) -> dict[str, int]:
+        """Documents with staged rows left by an ingestion that did not finish: {doc_id: staged passages}."""
+        return {r[0]: int(r[1]) for r in self._fetch("SELECT doc_id, COUNT(*) FROM staged GROUP BY doc_id ORDER BY doc_id")}
 
     def _log(self, ex, op: str, rows: Sequence[PassageRow]) -> None:
         """Change-log entries for `rows`, inside the caller's write transaction (store clock)."""
@@ -182,6 +248,7 @@ class PassageStore(ABC):
             if rows:
                 ex("DELETE FROM passages WHERE doc_id = ?", (doc_id,))
                 self._log(ex, "del", rows)
+            ex("DELETE FROM staged WHERE doc_id = ?", (doc_id,))
         return rows
 
     # ------------------------------------------------------------------ reads
@@ -221,10 +288,12 @@ class PassageStore(ABC):
         return {int(r[0]) for r in self._fetch("SELECT vec_id FROM passages")}
 
     def kv_keys(self) -> set[str]:
-        return {r[0] for r in self._fetch("SELECT DISTINCT kv_key FROM passages")}
+        """KV keys referenced by a passage, visible or staged."""
+        return {r[0] for r in self._fetch("SELECT kv_key FROM passages UNION SELECT kv_key FROM staged")}
 
     def key_in_use(self, kv_key: str) -> bool:
-        return bool(self._fetch("SELECT 1 FROM passages WHERE kv_key = ? LIMIT 1", (kv_key,)))
+        return bool(self._fetch("SELECT 1 FROM passages WHERE kv_key = ? UNION ALL SELECT 1 FROM staged WHERE "
+                                "kv_key = ?", (kv_key, kv_key)))
 
     def counts(self) -> dict:
         r = self._fetch(
@@ -284,6 +353,20 @@ CREATE TABLE IF NOT EXISTS passage_changes (
     at         REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS staged (
+    id          TEXT PRIMARY KEY,
+    vec_id      INTEGER NOT NULL,
+    doc_id      TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    title       TEXT NOT NULL,
+    text        TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    token_count INTEGER NOT NULL,
+    kv_key      TEXT NOT NULL,
+    ingested_at REAL NOT NULL,
+    embedding   BLOB
+);
+CREATE INDEX IF NOT EXISTS staged_doc ON staged(doc_id);
 """
 
 
@@ -360,10 +443,12 @@ class PassageDB(PassageStore):
                 yield _SqliteRunner(self._conn)
                 self._conn.execute("COMMIT")
             except BaseException as exc:
-                if self._conn.in_transaction:
+                if self._conn.in_transaction:  # SQLite may have rolled back itself (a full disk at COMMIT)
                     self._conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.IntegrityError):
                     raise PassageConflict(str(exc)) from exc
+                if isinstance(exc, sqlite3.DatabaseError):  # disk full, I/O error: name the cause
+                    raise PassageStoreError(f"passage store write failed: {exc}") from exc
                 raise
 
 

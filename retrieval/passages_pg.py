@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from retrieval.passages import SCHEMA_VERSION, PassageConflict, PassageStore, SchemaTooNew
+from retrieval.passages import SCHEMA_VERSION, PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ _PG_SCHEMA = (
         at         DOUBLE PRECISION NOT NULL
     )""",
     "CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS staged (
+        id          TEXT PRIMARY KEY,
+        vec_id      BIGINT NOT NULL,
+        doc_id      TEXT NOT NULL,
+        seq         INTEGER NOT NULL,
+        title       TEXT NOT NULL,
+        text        TEXT NOT NULL,
+        source      TEXT NOT NULL,
+        token_count INTEGER NOT NULL,
+        kv_key      TEXT NOT NULL,
+        ingested_at DOUBLE PRECISION NOT NULL,
+        embedding   BYTEA
+    )""",
+    "CREATE INDEX IF NOT EXISTS staged_doc ON staged(doc_id)",
 )
 
 
@@ -157,3 +171,5 @@ class PgPassageStore(PassageStore):
                     yield _PgRunner(conn)
             except psycopg.IntegrityError as exc:
                 raise PassageConflict(str(exc).strip()) from exc
+            except psycopg.OperationalError as exc:  # disk full, connection lost mid-write: name the cause
+                raise PassageStoreError(f"passage store write failed: {str(exc).strip()}") from exc

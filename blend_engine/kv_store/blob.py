@@ -9,13 +9,17 @@ Tiers exchange blobs, never re-encode, so a promoted int8 chunk stays bit-identi
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
 
+from blend_engine.errors import CorruptChunk
 from blend_engine.kv_store.base import ChunkKV, KVStore
 from blend_engine.kv_store.codec import ChunkMeta, check_format, decode_chunk, decode_layer, encode_chunk
+
+logger = logging.getLogger(__name__)
 
 Blob = bytearray
 
@@ -57,7 +61,11 @@ class BlobStore(KVStore):
         got = self.get_blob(key, layer)
         if got is None:
             return None
-        return decode_layer(*got)  # [H, T, D] each
+        try:
+            return decode_layer(*got)  # [H, T, D] each
+        except CorruptChunk as exc:
+            self._drop_unreadable(key, exc)
+            return None
 
     def get_blobs(self, key: str) -> tuple[ChunkMeta, list[Blob]] | None:
         meta = self.meta(key)
@@ -73,4 +81,18 @@ class BlobStore(KVStore):
 
     def get(self, key: str) -> ChunkKV | None:
         got = self.get_blobs(key)
-        return None if got is None else decode_chunk(*got)
+        if got is None:
+            return None
+        try:
+            return decode_chunk(*got)
+        except CorruptChunk as exc:
+            self._drop_unreadable(key, exc)
+            return None
+
+    def _drop_unreadable(self, key: str, exc: CorruptChunk) -> None:
+        """A blob that does not decode is a storage fault, never the caller's: drop it (a miss, recomputed)."""
+        stats = getattr(self, "_stats", None)
+        if stats is not None:
+            stats.corrupt += 1
+        logger.warning("KV chunk %s in %s is unreadable (%s); dropped, will be recomputed", key, self.name, exc)
+        self.delete(key)

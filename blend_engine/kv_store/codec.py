@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from blend_engine.errors import CorruptChunk
 from blend_engine.kv_store.base import ChunkKV
 
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -109,7 +110,7 @@ def decode_layer(meta: ChunkMeta, blob: bytearray | memoryview) -> tuple[torch.T
     """A stored blob -> (k, v) [H, T, D]. Float formats return views of `blob` (no copy): read-only by contract."""
     H, T, D = meta.n_heads, meta.n_tokens, meta.head_dim
     if len(blob) != meta.layer_nbytes:
-        raise ValueError(f"layer blob of {len(blob)} bytes, expected {meta.layer_nbytes}")
+        raise CorruptChunk(f"layer blob of {len(blob)} bytes, expected {meta.layer_nbytes}")
     raw = torch.frombuffer(blob, dtype=torch.uint8)  # [bytes]
     n = H * T * D
     if meta.fmt == "int8":

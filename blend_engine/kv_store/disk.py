@@ -107,7 +107,17 @@ class DiskStore(BlobStore):
 
     def _open_db(self, attempts: int = 50) -> sqlite3.Connection:
         """The index connection. Switching to WAL while another process opens the same file can fail
-        with "database is locked" at once (SQLite skips its busy handler there), so set-up retries."""
+        with "database is locked" at once (SQLite skips its busy handler there), so set-up retries.
+        An index that is not a readable database is moved aside and rebuilt from the chunk files."""
+        try:
+            return self._connect(attempts)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise
+            self._quarantine_index(exc)
+            return self._connect(attempts)
+
+    def _connect(self, attempts: int) -> sqlite3.Connection:
         db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=10)
         attempt = 1
         while True:
@@ -115,13 +125,26 @@ class DiskStore(BlobStore):
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
                 db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, nbytes INTEGER, last_used REAL)")
+                db.execute("SELECT COUNT(*) FROM entries").fetchone()  # a damaged file fails here at the latest
                 return db
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or attempt >= attempts:
+            except sqlite3.DatabaseError as exc:
+                if not isinstance(exc, sqlite3.OperationalError) or "locked" not in str(exc) or attempt >= attempts:
                     db.close()
                     raise
                 time.sleep(0.02 * attempt)
                 attempt += 1
+
+    def _quarantine_index(self, exc: Exception) -> None:
+        """Move a corrupt index (and its WAL files) aside; the chunk files are the truth and rebuild it."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        base = self.root / "index.sqlite"
+        aside = base.with_name(f"index.sqlite.corrupt-{stamp}-{uuid.uuid4().hex[:6]}")
+        base.replace(aside)
+        for suffix in ("-wal", "-shm"):
+            base.with_name(base.name + suffix).unlink(missing_ok=True)
+        self._stats.corrupt += 1
+        logger.warning("disk store index %s is corrupt (%s); moved aside to %s and rebuilt from the chunk files",
+                       base, exc, aside.name)
 
     def _sql(self, query: str, args: tuple = ()) -> list:
         try:

@@ -1,0 +1,37 @@
+"""Cooperative cancellation of engine work, checked between layers.
+
+A worker runs each job inside `cancel_scope(should_stop)`; the engine calls `checkpoint()` at
+every layer of a prefill or precompute (and ingestion between batches), which raises `Cancelled`
+once `should_stop()` is true (the request timed out, the client left, the server is stopping).
+Outside a scope `checkpoint()` does nothing, so library and CLI use are unaffected.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+_local = threading.local()
+
+
+class Cancelled(Exception):
+    """The work was cancelled (timeout, client gone, shutdown) before or while it ran."""
+
+
+@contextmanager
+def cancel_scope(should_stop: Callable[[], bool]) -> Iterator[None]:
+    """Make `checkpoint()` on this thread raise once `should_stop()` is true."""
+    previous = getattr(_local, "check", None)
+    _local.check = should_stop
+    try:
+        yield
+    finally:
+        _local.check = previous
+
+
+def checkpoint(where: str = "") -> None:
+    """Raise `Cancelled` when the current scope's work should stop."""
+    check = getattr(_local, "check", None)
+    if check is not None and check():
+        raise Cancelled(f"cancelled{' ' + where if where else ''}")
