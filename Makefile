@@ -26,13 +26,13 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run --quick
 
 bench-engine: $(STAMP)
-	$(PY) -m blend_engine.bench --quick
+	$(PY) -m benchmarks.engine --quick
 
 bench-store: $(STAMP)
-	$(PY) -m blend_engine.bench_store
+	$(PY) -m benchmarks.store
 
 bench-ingest: $(STAMP)
-	$(PY) -m corpus_tools.bench
+	$(PY) -m benchmarks.ingest
 
 # llama.cpp peer (optional, not needed by CI): llama-cpp-cffi's prebuilt CPU llama.cpp, see benchmarks/README.md
 LLAMA_CPP_CFFI := llama-cpp-cffi==0.4.42

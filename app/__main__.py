@@ -7,7 +7,7 @@ import sys
 
 from pydantic import ValidationError
 
-from corpus_tools.settings import Settings
+from blendserve_config.settings import Settings
 
 logger = logging.getLogger("app")
 

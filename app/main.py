@@ -63,11 +63,11 @@ from app.validation import reject_surrogates
 from app.worker import Cancelled, EngineWorker, QueueFull
 from blend_engine.errors import StorageError
 from blend_engine.types import GenerationConfig, Mode
-from corpus_tools import logsafe
+from blendserve_config import logsafe
+from blendserve_config.settings import Settings
+from blendserve_config.stack import Stack, build_stack
 from corpus_tools.documents import Document
 from corpus_tools.pipeline import DocumentRejected
-from corpus_tools.settings import Settings
-from corpus_tools.stack import Stack, build_stack
 from retrieval.passages import PassageStoreError
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from app.schemas import (
 from app.worker import Cancelled, EngineWorker, Job
 from blend_engine.errors import InputError, StorageError
 from blend_engine.explain import Explanation, SegmentExplanation, token_pieces
-from blend_engine.layout import format_passage
 from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
+from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
 

@@ -6,36 +6,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from blendserve_config.stack import ingest_sample_on_first_start
+
 logger = logging.getLogger(__name__)
-
-SAMPLE_BATCH = 10
-
-
-def _is_empty(stack) -> bool:
-    """First start: nothing ingested yet (an empty data dir, or a first start cut short)."""
-    return int(stack.pipeline.stats().get("passages", 0)) == 0
-
-
-def ingest_sample(pipeline, path: Path, should_stop: Callable[[], bool]) -> int:
-    """Ingest the sample corpus in batches, logging progress. Returns the documents ingested."""
-    from corpus_tools.documents import Reader
-
-    docs = list(Reader().read([path]))
-    total, done, t0 = len(docs), 0, time.perf_counter()
-    logger.info("first start: ingesting %d sample documents from %s", total, path)
-    for start in range(0, total, SAMPLE_BATCH):
-        if should_stop():
-            logger.info("sample ingestion interrupted by shutdown at %d/%d", done, total)
-            break
-        summary = pipeline.ingest(docs[start:start + SAMPLE_BATCH], progress=False)
-        done += len(docs[start:start + SAMPLE_BATCH])
-        for err in getattr(summary, "errors", None) or []:
-            logger.warning("sample ingestion: %s", err)
-        logger.info("sample ingestion %d/%d documents (%.1f s)", done, total, time.perf_counter() - t0)
-    return done
 
 
 def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
@@ -50,12 +25,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             return
         svc.stack = stack
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
-        sample = settings.sample_corpus
-        if settings.ingest_sample_on_start and sample is not None and _is_empty(stack):
-            if Path(sample).is_file():
-                ingest_sample(stack.pipeline, Path(sample), svc.closing.is_set)
-            else:
-                logger.warning("sample corpus %s not found; starting with an empty index", sample)
+        ingest_sample_on_first_start(stack, svc.closing.is_set)
         if svc.closing.is_set():
             return
         svc.ready = True

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from blend_engine.layout import format_passage
+from retrieval.text import format_passage
 
 HOTPOTQA_FILE = "hotpotqa_dev500.jsonl"
 MUSIQUE_FILE = "musique_dev.jsonl"
 
 
+DATA_ENV = "BLENDSERVE_SHARED_DATA"
+
+
 def default_data_dir() -> Path:
-    """../shared/data next to the repository."""
-    return Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+    """The shared QA data: $BLENDSERVE_SHARED_DATA when set, else ../shared/data beside the repository."""
+    override = os.environ.get(DATA_ENV, "").strip()
+    if override:
+        return Path(override).expanduser()
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,8 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from benchmarks.data import Example, passages_of, shuffled
-from benchmarks.scoring import bootstrap_ci, exact_match, max_over_golds, paired_bootstrap, token_f1
-from blend_engine.bench import kl
+from benchmarks.scoring import bootstrap_ci, exact_match, kl, max_over_golds, paired_bootstrap, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store.controller import BandwidthController
 from blend_engine.kv_store.factory import build_loader, build_store
@@ -79,11 +76,6 @@ class Record:
     total_ms: float
 
 
-def first_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(p_ref || p) of two first-token distributions, in nats (rounding below 0 clamped)."""
-    return max(0.0, kl(ref_logits, logits))
-
-
 def _generate(engine: BlendEngine, plan: BlendPlan, gen: GenerationConfig):
     """(result, first-token logits [V]) of one generation; the prefill is shared."""
     g = engine.generate(plan, gen)
@@ -116,7 +108,7 @@ def run_example(ex: Example, engines: Engines, specs: list[ModeSpec], gen: Gener
             f1=max_over_golds(token_f1, result.text, ex.answers),
             em=max_over_golds(exact_match, result.text, ex.answers),
             agreement_f1=token_f1(result.text, ref_answer),
-            kl=first_token_kl(ref_logits, logits) if ref_logits is not None else float("nan"),
+            kl=kl(ref_logits, logits) if ref_logits is not None else float("nan"),
             recompute_ratio=rep.recompute_ratio, recomputed_tokens=rep.recomputed_tokens,
             context_tokens=rep.context_tokens, recompute_share=rep.recomputed_tokens / rep.context_tokens,
             ttft_ms=result.ttft_ms, total_ms=result.total_ms,

@@ -1,13 +1,15 @@
-"""Answer scorers (SQuAD-normalised token F1 and exact match, Rouge-L) and bootstrap intervals."""
+"""Answer scorers (SQuAD-normalised token F1 and exact match, Rouge-L), first-token KL and bootstrap intervals."""
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import torch
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
@@ -43,6 +45,19 @@ def exact_match(prediction: str, gold: str) -> float:
 def max_over_golds(metric, prediction: str, golds: Iterable[str]) -> float:
     """The best score of `prediction` against any gold answer (0 when there is none)."""
     return max((metric(prediction, g) for g in golds), default=0.0)
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(P || Q) in nats of two next-token distributions given as logits [V] (computed in float64).
+
+    Raises ValueError when the result is not finite (NaN or inf logits): a broken run must not
+    read as a perfect score. Rounding below zero (identical inputs) is returned as 0.
+    """
+    lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)  # [V] each
+    value = float(torch.sum(lp.exp() * (lp - lq)))
+    if not math.isfinite(value):
+        raise ValueError(f"KL is {value}: the logits hold NaN or infinite values")
+    return max(value, 0.0)
 
 
 def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:

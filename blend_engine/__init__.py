@@ -1,9 +1,23 @@
-"""Blendserve's engine: per-passage KV caches, re-positioned by RoPE and repaired by CacheBlend."""
+"""Blendserve's engine: per-passage KV caches, re-positioned by RoPE and repaired by CacheBlend.
 
-from blend_engine.engine import BlendEngine, EngineConfig, Generation, KVCache, PrefillState
-from blend_engine.types import BlendPlan, BlendReport, BlendResult, GenerationConfig, Mode, SelectionPolicy
+Nothing heavy loads on `import blend_engine`: `blend_engine.types` is torch-free, and the names
+below are imported from their modules on first use.
+"""
 
-__all__ = [
-    "BlendEngine", "BlendPlan", "BlendReport", "BlendResult", "EngineConfig", "Generation",
-    "GenerationConfig", "KVCache", "Mode", "PrefillState", "SelectionPolicy",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    **dict.fromkeys(("BlendEngine", "EngineConfig", "Generation", "KVCache", "PrefillState"), "blend_engine.engine"),
+    **dict.fromkeys(("BlendPlan", "BlendReport", "BlendResult", "GenerationConfig", "Mode", "SelectionPolicy"),
+                    "blend_engine.types"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'blend_engine' has no attribute {name!r}")

@@ -22,12 +22,6 @@ QUESTION_TEMPLATE = "Answer the question based on the passages above.\nQuestion:
 _SENTINEL = "\u0000BLEND_SENTINEL\u0000"
 
 
-def format_passage(text: str, title: str | None = None) -> str:
-    """How a titled passage is given to the engine (ingestion and queries must agree)."""
-    body = text.strip()
-    return f"{title.strip()}\n{body}" if title and title.strip() else body
-
-
 def passage_text(passage: str) -> str:
     """The exact text that is tokenized and cached for a passage."""
     return passage.strip() + PASSAGE_SEPARATOR

@@ -63,7 +63,7 @@ class SelectionPolicy:
 
 
 def default_policy() -> SelectionPolicy:
-    """The default, chosen by ablation (`python -m blend_engine.bench`, README "Selection policy"):
+    """The default, chosen by ablation (`python -m benchmarks.engine`, docs/results.md):
     K deviation at layer 1, weighted by the attention the question pays each token, keeping 4x
     the ratio, narrowed to 2x, 1.5x and 1x of it at layers 2, 3 and 4 (gradual filtering).
     On 40 held-out MuSiQue questions (20..59) at ratio 0.15 its answers agree 0.710 with full

@@ -1,6 +1,6 @@
-"""Corpus tools: settings shared with the service, ingestion pipeline, the `Stack`, the batch CLI.
+"""Corpus tools: document readers, chunking, the ingestion pipeline and the batch CLI.
 
-Heavy modules load lazily, so `from corpus_tools.settings import Settings` stays cheap.
+Settings and the `Stack` live in `blendserve_config`. Heavy modules load lazily.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ _EXPORTS = {
     "Reader": "corpus_tools.documents",
     "IngestPipeline": "corpus_tools.pipeline",
     "IngestSummary": "corpus_tools.pipeline",
-    "Stack": "corpus_tools.stack",
-    "build_stack": "corpus_tools.stack",
-    "ingest_sample_on_first_start": "corpus_tools.stack",
 }
 
 __all__ = sorted(_EXPORTS)

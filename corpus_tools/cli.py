@@ -13,10 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from corpus_tools import logsafe
+from blendserve_config import logsafe
+from blendserve_config.settings import Settings
 from corpus_tools.documents import InputError, Reader
 from corpus_tools.pipeline import IngestSummary
-from corpus_tools.settings import Settings
 
 logger = logging.getLogger("corpus_tools")
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FATAL
     stack = None
     try:
-        from corpus_tools.stack import build_stack
+        from blendserve_config.stack import build_stack
 
         stack = build_stack(settings)
         return COMMANDS[args.command](stack, args)

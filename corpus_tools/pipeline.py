@@ -35,15 +35,15 @@ from tqdm import tqdm
 from blend_engine.cancel import Cancelled, checkpoint
 from blend_engine.engine import BlendEngine
 from blend_engine.errors import InputError
-from blend_engine.layout import format_passage
 from blend_engine.types import BlendPlan
+from blendserve_config.logsafe import printable
 from corpus_tools.chunking import chunk_text
 from corpus_tools.documents import Document, resolve_doc_id
-from corpus_tools.logsafe import printable
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
 from retrieval.passages import PassageRow, PassageStore, passage_id, vec_id_of
 from retrieval.retriever import embed_text, reconcile, stored_or_embedded
+from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
 

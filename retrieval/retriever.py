@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from blend_engine.layout import format_passage
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
 from retrieval.passages import PassageRow, PassageStore
+from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
 

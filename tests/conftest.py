@@ -29,14 +29,9 @@ def real_runner():
 @pytest.fixture(scope="session")
 def tiny_runner(real_runner):
     """A 4-layer random Llama sharing the real tokenizer: fast, deterministic, not meaningful."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers import tiny_runner
 
-    from blend_engine.model import ModelRunner
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    return ModelRunner(LlamaForCausalLM(config), real_runner.tokenizer, "tiny")
+    return tiny_runner(real_runner.tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +57,7 @@ def embedder():
 @pytest.fixture(scope="session")
 def tiny_stack_factory(tiny_runner, embedder):
     """`build_stack` with the tiny model and the shared embedder (a `stack_factory` for create_app)."""
-    from corpus_tools.stack import build_stack
+    from blendserve_config.stack import build_stack
 
     def factory(settings):
         return build_stack(settings, runner=tiny_runner, embedder=embedder)

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from app.main import create_app
-from corpus_tools.settings import Settings
+from blendserve_config.settings import Settings
 
 MODES = ["blend", "full_prefill", "prefix_cache", "full_reuse"]
 FIXTURE_DOCS = [
@@ -165,7 +165,7 @@ def test_query_with_inline_documents(client, mode):
     r = client.post("/v1/query", json=payload)
     assert r.status_code == 200, r.text
     body = r.json()
-    from blend_engine.layout import format_passage
+    from retrieval.text import format_passage
 
     keys = [engine.key_of(engine.passage_tokens(format_passage(d["text"], d.get("title")))) for d in docs]
     assert [p["id"] for p in body["passages"]] == keys  # exactly these, in this order
@@ -223,7 +223,8 @@ def check_explain(body: dict, tokenizer=None) -> dict:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_query_explain(client, mode):
-    from blend_engine.layout import format_passage, passage_text
+    from blend_engine.layout import passage_text
+    from retrieval.text import format_passage
 
     r = client.post("/v1/query", json={"question": "What is the capital of France?", "top_k": 3, "mode": mode,
                                        "max_tokens": 3, "recompute_ratio": 0.2 if mode == "blend" else None,
@@ -591,7 +592,7 @@ def test_request_timeout_is_504_and_frees_the_slot(tmp_path, tiny_stack_factory)
         assert worker.depth == 0 and worker.running == 0
         # the cancelled jobs never ran: their passage was not stored
         engine = c.app.state.svc.stack.engine
-        from blend_engine.layout import format_passage
+        from retrieval.text import format_passage
 
         assert not engine.store.contains(engine.key_of(engine.passage_tokens(format_passage("Timeout text."))))
         assert "blendserve_timeouts_total 2.0" in c.get("/metrics").text
@@ -620,7 +621,7 @@ def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_fact
     sample.write_text("\n".join(json.dumps({"title": f"T{i}", "text": f"Sample fact number {i}."})
                                 for i in range(3)) + "\n")
     settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample)
-    caplog.set_level("INFO", logger="app.startup")
+    caplog.set_level("INFO", logger="blendserve_config.stack")
     with TestClient(create_app(settings, tiny_stack_factory)) as c:
         assert wait_ready(c)["index"]["documents"] == 3
     assert "ingesting 3 sample documents" in caplog.text

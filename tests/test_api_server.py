@@ -22,8 +22,8 @@ import pytest
 import uvicorn
 
 from app.main import create_app
-from blend_engine.layout import format_passage
-from corpus_tools.settings import Settings
+from blendserve_config.settings import Settings
+from retrieval.text import format_passage
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [

@@ -9,6 +9,7 @@ import torch
 
 from benchmarks import peer
 from benchmarks.data import (
+    DATA_ENV,
     HOTPOTQA_FILE,
     MUSIQUE_FILE,
     build_context,
@@ -23,6 +24,9 @@ from benchmarks.data import (
 from benchmarks.quality import mode_specs
 from benchmarks.run import BenchConfig, parse_args, run_benchmark
 from benchmarks.throughput import request_bodies
+from tests.helpers import requires_shared_data
+
+needs_data = requires_shared_data(MUSIQUE_FILE, HOTPOTQA_FILE)
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +34,17 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+def test_shared_data_dir_is_overridable(tmp_path, monkeypatch):
+    monkeypatch.delenv(DATA_ENV, raising=False)
+    assert default_data_dir().parts[-2:] == ("shared", "data")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    assert default_data_dir() == tmp_path
+    (tmp_path / MUSIQUE_FILE).write_text(json.dumps({"id": "m", "question": "Q?", "answer": "A", "paragraphs": [
+        {"title": "T", "paragraph_text": " text ", "is_supporting": True}]}) + "\n")
+    assert load_examples("musique", 5)[0].paragraphs[0].text == "text"
+
+
+@needs_data
 def test_loaders_read_the_shared_data():
     mus = load_examples("musique", 2)
     hot = load_examples("hotpotqa", 2)
@@ -40,6 +55,7 @@ def test_loaders_read_the_shared_data():
     assert hot[0].paragraphs[0].text and not hot[0].paragraphs[0].text.startswith(" ")
 
 
+@needs_data
 def test_read_examples_detects_the_layout_per_file(tmp_path):
     d = default_data_dir()
     assert read_examples(d / MUSIQUE_FILE, 2, offset=1) == load_examples("musique", 2, offset=1)
@@ -52,6 +68,7 @@ def test_read_examples_detects_the_layout_per_file(tmp_path):
         read_examples(tmp_path / "missing.jsonl", 1)
 
 
+@needs_data
 def test_paragraph_selection_grouping_and_shuffle():
     ex = load_examples("musique", 1)[0]
     picked = select_paragraphs(ex, 4)
@@ -68,6 +85,7 @@ def test_paragraph_selection_grouping_and_shuffle():
     assert shuffled(passages, ex.id) == order  # deterministic
 
 
+@needs_data
 def test_context_builder_hits_the_target():
     examples = load_examples("musique", 3)
     ctx = build_context(examples, 1500, lambda t: len(t.split()) * 2)
@@ -75,6 +93,7 @@ def test_context_builder_hits_the_target():
     assert ctx.question == examples[0].question
 
 
+@needs_data
 def test_request_bodies_match_the_api_schema():
     bodies = request_bodies(load_examples("musique", 2), 3, 8)
     assert len(bodies) == 2 and len(bodies[0]["documents"]) == 3
@@ -96,6 +115,7 @@ def test_cli_presets():
     assert quick.n_musique >= 10 and quick.n_hotpotqa >= 10 and quick.max_paragraphs == 4
 
 
+@needs_data
 def test_harness_end_to_end(tiny_runner, tmp_path):
     cfg = BenchConfig(n_musique=1, n_hotpotqa=1, max_paragraphs=3, max_tokens=4, perf_tokens=(300,),
                       tiers=("ram", "disk"), skip=("throughput", "peer"), threads=1, command="test")
@@ -117,7 +137,7 @@ def test_harness_end_to_end(tiny_runner, tmp_path):
     assert by_mode["full_reuse"]["recompute_share"] < by_mode["blend@0.30"]["recompute_share"] < 1.0
     assert by_mode["blend@0.05"]["recompute_share"] < by_mode["blend@0.30"]["recompute_share"]
     assert by_mode["blend@auto"]["recompute_ratio"] >= 0.15  # the controller's floor
-    assert by_mode["full_reuse"]["kl"] >= 0.0
+    assert by_mode["full_reuse"]["kl"] > 0.0  # reused caches lack cross-attention: the distribution moves
 
     q = data["quality"]
     assert set(q["table"]) == {"musique", "hotpotqa", "all"}
@@ -146,11 +166,12 @@ def test_harness_end_to_end(tiny_runner, tmp_path):
     assert results["meta"]["command"] == "test"
 
 
+@needs_data
 def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypatch):
     """Each trial of prefix_cache (shuffled) must use an order no earlier request cached, or trials
     after the first would time a prefix-cache hit; the engine bench's rotations likewise."""
     from benchmarks import perf
-    from blend_engine.bench import _speed_cases
+    from benchmarks.engine import _speed_cases
 
     timed: dict[str, list[tuple[str, ...]]] = {}
 
@@ -174,7 +195,7 @@ def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypa
 
 @pytest.mark.parametrize("spec", ["0.15,2", "abc", ""])
 def test_engine_bench_refuses_bad_ratios_before_loading_the_model(spec, monkeypatch):
-    from blend_engine import bench
+    from benchmarks import engine as bench
 
     monkeypatch.setattr(bench.ModelRunner, "load", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(SystemExit, match="--ratios"):

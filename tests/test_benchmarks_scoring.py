@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from benchmarks.scoring import (
     bootstrap_ci,
     exact_match,
+    kl,
     lcs_length,
     max_over_golds,
     normalize_answer,
@@ -71,3 +75,20 @@ def test_paired_bootstrap_sees_a_consistent_gap_that_unpaired_noise_hides():
     assert low == pytest.approx(0.05) and high == pytest.approx(0.05)
     with pytest.raises(ValueError):
         paired_bootstrap([1.0], [1.0, 2.0])
+
+
+def test_kl_matches_the_definition_and_is_zero_for_the_same_distribution():
+    p, q = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([0.25, 0.25, 0.5])
+    expected = 0.5 * math.log(2) + 0.25 * math.log(0.5)  # sum p log(p/q)
+    assert kl(p.log(), q.log()) == pytest.approx(expected, rel=1e-6)
+    assert kl(p.log() + 3.0, q.log()) == pytest.approx(expected, rel=1e-6)  # logits: shift-invariant
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    assert kl(logits, logits) == 0.0 and kl(logits, logits.flip(0)) > 0.0
+
+
+def test_kl_fails_loudly_on_nan_logits():
+    good = torch.zeros(4)
+    with pytest.raises(ValueError, match="NaN"):
+        kl(good, torch.tensor([0.0, float("nan"), 0.0, 0.0]))
+    with pytest.raises(ValueError, match="NaN"):
+        kl(torch.full((4,), float("nan")), good)

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from corpus_tools.cli import main
+from tests.helpers import real_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
@@ -24,15 +24,7 @@ SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with the real SmolLM2 tokenizer, saved so that subprocesses load the same weights."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from blend_engine.model import ModelRunner, _gguf_cache_dir, default_gguf_path
-
-    cached = _gguf_cache_dir(default_gguf_path())
-    tok = AutoTokenizer.from_pretrained(cached) if (cached / "tokenizer.json").exists() else ModelRunner.load().tokenizer
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048))
+    model, tok = tiny_model(), real_tokenizer()
     folder = tmp_path_factory.mktemp("tiny-model")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)

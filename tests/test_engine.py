@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
 from blend_engine.sampling import Sampler, StreamDecoder
 from blend_engine.types import BlendPlan, GenerationConfig, Mode, SelectionPolicy
+from tests.helpers import tiny_runner
 
 PASSAGES = (
     "Paris is the capital of France. The Louvre is a museum in Paris.",
@@ -33,11 +33,7 @@ def tokenizer(real_runner):
 
 
 def _tiny(kind: str, tokenizer) -> ModelRunner:
-    torch.manual_seed(0)
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
-    return ModelRunner(model, tokenizer, f"tiny-{kind}")
+    return tiny_runner(tokenizer, kind, f"tiny-{kind}", vocab_size=len(tokenizer), max_position_embeddings=1024)
 
 
 def _engine(runner: ModelRunner, kv_format: str = "fp32") -> BlendEngine:

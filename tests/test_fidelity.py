@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
-from blend_engine.bench import kl
+from benchmarks.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.layout import format_passage
 from blend_engine.types import BlendPlan, GenerationConfig, default_policy
+from retrieval.text import format_passage
+from tests.helpers import requires_shared_data, shared_data_file
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.jsonl"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DATA.exists(), reason=f"dev data not found at {DATA}")]
+DATA = shared_data_file("musique_dev.jsonl")
+pytestmark = [pytest.mark.slow, requires_shared_data(DATA.name)]
 
 
 @pytest.fixture(scope="module")

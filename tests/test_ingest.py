@@ -7,16 +7,16 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
-from blend_engine.layout import format_passage
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
+from blendserve_config.settings import Settings
+from blendserve_config.stack import Stack, build_stack, ingest_sample_on_first_start
 from corpus_tools.chunking import chunk_text, sentences
 from corpus_tools.documents import Document, InputError, Reader
-from corpus_tools.settings import Settings
-from corpus_tools.stack import Stack, build_stack, ingest_sample_on_first_start
 from retrieval.embedder import Embedder
+from retrieval.text import format_passage
+from tests.helpers import tiny_runner
 
 SCOTT = ("Scott Derrickson (born July 16, 1966) is an American director, screenwriter and producer. He lives in "
          "Los Angeles, California. He is best known for directing horror films such as \"Sinister\" and "
@@ -50,26 +50,6 @@ def write_fixture_corpus(folder: Path) -> list[Path]:
     md.write_text("# Bakery notes\n\nThe Blue Fern bakery in Tallinn bakes rye bread every Tuesday morning.\n\n"
                   "Its owner, Maret Kask, opened it in 2011 after ten years as a ship's cook.\n")
     return [hp, mq, md]
-
-
-def tiny_runner() -> ModelRunner:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    return ModelRunner(LlamaForCausalLM(cfg), real_tokenizer(), "tiny")
-
-
-def real_tokenizer():
-    from transformers import AutoTokenizer
-
-    from blend_engine.model import _gguf_cache_dir, default_gguf_path
-
-    cached = _gguf_cache_dir(default_gguf_path())
-    if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cached)
-    return ModelRunner.load().tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,7 @@ import torch
 from blend_engine.kv_store import ChunkKV
 from blend_engine.kv_store.codec import decode_chunk, encode_chunk
 from blend_engine.kv_store.disk import DiskStore, encode_header
-
-
-def make_kv(seed: int, L: int = 4, H: int = 2, T: int = 9, D: int = 8) -> ChunkKV:
-    g = torch.Generator().manual_seed(seed)
-    return ChunkKV(torch.randn(L, H, T, D, generator=g).half(), torch.randn(L, H, T, D, generator=g).half())
+from tests.helpers import make_kv
 
 
 def file_size(kv: ChunkKV, key: str = "k") -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -12,13 +13,10 @@ from blend_engine.kv_store import ChunkKV, MemoryStore
 from blend_engine.kv_store.controller import BandwidthController
 from blend_engine.kv_store.loader import LayerLoader, LayerStream, PrefetchStream
 from blend_engine.types import BlendReport
+from tests import helpers
 
 L = 6
-
-
-def make_kv(seed: int, T: int = 5) -> ChunkKV:
-    g = torch.Generator().manual_seed(seed)
-    return ChunkKV(torch.randn(L, 2, T, 4, generator=g).half(), torch.randn(L, 2, T, 4, generator=g).half())
+make_kv = functools.partial(helpers.make_kv, L=L, T=5, D=4)
 
 
 class SlowStore(MemoryStore):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import socket
 import subprocess
@@ -11,11 +12,12 @@ import pytest
 import redis
 import torch
 
-from blend_engine.kv_store import ChunkKV, MemoryStore
+from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.codec import decode_chunk, encode_chunk
 from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.redis_store import RedisStore, redact
 from blend_engine.kv_store.tiered import TieredStore
+from tests import helpers
 
 REDIS = shutil.which("redis-server")
 pytestmark = [
@@ -66,9 +68,7 @@ def redis_server():
     server.stop()
 
 
-def make_kv(seed: int, L: int = 4, T: int = 11) -> ChunkKV:
-    g = torch.Generator().manual_seed(seed)
-    return ChunkKV(torch.randn(L, 2, T, 8, generator=g), torch.randn(L, 2, T, 8, generator=g))
+make_kv = functools.partial(helpers.make_kv, T=11, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "int8"])

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from blend_engine.kv_store import ChunkKV, MemoryStore
+from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.codec import ChunkMeta, decode_chunk, encode_chunk, layer_nbytes
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.tiered import TieredStore
+from tests import helpers
 
-
-def make_kv(seed: int, L: int = 3, H: int = 2, T: int = 7, D: int = 8, dtype=torch.float16) -> ChunkKV:
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, H, T, D, generator=g).to(dtype)  # [L, H, T, D]
-    v = torch.randn(L, H, T, D, generator=g).to(dtype)  # [L, H, T, D]
-    return ChunkKV(k, v)
+make_kv = functools.partial(helpers.make_kv, L=3, T=7)
 
 
 @pytest.mark.parametrize("fmt,dtype", [("fp16", torch.float16), ("fp32", torch.float32), ("bf16", torch.bfloat16)])

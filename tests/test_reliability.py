@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from app.main import create_app
+from blendserve_config.settings import Settings
 from corpus_tools.documents import Document
-from corpus_tools.settings import Settings
 from tests.test_api import make_settings, svc, wait_ready
 
 DOCS = [
@@ -204,7 +204,7 @@ def test_doc_id_with_control_characters_is_a_422(client, doc_id):
 
 # ============================================================================ 10. log injection
 def test_logged_user_values_have_control_characters_escaped(client, caplog):
-    from corpus_tools.logsafe import printable
+    from blendserve_config.logsafe import printable
 
     evil = "id\r\n\x1b[2Jforged line"
     assert printable(evil) == "id\\r\\n\\x1b[2Jforged line"

@@ -1,4 +1,4 @@
-"""Engine benchmark: `python -m blend_engine.bench [--quick]`.
+"""Engine benchmark: `python -m benchmarks.engine [--quick]` (`make bench-engine`).
 
 Prints tables and writes JSON (benchmarks/results/engine/engine_bench.json by default):
 1. Speed: median time to first token per mode at ~1K/2K/4K-token contexts of 8 real passages
@@ -26,16 +26,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.data import Example, passages_of, read_examples
-from benchmarks.scoring import max_over_golds, token_f1
+from benchmarks.data import MUSIQUE_FILE, Example, default_data_dir, passages_of, read_examples
+from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.layout import format_passage
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy
+from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.jsonl"
 
 _GRADUAL = ((2, 3.0), (3, 2.0), (5, 1.5), (8, 1.0))
 ABLATION: dict[str, SelectionPolicy] = {
@@ -94,12 +93,6 @@ def group_passages(rows: list[Example], n_passages: int, target_tokens: int, eng
     if len(out) < n_passages:
         raise ValueError(f"not enough paragraphs for {n_passages} passages of {per} tokens")
     return tuple(out)
-
-
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(P || Q) of two next-token distributions given as logits [V]."""
-    lp, lq = torch.log_softmax(p_logits.float(), -1), torch.log_softmax(q_logits.float(), -1)
-    return float(torch.sum(lp.exp() * (lp - lq)))
 
 
 def _first_token(engine: BlendEngine, plan: BlendPlan) -> tuple[float, torch.Tensor, dict]:
@@ -253,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and questions")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--data", type=Path, default=DATA, help="a MuSiQue or HotpotQA dev .jsonl file")
+    ap.add_argument("--data", type=Path, default=None,
+                    help=f"a MuSiQue or HotpotQA dev .jsonl file (default: {MUSIQUE_FILE} in the shared data dir)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine/engine_bench.json"))
     ap.add_argument("--questions", type=int, default=None, help="quality questions (default 20, quick 8)")
     ap.add_argument("--ablation-questions", type=int, default=None, help="default 12, quick 8")
@@ -273,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = _ratios(args.ratios)  # before the model: a bad list fails fast
     n_q = args.questions or (8 if args.quick else 20)
     n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
+    args.data = args.data or default_data_dir() / MUSIQUE_FILE
     rows = load_questions(args.data, max(60, n_q, first + n_a))  # before the model: a bad file fails fast
     if not rows:
         raise SystemExit(f"{args.data} holds no questions")

@@ -1,4 +1,4 @@
-"""`python -m corpus_tools.bench`: ingestion rate, KV bytes per token, index search latency.
+"""`python -m benchmarks.ingest` (`make bench-ingest`): ingestion rate, KV bytes per token, index search latency.
 
 Ingestion runs the configured model (BLENDSERVE_MODEL, default SmolLM2-135M) over the first
 --passages records of the sample corpus into a temporary data directory. Index latency uses
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from corpus_tools.cli import human_bytes, out
+from blendserve_config.settings import SAMPLE_CORPUS, Settings
 from corpus_tools.documents import Reader
-from corpus_tools.settings import SAMPLE_CORPUS, Settings
 from retrieval.index import IndexParams, VectorIndex
 
 
 def bench_ingest(n_passages: int, corpus: Path, tmp: Path) -> dict:
-    from corpus_tools.stack import build_stack
+    from blendserve_config.stack import build_stack  # loads the model stack only when ingestion is measured
 
     lines = corpus.read_text().splitlines(keepends=True)[:n_passages]
     subset = tmp / "corpus.jsonl"
@@ -75,7 +74,7 @@ def bench_index(n: int, kind: str, dim: int = 384, queries: int = 300, k: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m corpus_tools.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ingest", description=__doc__)
     p.add_argument("--passages", type=int, default=40, help="sample corpus records to ingest (0 = skip)")
     p.add_argument("--sizes", default="10000,100000", help="index sizes")
     p.add_argument("--kinds", default="flat,hnsw,ivf", help="index kinds")
@@ -96,21 +95,21 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.kinds.split(","):
             results["index"].append(bench_index(n, kind))
     if args.json:
-        out(json.dumps(results))
+        print(json.dumps(results))
         return 0
     ing = results.get("ingest")
     if ing:
-        out(f"ingestion ({ing['model']} on {ing['device']}, {ing['kv_format']}): {ing['passages']} passages, "
+        print(f"ingestion ({ing['model']} on {ing['device']}, {ing['kv_format']}): {ing['passages']} passages, "
             f"{ing['tokens']} tokens in {ing['seconds']:.1f} s")
-        out(f"  rate            {ing['passages_per_s']:.2f} passages/s, {ing['tokens_per_s']:.0f} tokens/s")
-        out(f"  time share      KV precompute {100 * ing['kv_share']:.0f}%, embedding {100 * ing['embed_share']:.0f}%, "
+        print(f"  rate            {ing['passages_per_s']:.2f} passages/s, {ing['tokens_per_s']:.0f} tokens/s")
+        print(f"  time share      KV precompute {100 * ing['kv_share']:.0f}%, embedding {100 * ing['embed_share']:.0f}%, "
             f"index+SQLite {100 * ing['index_store_share']:.0f}%")
-        out(f"  KV bytes/token  {ing['kv_bytes_per_token_model']} (2 x layers x kv_heads x head_dim x width); "
+        print(f"  KV bytes/token  {ing['kv_bytes_per_token_model']} (2 x layers x kv_heads x head_dim x width); "
             f"stored on disk {ing['kv_bytes_per_token_stored']:.0f} incl. headers "
-            f"({human_bytes(ing['kv_bytes'])} for the run)")
-    out("index search (1 query, k=5, 384-d synthetic):")
+            f"({ing['kv_bytes'] / 2**20:.1f} MiB for the run)")
+    print("index search (1 query, k=5, 384-d synthetic):")
     for r in results["index"]:
-        out(f"  {r['vectors']:>7} {r['kind']:<5} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
+        print(f"  {r['vectors']:>7} {r['kind']:<5} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
             f"recall@5 {r['recall_at_k']:.2f}  build {r['build_s']:.1f} s")
     return 0
 

@@ -6,9 +6,9 @@ comes from the tier under test). Disk reads may be served from the OS page cache
 needs root. Also: stored bytes per token for fp16 and int8, and the KL cost of int8 against fp16
 on the first-token distribution.
 
-    python -m blend_engine.bench_store [--contexts 1] [--tokens 4000] [--trials 3] [--redis-url URL]
+    python -m benchmarks.store [--contexts 1] [--tokens 4000] [--trials 3] [--redis-url URL]   (make bench-store)
 
-Functions for the main bench: `build_contexts`, `measure_tiers`, `measure_formats`, `run`.
+Functions: `build_contexts`, `measure_tiers`, `measure_formats`, `run`.
 """
 
 from __future__ import annotations
@@ -29,25 +29,19 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.data import Context, build_context, load_examples
+from benchmarks.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.kv_store.codec import encode_chunk
 from blend_engine.kv_store.factory import build_loader, build_store
-from blend_engine.layout import format_passage
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig
 
 logger = logging.getLogger(__name__)
-MUSIQUE = Path("/work/shared/data/musique_dev.jsonl")
 RATIO = 0.15
-
-
-@dataclass(frozen=True)
-class Context:
-    question: str
-    passages: tuple[str, ...]
-    n_tokens: int
+EXAMPLES = 60  # MuSiQue dev questions the contexts are drawn from
 
 
 @dataclass(frozen=True)
@@ -63,27 +57,10 @@ class TierResult:
     trials: int
 
 
-def build_contexts(runner: ModelRunner, n: int = 2, target_tokens: int = 4000, path: Path = MUSIQUE) -> list[Context]:
-    """~target_tokens of real passages per context; the question is that of the first record used."""
-    out: list[Context] = []
-    passages: list[str] = []
-    tokens, question = 0, None
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            question = question or rec["question"]
-            for p in rec["paragraphs"]:
-                text = format_passage(p["paragraph_text"], p.get("title"))
-                n_tok = len(runner.encode(text))
-                if tokens + n_tok > target_tokens:
-                    out.append(Context(question, tuple(passages), tokens))
-                    passages, tokens, question = [], 0, None
-                    break
-                passages.append(text)
-                tokens += n_tok
-            if len(out) == n:
-                return out
-    raise ValueError(f"{path} holds fewer than {n} contexts of {target_tokens} tokens")
+def build_contexts(runner: ModelRunner, n: int = 2, target_tokens: int = 4000, data_dir: Path | None = None) -> list[Context]:
+    """n contexts of ~target_tokens of real MuSiQue passages; context i starts at question i."""
+    examples = load_examples("musique", EXAMPLES, data_dir)
+    return [build_context(examples, target_tokens, lambda t: len(runner.encode(t)), start=i) for i in range(n)]
 
 
 def precompute_all(runner: ModelRunner, contexts: list[Context]) -> dict[str, ChunkKV]:
@@ -168,11 +145,8 @@ def measure_formats(runner: ModelRunner, contexts: list[Context], chunks: dict[s
         eng = BlendEngine(runner, store, EngineConfig(kv_format=fmt), loader=build_loader(store))
         logits[fmt] = [eng.prefill(BlendPlan(passages=c.passages, question=c.question, recompute_ratio=RATIO)).logits
                        for c in contexts]
-    kls, agree = [], []
-    for a, b in zip(logits["fp16"], logits["int8"]):
-        la, lb = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)  # [V] each
-        kls.append(float((la.exp() * (la - lb)).sum()))
-        agree.append(int(a.argmax()) == int(b.argmax()))
+    kls = [kl(a, b) for a, b in zip(logits["fp16"], logits["int8"])]
+    agree = [int(a.argmax()) == int(b.argmax()) for a, b in zip(logits["fp16"], logits["int8"])]
     out["kl_int8_vs_fp16"] = statistics.mean(kls)
     out["kl_per_context"] = kls
     out["top1_agreement"] = sum(agree) / len(agree)

@@ -1,18 +1,23 @@
-"""The heavy objects, built once (service lifespan / CLI start) from `Settings`."""
+"""The composition root: the heavy objects, built once (service lifespan / CLI start) from `Settings`,
+and the one first-start ingestion of the bundled sample corpus."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
+from blendserve_config.settings import Settings
 from corpus_tools.documents import Reader
 from corpus_tools.pipeline import IngestPipeline, IngestSummary
-from corpus_tools.settings import Settings
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams
 from retrieval.passages import open_passage_store
@@ -22,6 +27,7 @@ from retrieval.sync import IndexSync
 logger = logging.getLogger(__name__)
 
 DB_FILE = "passages.sqlite3"
+SAMPLE_BATCH = 10  # documents per ingest call of the sample corpus: a shutdown waits for one batch at most
 
 
 @dataclass
@@ -110,16 +116,40 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     return Stack(settings, runner, store, engine, retriever, pipeline, sync)
 
 
-def ingest_sample_on_first_start(stack: Stack, progress: bool = False) -> IngestSummary | None:
-    """Ingest Settings.sample_corpus when enabled and the passage store is empty; else None."""
+def _is_empty(stack: Stack) -> bool:
+    """First start: nothing ingested yet (an empty data dir, or a first start cut short)."""
+    return stack.pipeline.db.counts()["passages"] == 0
+
+
+def _added(a: IngestSummary | None, b: IngestSummary) -> IngestSummary:
+    """Two batches' summaries as one: counts and times add up, errors and document ids concatenate."""
+    if a is None:
+        return b
+    return IngestSummary(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(IngestSummary)})
+
+
+def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] = lambda: False,
+                                 progress: bool = False) -> IngestSummary | None:
+    """Ingest Settings.sample_corpus when enabled and nothing is stored yet, in batches of SAMPLE_BATCH
+    documents, checking `should_stop` between batches. The summary of what was ingested; None when skipped."""
     s = stack.settings
-    if not s.ingest_sample_on_start or s.sample_corpus is None or stack.pipeline.db.counts()["passages"]:
+    if not s.ingest_sample_on_start or s.sample_corpus is None or not _is_empty(stack):
         return None
-    if not s.sample_corpus.exists():
-        logger.warning("sample corpus %s not found; starting with an empty corpus", s.sample_corpus)
+    path = Path(s.sample_corpus)
+    if not path.is_file():
+        logger.warning("sample corpus %s not found; starting with an empty corpus", path)
         return None
-    reader = Reader()
-    summary = stack.pipeline.ingest(reader.read([s.sample_corpus]), progress=progress)
-    logger.info("sample corpus ingested: %d passages, %d tokens in %.1f s",
-                summary.passages, summary.tokens, summary.seconds)
+    docs = list(Reader().read([path]))
+    total, summary, t0 = len(docs), None, time.perf_counter()
+    logger.info("first start: ingesting %d sample documents from %s", total, path)
+    for start in range(0, total, SAMPLE_BATCH):
+        if should_stop():
+            logger.info("sample ingestion interrupted by shutdown at %d/%d", start, total)
+            break
+        batch = stack.pipeline.ingest(docs[start:start + SAMPLE_BATCH], progress=progress)
+        for err in batch.errors:
+            logger.warning("sample ingestion: %s", err)
+        summary = _added(summary, batch)
+        logger.info("sample ingestion %d/%d documents (%.1f s)", min(start + SAMPLE_BATCH, total), total,
+                    time.perf_counter() - t0)
     return summary

@@ -1,0 +1,61 @@
+"""Helpers shared by the tests: the tiny random model, random KV chunks, the shared QA data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.data import DATA_ENV, default_data_dir
+from blend_engine.kv_store import ChunkKV
+from blend_engine.model import ModelRunner
+
+# A 4-layer random Llama the size of a unit test: fast, deterministic (seed 0), not meaningful.
+TINY_CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+
+
+def real_tokenizer():
+    """The default model's tokenizer, from the unpacked GGUF cache when there (no model load)."""
+    from transformers import AutoTokenizer
+
+    from blend_engine.model import _gguf_cache_dir, default_gguf_path
+
+    cached = _gguf_cache_dir(default_gguf_path())
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    return ModelRunner.load().tokenizer
+
+
+def tiny_model(kind: str = "llama", **overrides):
+    """A freshly seeded random Llama (or Qwen2 with kind="qwen2") of TINY_CONFIG, with `overrides`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = {**TINY_CONFIG, **overrides}
+    return LlamaForCausalLM(LlamaConfig(**config)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**config))
+
+
+def tiny_runner(tokenizer=None, kind: str = "llama", name: str = "tiny", **overrides) -> ModelRunner:
+    """`tiny_model` behind a ModelRunner with the real tokenizer (loaded when not given)."""
+    return ModelRunner(tiny_model(kind, **overrides), tokenizer or real_tokenizer(), name)
+
+
+def make_kv(seed: int, L: int = 4, H: int = 2, T: int = 9, D: int = 8, dtype=torch.float16) -> ChunkKV:
+    """A random chunk: K then V drawn from one generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, H, T, D, generator=g).to(dtype)  # [L, H, T, D]
+    v = torch.randn(L, H, T, D, generator=g).to(dtype)  # [L, H, T, D]
+    return ChunkKV(k, v)
+
+
+def shared_data_file(name: str) -> Path:
+    return default_data_dir() / name
+
+
+def requires_shared_data(*names: str) -> pytest.MarkDecorator:
+    """Skip, with a message naming the path and the variable, when a shared data file is absent."""
+    missing = [shared_data_file(n) for n in names if not shared_data_file(n).exists()]
+    return pytest.mark.skipif(bool(missing), reason=f"shared QA data not found: {', '.join(map(str, missing))} "
+                                                    f"(set {DATA_ENV} to the folder holding it)")

@@ -1,0 +1,98 @@
+"""The one-way flow, checked on the source: every import of every .py file, parsed with `ast`.
+
+ingest (corpus_tools) -> store (blend_engine.kv_store) -> retrieve (retrieval) -> blend (blend_engine)
+-> serve (app); settings and wiring in blendserve_config; evaluation in benchmarks, on top of all.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("app", "benchmarks", "blend_engine", "blendserve_config", "corpus_tools", "retrieval")
+
+# package -> packages it must not import
+FORBIDDEN = {
+    "blend_engine": {"app", "benchmarks", "retrieval"},
+    "retrieval": {"app", "blend_engine"},
+    "corpus_tools": {"app"},
+    "blendserve_config": {"app", "benchmarks"},
+    "app": {"benchmarks"},
+}
+# The service may call the ingestion pipeline (and hand it documents); nothing else from the CLI package.
+APP_MAY_USE_FROM_CORPUS_TOOLS = {"corpus_tools.pipeline", "corpus_tools.documents"}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file, at any depth (function-level too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names if module == "corpus_tools"]
+    return found
+
+
+def source_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def violations() -> list[str]:
+    out = []
+    for package, banned in FORBIDDEN.items():
+        for path in source_files(package):
+            for line, module in imported_modules(path):
+                top = module.split(".")[0]
+                where = f"{path.relative_to(ROOT)}:{line} imports {module}"
+                if top in banned:
+                    out.append(where)
+                elif package == "app" and top == "corpus_tools" and not any(
+                        module == m or module.startswith(m + ".") for m in APP_MAY_USE_FROM_CORPUS_TOOLS):
+                    out.append(where + " (the service may use only the ingestion pipeline)")
+    return out
+
+
+def test_every_package_is_checked():
+    assert all(source_files(p) for p in PACKAGES)
+    assert set(FORBIDDEN) <= set(PACKAGES)
+
+
+def test_the_import_rules_hold():
+    assert violations() == []
+
+
+def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "blend_engine"
+    pkg.mkdir()
+    (pkg / "x.py").write_text("def f():\n    from retrieval.text import format_passage\n    from . import types\n"
+                              "import benchmarks.scoring as s\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [m for _, m in imported_modules(pkg / "x.py")] == ["benchmarks.scoring", "retrieval.text", "blend_engine"]
+    assert len(violations()) == 2
+
+
+@pytest.mark.parametrize("statement", [
+    "from blendserve_config.settings import Settings; Settings(_env_file=None)",
+    "import blend_engine; from blend_engine.types import Mode; blend_engine.Mode",
+    "import retrieval.text",
+])
+def test_light_imports_do_not_load_torch(statement):
+    code = f"import sys; {statement}; sys.exit(int('torch' in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, f"{statement!r} loaded torch (or failed): {proc.stderr[-2000:]}"
