@@ -200,8 +200,10 @@ async def _readiness(svc: AppState) -> JSONResponse:
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "5"})
     stack = svc.stack
     index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
+    gate = getattr(stack, "gate", None)
     body = Readiness(ready=True, status="ready", model=getattr(stack.engine.runner, "name", svc.settings.model),
-                     index=jsonable_encoder(index), store=jsonable_encoder(store), sync=_sync_status(stack))
+                     index=jsonable_encoder(index), store=jsonable_encoder(store), sync=_sync_status(stack),
+                     fidelity=None if gate is None else jsonable_encoder(gate.as_dict()))
     return JSONResponse(body.model_dump())
 
 
@@ -448,6 +450,8 @@ def _endpoint(request: Request) -> str:
 
 def _observe(svc: AppState, endpoint: str, outcome: QueryOutcome) -> None:
     svc.metrics.observe_query(outcome.report, outcome.ttft_ms, outcome.total_ms)
+    if outcome.fallback:
+        svc.metrics.blend_fallbacks.inc()
     svc.metrics.requests.labels(endpoint, "200").inc()
     logger.info("%s mode=%s passages=%d hits=%d misses=%d recomputed=%d/%d ttft=%.1fms total=%.1fms", endpoint,
                 outcome.report.mode, len(outcome.passages), outcome.report.cache_hits, outcome.report.cache_misses,

@@ -108,6 +108,30 @@ class Metrics:
         self.ingested = Counter("blendserve_ingested_passages", "Passages ingested online", registry=r)
         self.storage_errors = Counter("blendserve_storage_errors", "Requests failed by a storage fault (5xx)",
                                       registry=r)
+        self.fidelity_kl = Gauge("blendserve_fidelity_kl", "Start-up probe: mean first-token KL vs full prefill",
+                                 ["mode"], registry=r)
+        self.fidelity_top1 = Gauge("blendserve_fidelity_top1_agreement",
+                                   "Start-up probe: greedy first token equal to full prefill's (share)", ["mode"],
+                                   registry=r)
+        self.fidelity_passed = Gauge("blendserve_fidelity_gate_passed",
+                                     "1 passed, 0 failed, -1 not run (off or error)", registry=r)
+        self.fidelity_fallback = Gauge("blendserve_blend_fallback_active",
+                                       "1 while blend requests are answered with full prefill (gate failed)",
+                                       registry=r)
+        self.blend_fallbacks = Counter("blendserve_blend_fallbacks",
+                                       "Blend requests answered with full prefill because the gate failed",
+                                       registry=r)
+
+    def set_fidelity(self, decision) -> None:
+        """Publish the start-up fidelity gate's outcome (a `GateDecision`)."""
+        result = decision.result
+        self.fidelity_passed.set(-1 if result is None else int(result.passed))
+        self.fidelity_fallback.set(int(decision.fallback))
+        if result is not None:
+            self.fidelity_kl.labels("blend").set(result.kl_blend)
+            self.fidelity_kl.labels("full_reuse").set(result.kl_full_reuse)
+            self.fidelity_top1.labels("blend").set(result.top1_blend)
+            self.fidelity_top1.labels("full_reuse").set(result.top1_full_reuse)
 
     def bind_worker(self, worker) -> None:
         self.queue_depth.set_function(lambda: worker.depth)

@@ -85,6 +85,7 @@ class QueryStats(BaseModel):
     cache_misses: int
     ratio_source: str = ""
     completion_tokens: int = 0
+    fallback: str | None = None
 
 
 class QueryResponse(BaseModel):
@@ -283,4 +284,5 @@ class Readiness(BaseModel):
     index: dict[str, Any] | None = None
     store: dict[str, Any] | None = None
     sync: dict[str, Any] | None = None  # the index against the passage store's change log (generation, lag)
+    fidelity: dict[str, Any] | None = None
     error: str | None = None

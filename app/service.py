@@ -113,6 +113,7 @@ class QueryOutcome:
     queue_ms: float
     store_ms: float
     explain: Explain | None = None
+    fallback: str | None = None  # why a blend request was answered another way (fidelity gate)
 
     def response(self) -> QueryResponse:
         r = self.report
@@ -140,6 +141,7 @@ class QueryOutcome:
                 cache_misses=r.cache_misses,
                 ratio_source=r.ratio_source,
                 completion_tokens=self.completion_tokens,
+                fallback=self.fallback,
             ),
         )
 
@@ -160,6 +162,14 @@ def _passages(stack, spec: QuerySpec) -> tuple[list[str], list[PassageOut]]:
     return texts, out
 
 
+def _gated_mode(stack, mode: Mode) -> tuple[Mode, str | None]:
+    """Blend falls back to full prefill while the start-up fidelity gate is failed and enforced."""
+    gate = getattr(stack, "gate", None)
+    if mode is Mode.BLEND and gate is not None and gate.fallback:
+        return Mode.FULL_PREFILL, gate.reason
+    return mode, None
+
+
 def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | None = None) -> QueryOutcome:
     """Retrieve (unless documents are given), blend and generate. Runs on a worker thread.
 
@@ -170,7 +180,8 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
     try:
         texts, passages = _passages(stack, spec)
         retrieval_ms = (time.perf_counter() - t0) * 1e3
-        plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=spec.mode,
+        mode, fallback = _gated_mode(stack, spec.mode)
+        plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain)
         generation = stack.engine.generate(plan, spec.gen)
         it = iter(generation)
@@ -200,6 +211,7 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         total_ms=retrieval_ms + result.total_ms,
         queue_ms=job.queue_ms,
         store_ms=result.store_ms,
+        fallback=fallback,
         explain=(explain_response(stack.engine.runner.tokenizer, result.explanation, passages, spec.explain_max_tokens)
                  if result.explanation is not None else None),
     )

@@ -8,9 +8,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from blend_engine.selfcheck import GateDecision, decide
 from blendserve_config.stack import ingest_sample_on_first_start
 
 logger = logging.getLogger(__name__)
+
+
+def run_fidelity_gate(stack, metrics) -> GateDecision:
+    """The start-up fidelity gate (BLENDSERVE_FIDELITY_GATE); its numbers go to the log and metrics.
+
+    A probe that cannot be read (sample corpus missing) leaves blend enabled, with the error shown."""
+    mode = stack.settings.fidelity_gate
+    try:
+        decision = decide(mode, stack.runner, stack.engine.config, stack.settings.data_dir)
+    except (OSError, ValueError) as exc:
+        logger.warning("fidelity gate could not run (%s); blend is served unchecked", exc)
+        decision = GateDecision(mode, None, error=f"{type(exc).__name__}: {exc}")
+    metrics.set_fidelity(decision)
+    return decision
 
 
 def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
@@ -24,6 +39,9 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             stack.close()
             return
         svc.stack = stack
+        stack.gate = run_fidelity_gate(stack, svc.metrics)  # before ready: blend may fall back
+        if svc.closing.is_set():
+            return
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         ingest_sample_on_first_start(stack, svc.closing.is_set)
         if svc.closing.is_set():

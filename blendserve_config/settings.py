@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="fixed ratio; unset = controller")
     ratio_floor: float = Field(0.15, ge=0, le=1)
     ratio_max: float = Field(0.5, ge=0, le=1)
+    fidelity_gate: Literal["enforce", "warn", "off"] = Field(
+        "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
     # retrieval and ingestion
     embedder: str = Field("", description="sentence-transformers directory; empty = bundled all-MiniLM-L6-v2")
     index_type: Literal["flat", "hnsw", "ivf"] = "flat"

@@ -15,6 +15,7 @@ from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
+from blend_engine.selfcheck import GateDecision
 from blendserve_config.settings import Settings
 from corpus_tools.documents import Reader
 from corpus_tools.pipeline import IngestPipeline, IngestSummary
@@ -39,6 +40,7 @@ class Stack:
     retriever: Retriever
     pipeline: IngestPipeline
     sync: IndexSync | None = None
+    gate: GateDecision | None = None  # the start-up fidelity gate's outcome (set by the service)
 
     def start_sync(self) -> IndexSync | None:
         """Follow the passage store's change log (other replicas', the CLI's ingestions) on a thread."""

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 import torch
+
+# The start-up fidelity gate measures the model at every service start; tests of other features run
+# with it off (their tiny random models are not meant to blend well). tests/test_selfcheck.py turns it on.
+os.environ.setdefault("BLENDSERVE_FIDELITY_GATE", "off")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,146 @@
+"""The start-up fidelity gate: measurement, the per-model cache, the service's fallback, the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import pytest
+from blendserve_config.settings import Settings
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from blend_engine import selfcheck
+from blend_engine.engine import EngineConfig
+from blend_engine.selfcheck import GateDecision, GateResult, cache_path, decide, gate_key, run_gate
+
+
+def make_settings(data_dir, **overrides) -> Settings:
+    values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 64, "disk_cache_mb": 64,
+              "redis_url": None, "api_key": None, "workers": 1}
+    return Settings(_env_file=None, **{**values, **overrides})
+
+
+def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = client.get("/readyz")
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.05)
+    raise AssertionError(f"not ready after {timeout}s: {r.json()}")
+
+
+def _no_measure(*_args, **_kwargs):
+    raise AssertionError("the gate measured although a cached result exists")
+
+
+def test_gate_measures_on_a_tiny_model_and_caches_per_fingerprint(tiny_runner, tmp_path, monkeypatch):
+    config = EngineConfig(default_ratio=1.0, kv_format="fp32")
+    first = run_gate(tiny_runner, config, tmp_path)
+    assert not first.cached and first.probes == len(selfcheck.PROBES)
+    # ratio 1.0 on an exact store: blend is full prefill, full reuse is not
+    assert first.kl_blend < 1e-6 and first.top1_blend == 1.0
+    assert first.kl_full_reuse > 100 * max(first.kl_blend, 1e-9) and math.isfinite(first.kl_full_reuse)
+    assert first.passed
+    assert cache_path(tmp_path, gate_key(tiny_runner, config)).is_file()
+
+    monkeypatch.setattr(selfcheck, "measure", _no_measure)
+    again = run_gate(tiny_runner, config, tmp_path)
+    assert again.cached and dataclasses.replace(again, cached=False) == first
+    # another ratio is another measurement (its own cache file)
+    with pytest.raises(AssertionError, match="measured"):
+        run_gate(tiny_runner, dataclasses.replace(config, default_ratio=0.5), tmp_path)
+
+
+@pytest.mark.slow
+def test_full_reuse_of_the_real_model_diverges_and_blend_repairs(real_runner):
+    """The calibration behind the threshold: SmolLM2 at the default ratio (0.15) passes clearly."""
+    result = selfcheck.measure(real_runner, EngineConfig())
+    assert result.kl_full_reuse > 0.05
+    assert result.kl_blend <= selfcheck.MAX_KL_FRACTION * result.kl_full_reuse
+    assert result.passed
+
+
+def test_a_corrupt_cache_file_is_measured_again(tiny_runner, tmp_path):
+    config = EngineConfig(default_ratio=1.0, kv_format="fp32")
+    path = cache_path(tmp_path, gate_key(tiny_runner, config))
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert not run_gate(tiny_runner, config, tmp_path).cached
+    assert json.loads(path.read_text())["probes"] == len(selfcheck.PROBES)
+
+
+def _bad_result(runner, config, probe=None) -> GateResult:
+    return GateResult(kl_blend=0.4, kl_full_reuse=0.5, top1_blend=0.5, top1_full_reuse=0.5,
+                      ratio=config.default_ratio, max_kl_fraction=0.25, passed=False, seconds=0.1, probes=3,
+                      key=gate_key(runner, config))
+
+
+def test_decision_modes():
+    bad = GateResult(0.4, 0.5, 0.5, 0.5, 0.15, 0.25, False, 0.1, 3, "k")
+    assert GateDecision("enforce", bad).fallback and "fidelity gate" in GateDecision("enforce", bad).reason
+    assert not GateDecision("warn", bad).fallback and GateDecision("warn", bad).reason is None
+    assert not GateDecision("enforce", dataclasses.replace(bad, passed=True)).fallback
+    assert not GateDecision("off", None).fallback
+    with pytest.raises(ValueError, match="enforce, warn, off"):
+        decide("strict", None, EngineConfig(), None)
+
+
+QUERY = {"question": "Which river flows through Cairo?", "mode": "blend", "max_tokens": 2,
+         "documents": [{"title": "Nile", "text": "The Nile flows through Cairo into the Mediterranean Sea."},
+                       {"title": "Seine", "text": "The Seine flows through Paris."}]}
+
+
+def test_failed_gate_makes_blend_answer_with_full_prefill_and_says_so(tmp_path, tiny_stack_factory, monkeypatch):
+    monkeypatch.setattr(selfcheck, "measure", _bad_result)
+    data_dir = tmp_path / "data"
+    with TestClient(create_app(make_settings(data_dir, fidelity_gate="enforce"), tiny_stack_factory)) as client:
+        ready = wait_ready(client)
+        assert ready["fidelity"]["fallback"] is True and ready["fidelity"]["result"]["kl_blend"] == 0.4
+        body = client.post("/v1/query", json=QUERY).json()
+        assert body["mode"] == "full_prefill"
+        assert "fidelity gate" in body["stats"]["fallback"]
+        assert body["stats"]["recomputed_tokens"] == body["stats"]["context_tokens"]
+        other = client.post("/v1/query", json={**QUERY, "mode": "full_reuse"}).json()
+        assert other["mode"] == "full_reuse" and other["stats"]["fallback"] is None
+        metrics = client.get("/metrics").text
+        assert "blendserve_blend_fallbacks_total 1.0" in metrics
+        assert "blendserve_fidelity_gate_passed 0.0" in metrics
+        assert 'blendserve_fidelity_kl{mode="full_reuse"} 0.5' in metrics
+
+    # a restart reads the cached (bad) result instead of measuring; warn serves blend anyway
+    monkeypatch.setattr(selfcheck, "measure", _no_measure)
+    with TestClient(create_app(make_settings(data_dir, fidelity_gate="warn"), tiny_stack_factory)) as client:
+        ready = wait_ready(client)
+        assert ready["fidelity"]["result"]["cached"] is True and ready["fidelity"]["fallback"] is False
+        body = client.post("/v1/query", json=QUERY).json()
+        assert body["mode"] == "blend" and body["stats"]["fallback"] is None
+        assert "blendserve_blend_fallback_active 0.0" in client.get("/metrics").text
+
+
+def test_gate_off_reports_not_run(tmp_path, tiny_stack_factory, monkeypatch):
+    monkeypatch.setattr(selfcheck, "measure", _no_measure)
+    with TestClient(create_app(make_settings(tmp_path / "data", fidelity_gate="off"), tiny_stack_factory)) as client:
+        assert wait_ready(client)["fidelity"] == {"gate": "off", "fallback": False, "reason": None, "error": None,
+                                                   "result": None}
+        assert "blendserve_fidelity_gate_passed -1.0" in client.get("/metrics").text
+
+
+def test_command_line(tiny_runner, tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    tiny_runner.model.save_pretrained(folder)
+    tiny_runner.tokenizer.save_pretrained(folder)
+    args = ["--model", str(folder), "--ratio", "1.0", "--kv-format", "fp32", "--data-dir", str(tmp_path / "d")]
+    assert selfcheck.main(args) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.splitlines()[0])["passed"] is True and "fidelity gate passed" in out
+    assert selfcheck.main(args) == 0 and '"cached": true' in capsys.readouterr().out
+    assert selfcheck.main([*args, "--ratio", "2"]) == 2
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert selfcheck.main(args) == 2
+    assert "RoPE type 'dynamic'" in capsys.readouterr().err
