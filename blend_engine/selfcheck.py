@@ -31,7 +31,6 @@ import torch
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.layout import format_passage
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, Mode
 
@@ -123,7 +122,13 @@ def load_probe(path: Path = SAMPLE_CORPUS) -> list[tuple[tuple[str, ...], str]]:
     missing = wanted - texts.keys()
     if missing:
         raise ValueError(f"fidelity probe: {path} lacks passages {sorted(missing)}")
-    return [(tuple(format_passage(texts[t], t) for t in titles), q) for titles, q in PROBES]
+    return [(tuple(_passage(texts[t], t) for t in titles), q) for titles, q in PROBES]
+
+
+def _passage(text: str, title: str) -> str:
+    """A titled passage as the service gives it to the engine (retrieval.text.format_passage, which
+    blend_engine may not import)."""
+    return f"{title.strip()}\n{text.strip()}"
 
 
 def gate_key(runner: ModelRunner, config: EngineConfig) -> str:

@@ -8,13 +8,13 @@ import math
 import time
 
 import pytest
-from blendserve_config.settings import Settings
 from fastapi.testclient import TestClient
 
 from app.main import create_app
 from blend_engine import selfcheck
 from blend_engine.engine import EngineConfig
 from blend_engine.selfcheck import GateDecision, GateResult, cache_path, decide, gate_key, run_gate
+from blendserve_config.settings import Settings
 
 
 def make_settings(data_dir, **overrides) -> Settings:
