@@ -165,6 +165,9 @@ def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
     proc, url, auth, log_path = real_server
     assert httpx.get(f"{url}/healthz").status_code == 200  # no auth for health
     assert httpx.post(f"{url}/v1/query", json={"question": "q?"}).status_code == 401
+    fidelity = httpx.get(f"{url}/v1/status", headers=auth).json()["fidelity"]  # the start-up gate ran on SmolLM2
+    assert fidelity["gate"] == "enforce" and fidelity["result"]["passed"] and not fidelity["fallback"]
+    assert "fidelity gate passed" in log_path.read_text()
     r = httpx.post(f"{url}/v1/documents", json={"documents": DOCS}, headers=auth, timeout=120)
     assert r.status_code == 201, r.text
     assert r.json()["new_passages"] == 3
