@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -100,14 +101,23 @@ class PgPassageStore(PassageStore):
     backend = "postgresql"
     _NOW = "extract(epoch from clock_timestamp())::double precision"
 
-    def __init__(self, url: str, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, connect_timeout_s: float = 5.0, start_wait_s: float = 30.0) -> None:
         self.url = url
         self._where = redact_url(url)
         self._timeout = max(1, int(connect_timeout_s))
         self._lock = threading.RLock()
         self._conn: psycopg.Connection | None = None
+        deadline = time.monotonic() + start_wait_s
         with self._lock:
-            self._migrate()
+            while True:  # PostgreSQL may still be starting (a fresh container): wait for it, then migrate
+                try:
+                    self._migrate()
+                    break
+                except psycopg.OperationalError as exc:
+                    if time.monotonic() >= deadline:
+                        raise PassageStoreError(f"passage store {self._where} unreachable: {str(exc).strip()}") from exc
+                    logger.warning("passage store %s unreachable (%s); retrying", self._where, str(exc).strip())
+                    time.sleep(1.0)
 
     # ------------------------------------------------------------------ connection
     def _connection(self) -> psycopg.Connection:
@@ -153,19 +163,22 @@ class PgPassageStore(PassageStore):
 
     # ------------------------------------------------------------------ statements
     def _fetch(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        """One read; a broken connection is replaced and the read tried once more (reads only)."""
         with self._lock:
-            try:
-                return _PgRunner(self._connection())(sql, args)
-            except psycopg.OperationalError:
-                if self._conn is None or not self._conn.broken:
-                    raise
-            return _PgRunner(self._connection())(sql, args)  # one retry on a fresh connection (reads only)
+            for attempt in (0, 1):
+                try:
+                    return _PgRunner(self._connection())(sql, args)
+                except psycopg.OperationalError as exc:
+                    alive = self._conn is not None and not self._conn.closed and not self._conn.broken
+                    if attempt or alive:
+                        raise PassageStoreError(f"passage store {self._where} failed: {str(exc).strip()}") from exc
+            raise AssertionError("unreachable")
 
     @contextmanager
     def _write(self) -> Iterator[_PgRunner]:
         with self._lock:
-            conn = self._connection()
             try:
+                conn = self._connection()
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
                     yield _PgRunner(conn)

@@ -243,3 +243,60 @@ def test_a_restarted_replica_catches_up_from_the_change_log(open_store, tmp_path
     assert (info2["loaded"], info2["caught_up"], info2["added"], info2["removed"]) == (True, 3, 0, 0)
     assert sorted(index2.ids().tolist()) == sorted(r.vec_id for r in kept + late) and emb.calls == calls
     assert index2.generation == mine.head().seq == 5
+
+
+def test_staged_documents_become_visible_whole_and_replace_the_old_version(open_store):
+    """#18's semantics on both backends: staged rows are invisible (and name the document
+    incomplete) until published in one transaction; publishing a new version of a doc_id removes
+    the old version's passages, logging a `del` for each and an `add` for each new one."""
+    db, other, emb = open_store(), open_store(), HashEmbedder()
+    v1 = rows_of("doc", ["capacity 10 MW", "built 1990"])
+    db.stage(v1, vectors_of(v1, emb))
+    assert db.document("doc") == [] and other.incomplete() == {"doc": 2} and other.head().seq == 0
+    removed, published = db.publish(["doc"])
+    assert removed == [] and [r.id for r in published] == [r.id for r in v1]
+    assert [r.id for r in other.document("doc")] == [r.id for r in v1] and other.incomplete() == {}
+    assert all(v is not None for v in other.vectors([r.vec_id for r in v1]).values())  # embeddings travel along
+    v2 = rows_of("doc", ["capacity 25 MW", "built 1990"])  # one passage changed, one the same
+    other.stage(v2, vectors_of(v2, emb))
+    removed, _ = other.publish(["doc"])
+    assert [r.text for r in removed] == ["capacity 10 MW"]
+    assert sorted(r.text for r in db.document("doc")) == ["built 1990", "capacity 25 MW"]
+    log = db.changes_since(2)
+    assert [(c.op, c.vec_id) for c in log] == [("del", v1[0].vec_id), ("add", v2[0].vec_id)]
+    db.stage(rows_of("half", ["a crash left this"]))
+    assert other.discard(["half"]) == 1 and db.incomplete() == {}
+
+
+def test_postgres_going_away_is_a_storage_fault_and_comes_back(pg_cluster, tmp_path):
+    """Reads and writes while PostgreSQL is down raise PassageStoreError (the service's 503), index
+    sync reports the failure and keeps its generation; after a restart the same handle reconnects
+    and sync catches up."""
+    import uuid
+
+    from retrieval.passages import PassageStoreError
+    from retrieval.passages_pg import PgPassageStore
+
+    url = pg_cluster.create_database(f"t{uuid.uuid4().hex[:12]}")
+    db, emb = PgPassageStore(url), HashEmbedder()
+    index, info = open_index(tmp_path, db, emb, IndexParams())
+    sync = IndexSync(index, db, emb, info["generation"])
+    rows = rows_of("a", ["before the outage"])
+    db.upsert(rows, vectors_of(rows, emb))
+    pg_cluster.stop()
+    try:
+        with pytest.raises(PassageStoreError, match="passage store"):
+            db.counts()
+        with pytest.raises(PassageStoreError, match="passage store"):
+            db.upsert(rows_of("b", ["during the outage"]))
+        sync.start()
+        from local_services import wait_for
+
+        assert wait_for(lambda: sync.status().error, timeout=5), "sync never reported the outage"
+        assert sync.generation == info["generation"]
+        sync.stop()
+    finally:
+        pg_cluster.start()
+    assert db.counts()["passages"] == 1  # reconnected
+    assert sync.step() == 1 and sync.status().error is None and index.ids().tolist() == [rows[0].vec_id]
+    db.close()
