@@ -11,6 +11,15 @@ from benchmarks.data import DATA_ENV, default_data_dir
 from blend_engine.kv_store import ChunkKV
 from blend_engine.model import ModelRunner
 
+# Four short passages and a question about one of them, for the engine tests.
+PASSAGES = (
+    "Paris is the capital of France. The Louvre is a museum in Paris.",
+    "Berlin is the capital of Germany. The Spree flows through Berlin.",
+    "The Rhine flows through Basel, Strasbourg and Cologne before reaching the North Sea.",
+    "Mount Blanc is the highest mountain in the Alps, on the border of France and Italy.",
+)
+QUESTION = "Which river flows through Berlin?"
+
 # A 4-layer random Llama the size of a unit test: fast, deterministic (seed 0), not meaningful.
 TINY_CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)

@@ -16,15 +16,7 @@ from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
 from blend_engine.sampling import Sampler, StreamDecoder
 from blend_engine.types import BlendPlan, GenerationConfig, Mode, SelectionPolicy
-from tests.helpers import tiny_runner
-
-PASSAGES = (
-    "Paris is the capital of France. The Louvre is a museum in Paris.",
-    "Berlin is the capital of Germany. The Spree flows through Berlin.",
-    "The Rhine flows through Basel, Strasbourg and Cologne before reaching the North Sea.",
-    "Mount Blanc is the highest mountain in the Alps, on the border of France and Italy.",
-)
-QUESTION = "Which river flows through Berlin?"
+from tests.helpers import PASSAGES, QUESTION, tiny_runner
 
 
 @pytest.fixture(scope="session")

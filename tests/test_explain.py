@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.explain import token_pieces
@@ -15,21 +13,16 @@ from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.tiered import TieredStore
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig
+from tests import helpers
 
-PASSAGES = (
-    "Paris is the capital of France. The Louvre is a museum in Paris.",
-    "Berlin is the capital of Germany. The Spree flows through Berlin.",
-    "The Rhine flows through Basel, Strasbourg and Cologne before reaching the North Sea.",
-)
-QUESTION = "Which river flows through Berlin?"
+PASSAGES = helpers.PASSAGES[:3]
+QUESTION = helpers.QUESTION
 
 
 @pytest.fixture(scope="module")
 def runner(real_runner) -> ModelRunner:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(real_runner.tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return ModelRunner(LlamaForCausalLM(config), real_runner.tokenizer, "tiny-explain")
+    return helpers.tiny_runner(real_runner.tokenizer, name="tiny-explain", vocab_size=len(real_runner.tokenizer),
+                               num_hidden_layers=6, max_position_embeddings=1024)
 
 
 @pytest.fixture()
