@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from blend_engine.engine import FULL_PREFILL_SOURCE
 from blend_engine.types import BlendReport
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,10 @@ class Metrics:
             self.fidelity_kl.labels("full_reuse").set(result.kl_full_reuse)
             self.fidelity_top1.labels("blend").set(result.top1_blend)
             self.fidelity_top1.labels("full_reuse").set(result.top1_full_reuse)
+        self.full_prefill_fallbacks = Counter(
+            "blendserve_full_prefill_fallbacks",
+            "Blend requests the controller served by full prefill (loading the KV would be slower)", registry=r,
+        )
 
     def bind_worker(self, worker) -> None:
         self.queue_depth.set_function(lambda: worker.depth)
@@ -154,3 +159,5 @@ class Metrics:
         self.ratio.labels(mode).observe(report.recompute_ratio)
         if mode == "blend":
             self.last_ratio.set(report.recompute_ratio)
+        if report.ratio_source == FULL_PREFILL_SOURCE:
+            self.full_prefill_fallbacks.inc()

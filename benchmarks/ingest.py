@@ -38,7 +38,7 @@ def bench_ingest(n_passages: int, corpus: Path, tmp: Path) -> dict:
         stored = stack.store.stats().bytes_used - before
         tier_bytes = {t["name"]: t["bytes_used"] for t in stack.store.stats().extra.get("tiers", [])}
         return {
-            "model": stack.runner.name, "device": str(stack.runner.device), "kv_format": settings.kv_format,
+            "model": stack.runner.name, "device": str(stack.runner.device), "kv_format": stack.engine.config.kv_format,
             "startup_s": startup, "passages": s.passages, "tokens": s.tokens, "seconds": s.seconds,
             "passages_per_s": s.passages / s.seconds, "tokens_per_s": s.tokens / s.seconds,
             "kv_share": s.kv_seconds / s.seconds, "embed_share": s.embed_seconds / s.seconds,

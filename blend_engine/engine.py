@@ -31,6 +31,8 @@ from blend_engine.errors import InputError
 from blend_engine.explain import Explanation, ScoreProbe, build_explanation, tier_of
 from blend_engine.keys import chain_key, chunk_key, store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore, MemoryStore
+from blend_engine.kv_store.codec import layer_nbytes
+from blend_engine.kv_store.controller import PrefillWork, RatioChoice
 from blend_engine.kv_store.loader import LayerLoader, LoadTrace
 from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, Segment, build_layout, passage_text
 from blend_engine.model import ModelRunner
@@ -51,10 +53,14 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-class RatioController(Protocol):
-    """Chooses a recompute ratio per request from measured load and compute speeds."""
+FULL_PREFILL_SOURCE = "controller:full_prefill"  # ratio_source of a blend request served by full prefill
 
-    def choose(self, n_cached_tokens: int, n_layers: int, bytes_per_layer: int, store: KVStore) -> float: ...
+
+class RatioController(Protocol):
+    """Chooses a recompute ratio per request from measured load and compute speeds, or full prefill
+    when loading the cache would be slower than recomputing it (`kv_store.controller`)."""
+
+    def choose(self, work: PrefillWork, store: KVStore) -> RatioChoice: ...
 
     def observe(self, report: BlendReport, bytes_per_layer: int) -> None: ...
 
@@ -165,7 +171,8 @@ class BlendEngine:
                 f"prompt of {n_tokens} tokens plus {extra} new tokens exceeds the model context of {limit}"
             )
 
-    def _choose_ratio(self, plan: BlendPlan, layout: PromptLayout) -> tuple[float, str]:
+    def _choose_ratio(self, plan: BlendPlan) -> tuple[float | None, str]:
+        """(ratio, source); None with source "controller" when the controller decides after lookups."""
         if plan.mode is Mode.FULL_PREFILL:
             return 1.0, "mode"
         if plan.mode in (Mode.FULL_REUSE, Mode.PREFIX_CACHE):
@@ -173,24 +180,31 @@ class BlendEngine:
         if plan.recompute_ratio is not None:
             return plan.recompute_ratio, "request"
         if self.controller is not None:
-            n_cached = sum(len(s.token_ids) for s in layout.segments if s.kind != "question")
-            r = self.controller.choose(n_cached, self.runner.shape.n_layers, self._bytes_per_layer(n_cached), self.store)
-            return r, "controller"
+            return None, "controller"
         return self.config.default_ratio, "default"
+
+    def _work(self, layout: PromptLayout, cached: list[tuple[Segment, str]], policy: SelectionPolicy) -> PrefillWork:
+        """What a blend prefill of this layout costs: passages that missed the cache are uncached work."""
+        passages = [s for s, _ in cached if s.kind == "passage"]
+        sinks = sum(min(policy.sink_tokens, len(s.token_ids)) for s in passages)
+        n_loaded = sum(len(s.token_ids) for s, _ in cached)
+        n_compete = sum(len(s.token_ids) for s in passages) - sinks
+        return PrefillWork(n_tokens=layout.n_tokens, n_cached=n_compete, n_forced=layout.n_tokens - n_loaded + sinks,
+                           n_layers=self.runner.shape.n_layers, bytes_per_layer=self._bytes_per_layer(n_loaded),
+                           check_layer=policy.check_layer, check_multiplier=policy.check_multiplier,
+                           schedule=policy.schedule)
 
     def _bytes_per_layer(self, n_tokens: int) -> int:
         s = self.runner.shape
-        if self.config.kv_format == "int8":  # one byte a value plus an fp16 scale per token and head
-            return 2 * s.n_kv_heads * n_tokens * (s.head_dim + 2)
-        width = 4 if self.config.kv_format == "fp32" else 2
-        return 2 * s.n_kv_heads * s.head_dim * n_tokens * width
+        return layer_nbytes(self.config.kv_format, s.n_kv_heads, n_tokens, s.head_dim)
 
     @torch.inference_mode()
     def prefill(self, plan: BlendPlan, max_new_tokens: int = 0) -> PrefillState:
         t_start = time.perf_counter()
         layout = self.layout(plan)
         self._check_fits(layout.n_tokens, max_new_tokens)
-        ratio, source = self._choose_ratio(plan, layout)
+        ratio, source = self._choose_ratio(plan)
+        mode = plan.mode  # what runs: blend may be served by full prefill when loading is too slow
         policy = plan.policy or self.config.policy
         ids = torch.tensor(layout.token_ids(), dtype=torch.long, device=self.runner.device)  # [N]
         segs = layout.segments
@@ -223,7 +237,12 @@ class BlendEngine:
             uncached = [torch.arange(s.offset, s.end) for i, s in enumerate(segs) if keys[i] is None or i in missing]
             sel0 = torch.cat(uncached).to(ids.device, non_blocking=True)  # [S]
             stream_store = self.store
-        full_upto = policy.check_layer if plan.mode is Mode.BLEND else None
+            if ratio is None:  # the controller decides now that hits and misses are known
+                choice = self.controller.choose(self._work(layout, cached, policy), self.store)
+                ratio = choice.ratio
+                if choice.full_prefill:  # loading would be slower than recomputing everything
+                    mode, ratio, source, cached, sel0, hits = Mode.FULL_PREFILL, 1.0, FULL_PREFILL_SOURCE, [], None, 0
+        full_upto = policy.check_layer if mode is Mode.BLEND else None
         probe = ScoreProbe() if plan.explain else None
         tiers = {k: tier_of(stream_store, k) for _, k in cached} if plan.explain else {}  # before loading promotes
         stream = None
@@ -234,9 +253,9 @@ class BlendEngine:
             stream = loader.stream([k for _, k in cached], self.runner.shape.n_layers, repair, packer)
         try:
             cache, last_hidden, per_layer = self._run_layers(
-                ids, [s for s, _ in cached], stream, sel0 if plan.mode is not Mode.BLEND else None,
+                ids, [s for s, _ in cached], stream, sel0 if mode is not Mode.BLEND else None,
                 max_new_tokens, ratio, timer, full_upto=full_upto, policy=policy, layout=layout,
-                rotate=plan.mode is not Mode.PREFIX_CACHE, probe=probe,
+                rotate=mode is not Mode.PREFIX_CACHE, probe=probe,
             )
         finally:
             if stream is not None:
@@ -247,7 +266,7 @@ class BlendEngine:
         trace = stream.trace if stream is not None else LoadTrace()
         final_sel, selected_per_layer, layer_compute = per_layer
         report = BlendReport(
-            mode=plan.mode.value,
+            mode=mode.value,
             recompute_ratio=ratio,
             ratio_source=source,
             context_tokens=layout.n_tokens,
@@ -266,7 +285,7 @@ class BlendEngine:
             layer_load_ms=tuple(x * 1e3 for x in trace.read_s),
             layer_compute_ms=tuple(x * 1e3 for x in layer_compute),
         )
-        if self.controller is not None and plan.mode is Mode.BLEND and cached:
+        if self.controller is not None and ((mode is Mode.BLEND and cached) or source == FULL_PREFILL_SOURCE):
             self.controller.observe(report, self._bytes_per_layer(sum(len(s.token_ids) for s, _ in cached)))
         explanation = None
         if probe is not None:

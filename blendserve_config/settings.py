@@ -39,7 +39,8 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # storage
     data_dir: Path = Path("data")
-    kv_format: Literal["fp16", "fp32", "int8"] = "fp16"
+    kv_format: Literal["auto", "fp16", "bf16", "fp32", "int8"] = Field(
+        "auto", description="stored KV precision; auto = bf16 for a bf16 model on CUDA, else fp16")
     memory_cache_mb: int = Field(1024, ge=0)
     disk_cache_mb: int = Field(20480, ge=0)
     redis_url: str | None = None

@@ -13,6 +13,7 @@ from pathlib import Path
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
+from blend_engine.kv_store.codec import resolve_format
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
 from blend_engine.selfcheck import GateDecision
@@ -104,6 +105,8 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype)
+    settings = settings.model_copy(update={"kv_format": resolve_format(settings.kv_format, runner.dtype,
+                                                                       runner.device.type)})
     store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format))
     engine = build_engine(settings, runner, store)
     embedder = embedder or Embedder(settings.embedder, batch_size=settings.embed_batch_size)

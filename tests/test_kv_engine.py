@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.engine import FULL_PREFILL_SOURCE, BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.controller import BandwidthController
@@ -115,3 +115,47 @@ def test_controller_drives_the_ratio_and_learns(tmp_path):
     assert ctl.state().observations == 1
     assert result.report.cache_hits >= len(PASSAGES)  # the passages' KV came from the store...
     assert result.report.load_ms > 0 and result.report.load_hidden_ms <= result.report.load_ms  # ...and took time
+
+
+class _Recording(BandwidthController):
+    """The real controller, recording the work it was asked about."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.works = []
+
+    def choose(self, work, store):
+        self.works.append(work)
+        return super().choose(work, store)
+
+
+def test_controller_counts_misses_as_uncached_work():
+    store = MemoryStore(1 << 26)
+    ctl = _Recording()
+    eng = engine_on(store, controller=ctl)
+    for p in PASSAGES[1:]:  # the first passage misses
+        eng.ensure_cached(p)
+    eng.ensure_cached(PASSAGES[0])
+    store.delete(eng.key_of(eng.passage_tokens(PASSAGES[0])))
+    state = eng.prefill(plan(ratio=None))
+    work = ctl.works[-1]
+    segs = state.layout.segments
+    loaded = sum(len(s.token_ids) for s in segs[2:-1])
+    assert state.report.cache_misses == 2  # the system prefix (never stored here) and the first passage
+    assert work.n_cached == loaded and work.n_tokens == state.layout.n_tokens
+    assert work.n_forced == state.layout.n_tokens - loaded  # the misses and the question
+    assert work.bytes_per_layer == 2 * 2 * loaded * 16 * 2  # fp16 k and v, 2 kv heads, head dim 16
+
+
+def test_controller_serves_full_prefill_when_loading_is_too_slow():
+    store = MemoryStore(1 << 26)
+    ctl = BandwidthController(prior_bandwidth=1e3)  # 1 kB/s: loading can never beat recomputing
+    eng = engine_on(store, controller=ctl)
+    for p in PASSAGES:
+        eng.ensure_cached(p)
+    served = eng.prefill(plan(ratio=None))
+    full = eng.prefill(BlendPlan(passages=PASSAGES, question=QUESTION, mode="full_prefill"))
+    assert served.report.mode == "full_prefill" and served.report.ratio_source == FULL_PREFILL_SOURCE
+    assert served.report.recompute_ratio == 1.0 and served.report.layer_load_ms == ()
+    assert torch.equal(served.logits, full.logits)
+    assert ctl.state().full_prefill_choices == 1 and ctl.state().observations == 1

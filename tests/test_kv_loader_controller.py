@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blend_engine.kv_store import ChunkKV, MemoryStore
-from blend_engine.kv_store.controller import BandwidthController
+from blend_engine.kv_store.controller import BandwidthController, PrefillWork
 from blend_engine.kv_store.loader import LayerLoader, LayerStream, PrefetchStream
 from blend_engine.types import BlendReport
 from tests import helpers
@@ -102,35 +102,61 @@ def test_close_mid_stream_stops_the_reader():
     assert len(stream.trace.read_s) < L
 
 
-def report(load_ms: float, layer_compute_ms: float, n_layers: int = 4, tokens: int = 1000, selected: int = 150):
+def report(load_ms: float, sizes: tuple[int, ...], times_ms: tuple[float, ...]) -> BlendReport:
+    n = len(sizes)
     return BlendReport(
-        mode="blend", recompute_ratio=0.15, ratio_source="controller", context_tokens=tokens,
-        recomputed_tokens=selected, recomputed_positions=(), selected_per_layer=(tokens, tokens) + (selected,) * (n_layers - 2),
+        mode="blend", recompute_ratio=0.15, ratio_source="controller", context_tokens=max(sizes),
+        recomputed_tokens=sizes[-1], recomputed_positions=(), selected_per_layer=sizes,
         cache_hits=1, cache_misses=0, prefix_tokens_reused=0, repaired_chunks=0, assemble_ms=0.0, recompute_ms=0.0,
-        load_ms=load_ms, load_wait_ms=0.0, prefill_ms=0.0, layer_load_ms=(load_ms / n_layers,) * n_layers,
-        layer_compute_ms=(layer_compute_ms,) * n_layers,
+        load_ms=load_ms, load_wait_ms=0.0, prefill_ms=0.0, layer_load_ms=(load_ms / n,) * n, layer_compute_ms=times_ms,
     )
+
+
+# injected timings: a layer costs 1 ms + 10 us per token; the last layer (one position) is not fitted
+SIZES = (1000, 1000, 150, 150, 150)
+TIMES = tuple(1.0 + 0.01 * n for n in SIZES[:-1]) + (0.3,)
+WORK = PrefillWork(n_tokens=1000, n_cached=900, n_forced=100, n_layers=4, bytes_per_layer=3_000_000, check_layer=1)
 
 
 def test_controller_priors_give_the_floor_for_cpu_scale_compute():
     c = BandwidthController()
-    store = MemoryStore(1 << 20)
-    assert c.choose(4000, 30, 3_000_000, store) == pytest.approx(0.15)
+    work = PrefillWork(n_tokens=4000, n_cached=3600, n_forced=400, n_layers=30, bytes_per_layer=3_000_000)
+    choice = c.choose(work, MemoryStore(1 << 20))
+    assert choice.ratio == pytest.approx(0.15) and not choice.full_prefill
 
 
-def test_controller_balances_load_and_compute_within_bounds():
+def test_controller_fits_fixed_and_per_token_layer_costs():
+    c = BandwidthController()
+    c.observe(report(40.0, SIZES, TIMES), 1_000_000)  # 5 layers x 1 MB in 40 ms
+    state = c.state()
+    assert state.layer_fixed_s == pytest.approx(1e-3) and state.token_layer_s == pytest.approx(1e-5)
+    assert state.bandwidth == pytest.approx(5e6 / 0.04)
+
+
+def test_controller_picks_the_smallest_ratio_whose_recompute_hides_the_next_load():
+    c = BandwidthController(floor=0.0, cap=1.0)
+    cost = (1e-3, 1e-5)
+    # load 3 ms per layer: a selected layer must compute >= 200 tokens = 100 forced + ceil(r x 900)
+    choice = c.plan(WORK, bandwidth=1e9, cost=cost)
+    assert choice.ratio == pytest.approx(0.12) and not choice.full_prefill
+    assert all(1e-3 + 1e-5 * n >= 3e-3 for n in WORK.tokens_per_layer(choice.ratio))
+    assert not all(1e-3 + 1e-5 * n >= 3e-3 for n in WORK.tokens_per_layer(0.11))
+    # the floor wins when compute already hides the load; the cap bounds it when nothing does
+    assert BandwidthController(floor=0.3, cap=1.0).plan(WORK, 1e9, cost).ratio == pytest.approx(0.3)
+    assert BandwidthController(floor=0.0, cap=0.05).plan(WORK, 1e9, cost).ratio == pytest.approx(0.05)
+    # the schedule: with 2x kept at the check layer's successor and 1x from layer 3, layer 3 decides
+    staged = PrefillWork(**{**WORK.__dict__, "check_multiplier": 2.0, "schedule": ((3, 1.0),)})
+    assert staged.tokens_per_layer(0.12) == [1000, 1000, 100 + 216, 100 + 108]
+
+
+def test_controller_serves_full_prefill_when_loading_is_slower():
     c = BandwidthController(floor=0.15, cap=0.5)
-    store = MemoryStore(1 << 20)
-    bpl = 1_000_000
-    # load: 4 layers x 1 MB in 40 ms -> 100 MB/s -> 10 ms per layer; compute 1.5 ms per 150 tokens -> 10 us/token
-    c.observe(report(load_ms=40.0, layer_compute_ms=1.5), bpl)
-    bw, per_token = c.estimate()
-    assert bw == pytest.approx(1e8) and per_token == pytest.approx(1e-5)
-    assert c.choose(1000, 4, bpl, store) == pytest.approx(0.5)  # 10 ms / (1000 x 10 us) = 1.0, capped
-    assert c.choose(4000, 4, bpl, store) == pytest.approx(0.25)  # 10 ms / 40 ms
-    assert c.choose(100_000, 4, bpl, store) == pytest.approx(0.15)  # floor
-    with pytest.raises(ValueError):
-        BandwidthController(floor=0.6, cap=0.5)
+    cost = (1e-3, 1e-5)  # full prefill: 4 x (1 ms + 10 ms) = 44 ms
+    slow = c.plan(WORK, bandwidth=3e6 / 0.05, cost=cost)  # 50 ms per layer: loading alone is 200 ms
+    assert slow.full_prefill and slow.full_prefill_ms == pytest.approx(44.0)
+    assert slow.predicted_ms > slow.full_prefill_ms
+    fast = c.plan(WORK, bandwidth=3e6 / 0.002, cost=cost)  # 2 ms per layer
+    assert not fast.full_prefill and fast.predicted_ms < fast.full_prefill_ms
 
 
 def test_controller_reads_tier_bandwidth_before_any_report(tmp_path):
@@ -149,9 +175,10 @@ def test_controller_reads_tier_bandwidth_before_any_report(tmp_path):
     c = BandwidthController(floor=0.0, cap=1.0)
     for layer in range(L):
         store.get_layer("a", layer)
-    r = c.choose(400, L, 2 * 2 * 400 * 4 * 2, store)
+    work = PrefillWork(n_tokens=500, n_cached=400, n_forced=100, n_layers=L, bytes_per_layer=2 * 2 * 400 * 4 * 2)
+    choice = c.choose(work, store)
     assert c.state().tier_bandwidth["disk"] < 1e6  # ~12.8 kB per 50 ms
-    assert r > 0.5
+    assert choice.full_prefill  # 50 ms a layer against ~15 ms of prior compute: recomputing is faster
 
 
 def test_controller_is_thread_safe():
@@ -162,8 +189,8 @@ def test_controller_is_thread_safe():
     def work():
         try:
             for _ in range(200):
-                c.observe(report(40.0, 1.5), 1_000_000)
-                assert 0.15 <= c.choose(4000, 4, 1_000_000, store) <= 0.5
+                c.observe(report(40.0, SIZES, TIMES), 1_000_000)
+                assert 0.15 <= c.choose(WORK, store).ratio <= 0.5
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 

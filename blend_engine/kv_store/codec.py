@@ -65,6 +65,14 @@ class ChunkMeta:
         return cls(**d)
 
 
+def resolve_format(fmt: str, model_dtype: torch.dtype, device_type: str) -> str:
+    """A configured KV format with "auto" made concrete: bf16 for a bf16 model on CUDA (fp16 could
+    overflow its range), fp16 otherwise."""
+    if fmt != "auto":
+        return check_format(fmt)
+    return "bf16" if model_dtype == torch.bfloat16 and device_type == "cuda" else "fp16"
+
+
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"unknown KV format {fmt!r}; expected one of {FORMATS}")

@@ -1,19 +1,27 @@
-"""Loading controller: pick the recompute ratio at which recompute hides the KV load.
+"""Loading controller: the recompute ratio at which recomputing layer i hides loading layer i+1.
 
-Per layer, loading costs bytes_per_layer / bandwidth and recomputing r of the N cached tokens
-costs about r * N * seconds_per_token_layer. The ratio that balances the two is free quality
-(the load has to be waited for anyway), so the controller picks
+Grounded in measurement (CacheBlend section 5.3):
 
-    ratio = min(cap, max(floor, load_s / (N * seconds_per_token_layer)))
+- compute: per layer, t(n) = fixed + n * per_token for n tokens computed at that layer, fitted
+  (decayed least squares) from the engine's per-layer times and sizes (CUDA events on CUDA,
+  perf_counter on the CPU); priors until observations arrive;
+- load: per layer, bytes_per_layer / bandwidth, the bandwidth measured per tier from the tiers'
+  read counters and mixed by the share of bytes each tier served, or from the engine's reports;
+- the schedule: every layer up to the check layer computes all N tokens; from the check layer on
+  the forced tokens (uncached: the question, passages that missed the cache, EPIC sinks) plus
+  ratio x multiplier of the cached passage tokens, narrowed at the schedule's layers. Passages
+  that missed the cache are uncached work, not cached tokens, and move no bytes.
 
-Bandwidth is a running (EWMA) estimate per tier, from the tiers' own read counters, combined by
-the share of bytes each tier served recently; recompute speed is a running estimate from the
-engine's per-layer compute times. Priors apply until the first observations arrive.
+`choose` picks the smallest ratio >= floor (up to cap) whose selected layers each take at least
+one layer's load; the prefill then costs about load_0 + sum_i max(compute_i, load_i+1). When even
+that is slower than full prefill (sum_i t(N)), it answers `full_prefill=True`: the engine then
+serves the request by full prefill and says so (`ratio_source` "controller:full_prefill").
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 
@@ -23,7 +31,46 @@ logger = logging.getLogger(__name__)
 
 PRIOR_BANDWIDTH = 1.0e9  # bytes/s: a local SSD or page cache
 PRIOR_TOKEN_LAYER_S = 30e-6  # seconds per token per layer: a ~100M model on a few CPU cores
+PRIOR_LAYER_FIXED_S = 0.0  # seconds per layer whatever its size (kernel launches, norms, the python loop)
 _FAST = float("inf")
+_GRID = 0.01  # ratio resolution
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """What one blend prefill has to do, known before it starts (from the layout and cache lookups)."""
+
+    n_tokens: int  # N: the whole prompt
+    n_cached: int  # P: tokens of cached passages that hit (the competitors)
+    n_forced: int  # tokens always recomputed above the check layer (uncached, sinks)
+    n_layers: int
+    bytes_per_layer: int  # bytes loaded per layer (hits only)
+    check_layer: int = 1
+    check_multiplier: float = 1.0
+    schedule: tuple[tuple[int, float], ...] = ()
+
+    def tokens_per_layer(self, ratio: float) -> list[int]:
+        """Tokens computed at each layer at this ratio, as the engine selects them: all N up to and
+        including the check layer, then the forced tokens plus ratio x multiplier of the cached."""
+        mult, sched = self.check_multiplier, dict(self.schedule)
+        out = []
+        for layer in range(self.n_layers):
+            if layer <= self.check_layer:
+                out.append(self.n_tokens)
+                continue
+            mult = sched.get(layer, mult)
+            out.append(self.n_forced + min(self.n_cached, math.ceil(ratio * mult * self.n_cached - 1e-9)))
+        return out
+
+
+@dataclass(frozen=True)
+class RatioChoice:
+    """The controller's answer: a ratio, or full prefill (loading is slower than recomputing)."""
+
+    ratio: float
+    full_prefill: bool = False
+    predicted_ms: float = 0.0  # the blend prefill at `ratio`, as the model predicts it
+    full_prefill_ms: float = 0.0  # full prefill, as the model predicts it
 
 
 @dataclass(frozen=True)
@@ -35,29 +82,60 @@ class ControllerState:
     tier_bandwidth: dict
     observations: int
     last_ratio: float
+    layer_fixed_s: float = 0.0
+    full_prefill_choices: int = 0
 
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
 
 
+class _LinearFit:
+    """Decayed least squares of t = a + b n (per-layer compute seconds vs tokens)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.s = [0.0] * 5  # sum 1, n, n^2, t, n t
+
+    def add(self, pairs: list[tuple[int, float]]) -> None:
+        self.s = [x * (1 - self.decay) for x in self.s]
+        for n, t in pairs:
+            for i, v in enumerate((1.0, n, n * n, t, n * t)):
+                self.s[i] += v
+
+    def solve(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) or None before any data."""
+        s0, s1, s2, sy, sxy = self.s
+        if s0 <= 0 or s1 <= 0:
+            return None
+        det = s0 * s2 - s1 * s1
+        if det > 1e-9 * s0 * s2:
+            b = (s0 * sxy - s1 * sy) / det
+            a = (sy - b * s1) / s0
+            if a >= 0 and b > 0:
+                return a, b
+        return 0.0, max(sy / s1, 1e-12)  # one size only (or a negative intercept): proportional
+
+
 class BandwidthController:
     """Implements the engine's `RatioController` protocol. Thread-safe."""
 
     def __init__(self, floor: float = 0.15, cap: float = 0.5, alpha: float = 0.3,
-                 prior_bandwidth: float = PRIOR_BANDWIDTH, prior_token_layer_s: float = PRIOR_TOKEN_LAYER_S) -> None:
+                 prior_bandwidth: float = PRIOR_BANDWIDTH, prior_token_layer_s: float = PRIOR_TOKEN_LAYER_S,
+                 prior_layer_fixed_s: float = PRIOR_LAYER_FIXED_S) -> None:
         if not 0 <= floor <= cap <= 1:
             raise ValueError(f"need 0 <= floor <= cap <= 1, got floor={floor}, cap={cap}")
         self.floor, self.cap, self.alpha = floor, cap, alpha
         self._lock = threading.Lock()
         self._bandwidth: float | None = None  # effective, from reports
         self._prior_bandwidth = prior_bandwidth
-        self._token_layer_s: float | None = None
-        self._prior_token_layer_s = prior_token_layer_s
+        self._prior = (prior_layer_fixed_s, prior_token_layer_s)
+        self._fit = _LinearFit(alpha)
         self._tier_bw: dict[str, float] = {}
         self._tier_seen: dict[str, tuple[int, float]] = {}
         self._tier_share: dict[str, float] = {}
         self._observations = 0
+        self._full_prefill = 0
         self._last_ratio = floor
 
     # ------------------------------------------------------------------ estimates
@@ -92,54 +170,62 @@ class BandwidthController:
     def estimate(self) -> tuple[float, float]:
         """(bandwidth bytes/s, seconds per token-layer of recompute)."""
         with self._lock:
-            return self._estimate()
+            bw, (_, per_token) = self._estimate()
+            return bw, per_token
 
-    def _estimate(self) -> tuple[float, float]:
+    def _estimate(self) -> tuple[float, tuple[float, float]]:
         bw = self._bandwidth or self._tier_bandwidth() or self._prior_bandwidth
-        return bw, self._token_layer_s or self._prior_token_layer_s
+        return bw, self._fit.solve() or self._prior
 
     # ------------------------------------------------------------------ protocol
-    def choose(self, n_cached_tokens: int, n_layers: int, bytes_per_layer: int, store: KVStore) -> float:
+    def choose(self, work: PrefillWork, store: KVStore) -> RatioChoice:
         with self._lock:
             try:
                 self._update_tiers(store)
             except Exception as exc:  # stats are advisory; fall back on the other estimates
                 logger.warning("controller could not read store stats: %s", exc)
-            bw, per_token = self._estimate()
-            ratio = self.balance(n_cached_tokens, bytes_per_layer, bw, per_token)
-            self._last_ratio = ratio
-            return ratio
+            bw, cost = self._estimate()
+            choice = self.plan(work, bw, cost)
+            self._last_ratio = choice.ratio
+            self._full_prefill += choice.full_prefill
+            return choice
 
-    def balance(self, n_cached_tokens: int, bytes_per_layer: int, bandwidth: float, token_layer_s: float) -> float:
-        if n_cached_tokens <= 0 or bandwidth == _FAST:
-            return self.floor
-        load_s = bytes_per_layer / bandwidth
-        even = load_s / (n_cached_tokens * token_layer_s)
-        return min(self.cap, max(self.floor, even))
+    def plan(self, work: PrefillWork, bandwidth: float, cost: tuple[float, float]) -> RatioChoice:
+        """The choice for `work` under a bandwidth (bytes/s) and per-layer cost (fixed s, s per token)."""
+        fixed, per_token = cost
+        full_s = work.n_layers * (fixed + per_token * work.n_tokens)
+        if work.n_cached <= 0 or work.bytes_per_layer <= 0:
+            return RatioChoice(self.floor, predicted_ms=full_s * 1e3, full_prefill_ms=full_s * 1e3)
+        load = 0.0 if bandwidth == _FAST else work.bytes_per_layer / bandwidth
+        steps = int(round((self.cap - self.floor) / _GRID))
+        grid = [self.floor + i * _GRID for i in range(steps)] + [self.cap]
+        best = None
+        for ratio in grid:
+            compute = [fixed + per_token * n for n in work.tokens_per_layer(ratio)]
+            total = load + sum(max(c, load if i + 1 < work.n_layers else 0.0) for i, c in enumerate(compute))
+            best = (ratio, total)
+            if all(c >= load for c in compute[:-1]):  # every load hidden behind the layer before it
+                break
+        ratio, total = best
+        return RatioChoice(ratio, full_prefill=total >= full_s, predicted_ms=total * 1e3,
+                           full_prefill_ms=full_s * 1e3)
 
     def observe(self, report, bytes_per_layer: int) -> None:
-        """Learn from one blend report: load bandwidth and recompute seconds per token-layer."""
+        """Learn from one report: load bandwidth (blend) and the per-layer compute cost (any mode)."""
         n_layers = len(report.layer_load_ms)
         with self._lock:
             self._observations += 1
-            if n_layers and report.load_ms > 0:
+            if n_layers and report.load_ms > 0 and bytes_per_layer > 0:
                 bw = bytes_per_layer * n_layers / (report.load_ms / 1e3)
                 self._bandwidth = _ewma(self._bandwidth, bw, self.alpha)
-            per_token = _token_layer_seconds(report)
-            if per_token is not None:
-                self._token_layer_s = _ewma(self._token_layer_s, per_token, self.alpha)
+            pairs = [(n, t / 1e3) for n, t in zip(report.selected_per_layer, report.layer_compute_ms)]
+            if len(pairs) > 1:
+                pairs = pairs[:-1]  # the last layer runs attention and the MLP for one position only
+            if pairs:
+                self._fit.add(pairs)
 
     def state(self) -> ControllerState:
         with self._lock:
-            bw, per_token = self._estimate()
-            return ControllerState(bw, per_token, dict(self._tier_bw), self._observations, self._last_ratio)
-
-
-def _token_layer_seconds(report) -> float | None:
-    """Seconds per recomputed token per layer, from the layers that recomputed a subset."""
-    sizes, times = report.selected_per_layer, report.layer_compute_ms
-    pairs = [(n, t) for n, t in zip(sizes, times) if 0 < n < report.context_tokens] or list(zip(sizes, times))
-    tokens = sum(n for n, _ in pairs)
-    if tokens <= 0:
-        return None
-    return sum(t for _, t in pairs) / 1e3 / tokens
+            bw, (fixed, per_token) = self._estimate()
+            return ControllerState(bw, per_token, dict(self._tier_bw), self._observations, self._last_ratio,
+                                   fixed, self._full_prefill)
