@@ -154,6 +154,31 @@ class BlendEngine:
         cache, _, _ = self._run_layers(ids, [], None, None, 0, 0.0, _Timer())
         return cache.segment(0, len(ids))
 
+    @torch.inference_mode()
+    def precompute_many(self, token_lists, batch_size: int = 16) -> list[ChunkKV]:
+        """`precompute` for many chunks, batched on the device: chunks of similar length are
+        right-padded into one forward of the model (each alone at positions 0..T-1: a causal
+        model's real tokens never see the padding after them). Results in input order."""
+        lists = [list(t) for t in token_lists]
+        order = sorted(range(len(lists)), key=lambda i: len(lists[i]))
+        out: list[ChunkKV | None] = [None] * len(lists)
+        for start in range(0, len(order), batch_size):
+            group = order[start:start + batch_size]
+            longest = len(lists[group[-1]])
+            self._check_fits(longest, 0)
+            ids = torch.zeros((len(group), longest), dtype=torch.long)  # [B, T]
+            mask = torch.zeros((len(group), longest), dtype=torch.long)  # [B, T]
+            for row, i in enumerate(group):
+                ids[row, :len(lists[i])] = torch.tensor(lists[i])
+                mask[row, :len(lists[i])] = 1
+            dev = self.runner.device
+            layers = self.runner.prefill_cache(ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True))
+            for row, i in enumerate(group):
+                t = len(lists[i])
+                out[i] = ChunkKV(torch.stack([k[row, :, :t] for k, _ in layers]),  # [L, H, T, D]
+                                 torch.stack([v[row, :, :t] for _, v in layers]))  # [L, H, T, D]
+        return out  # type: ignore[return-value]
+
     def ensure_cached(self, passage: str) -> tuple[str, int, bool]:
         """Make sure a passage's KV is stored. Returns (key, n_tokens, was_already_cached)."""
         ids = self.passage_tokens(passage)

@@ -399,5 +399,12 @@ class ModelRunner:
         h = hidden + blk.self_attn.o_proj(attn_out)  # [S, E]
         return h + blk.mlp(blk.post_attention_layernorm(h))  # [S, E]
 
+    def prefill_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A batch of right-padded sequences [B, T] (mask [B, T], 1 = real) through the model's own
+        forward; per layer (k after RoPE, v), each [B, H, T, D]. Used to precompute many chunks."""
+        out = self.model.model(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache = out.past_key_values
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(self._norm(hidden)).float()  # [S, V]

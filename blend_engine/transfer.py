@@ -60,6 +60,9 @@ class LayerPacker:
         self._next = 0
 
     def __call__(self, layer_kv: LayerKV) -> PackedLayer:
+        if self.device.type != "cpu" and all(kc.device == self.device for kc, _ in layer_kv):
+            return PackedLayer(torch.cat([kc for kc, _ in layer_kv], dim=1),  # [H, Tc, D] already there
+                               torch.cat([vc for _, vc in layer_kv], dim=1))
         if self._cuda and all(kc.is_pinned() and vc.is_pinned() for kc, vc in layer_kv):
             return self._copy_pinned(layer_kv)
         kb, vb = self._pack(layer_kv)  # [H, Tc, D] host buffers

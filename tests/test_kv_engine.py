@@ -159,3 +159,12 @@ def test_controller_serves_full_prefill_when_loading_is_too_slow():
     assert served.report.recompute_ratio == 1.0 and served.report.layer_load_ms == ()
     assert torch.equal(served.logits, full.logits)
     assert ctl.state().full_prefill_choices == 1 and ctl.state().observations == 1
+
+
+def test_batched_precompute_equals_one_at_a_time():
+    eng = engine_on(MemoryStore(1 << 26))
+    lists = [eng.passage_tokens(p) for p in PASSAGES] + [eng.passage_tokens("Short one.")]
+    for ids, many in zip(lists, eng.precompute_many(lists, batch_size=3)):  # right-padded batches
+        one = eng.precompute(ids)
+        assert many.k.shape == one.k.shape
+        assert torch.allclose(many.k, one.k, atol=1e-5) and torch.allclose(many.v, one.v, atol=1e-5)
