@@ -12,10 +12,13 @@ import numpy as np
 
 from blend_engine.model import KV_LAYOUT_VERSION
 
+# a format whose byte layout changed gets a new tag, so entries in the old layout are never found
+_FORMAT_TAGS = {"int8": "int8kc"}  # int8 with K scaled per channel (was: per token)
+
 
 def store_fingerprint(model_fingerprint: str, kv_format: str) -> str:
     """What a cache entry must match to be usable: weights, stored KV format, layout version."""
-    return f"{model_fingerprint}:{kv_format}:v{KV_LAYOUT_VERSION}"
+    return f"{model_fingerprint}:{_FORMAT_TAGS.get(kv_format, kv_format)}:v{KV_LAYOUT_VERSION}"
 
 
 def chunk_key(fingerprint: str, token_ids: Sequence[int]) -> str:

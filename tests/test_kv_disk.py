@@ -32,7 +32,7 @@ def test_round_trip_bit_exact_per_layer(tmp_path, fmt):
         assert torch.equal(k, expected.k[layer]) and torch.equal(v, expected.v[layer])
     st = store.stats()
     assert st.hits == 1 and st.entries == 1 and st.bytes_read == expected.k.numel() * 2 * {"fp16": 2, "fp32": 4}.get(
-        fmt, 1) + (0 if fmt != "int8" else 4 * 2 * 9 * 2 * 2)
+        fmt, 1) + (0 if fmt != "int8" else 4 * 2 * (9 + 8) * 2)  # int8: fp16 scales, K [H, D], V [H, T]
     assert not list(tmp_path.glob("chunks/*/*.tmp*"))  # the temporary file was renamed away
 
 

@@ -31,11 +31,23 @@ def test_int8_is_half_the_bytes_and_close():
     meta, blobs = encode_chunk("int8", kv)
     back = decode_chunk(meta, blobs)
     fp16 = layer_nbytes("fp16", 2, 64, 64)
-    assert len(blobs[0]) == fp16 // 2 + 2 * 2 * 2 * 64  # int8 values + one fp16 scale per token and head
-    # symmetric per-token-per-head quantization: error at most half a step of that vector's scale
-    step = kv.k.abs().amax(dim=-1, keepdim=True) / 127  # [L, H, T, 1]
-    assert ((back.k - kv.k).abs() <= step * 0.5 + 1e-3).all()
+    assert len(blobs[0]) == fp16 // 2 + 2 * 2 * 64 + 2 * 2 * 64  # int8 values + fp16 scales: K [H, D], V [H, T]
+    # K per channel (over the chunk's tokens), V per token: error at most half a step of that scale
+    k_step = kv.k.abs().amax(dim=2, keepdim=True) / 127  # [L, H, 1, D]
+    v_step = kv.v.abs().amax(dim=-1, keepdim=True) / 127  # [L, H, T, 1]
+    assert ((back.k - kv.k).abs() <= k_step * 0.5 + 1e-3).all()
+    assert ((back.v - kv.v).abs() <= v_step * 0.5 + 1e-3).all()
     assert not torch.equal(back.k, kv.k)
+
+
+def test_int8_keys_keep_small_channels_beside_an_outlier_channel():
+    kv = make_kv(5, T=32, D=16, dtype=torch.float32)
+    k = kv.k.clone()
+    k[..., 3] *= 100.0  # an outlier channel, as real keys have
+    back = decode_chunk(*encode_chunk("int8", ChunkKV(k, kv.v)))
+    small = [d for d in range(16) if d != 3]
+    err = (back.k[..., small] - k[..., small]).abs().max()
+    assert err < 0.02  # a per-token scale would be ~100x coarser here: steps of max|k| / 127 ~ 2
 
 
 def test_meta_json_round_trip_and_validation():
