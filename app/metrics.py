@@ -122,6 +122,10 @@ class Metrics:
         self.blend_fallbacks = Counter("blendserve_blend_fallbacks",
                                        "Blend requests answered with full prefill because the gate failed",
                                        registry=r)
+        self.full_prefill_fallbacks = Counter(
+            "blendserve_full_prefill_fallbacks",
+            "Blend requests the controller served by full prefill (loading the KV would be slower)", registry=r,
+        )
 
     def set_fidelity(self, decision) -> None:
         """Publish the start-up fidelity gate's outcome (a `GateDecision`)."""
@@ -133,10 +137,6 @@ class Metrics:
             self.fidelity_kl.labels("full_reuse").set(result.kl_full_reuse)
             self.fidelity_top1.labels("blend").set(result.top1_blend)
             self.fidelity_top1.labels("full_reuse").set(result.top1_full_reuse)
-        self.full_prefill_fallbacks = Counter(
-            "blendserve_full_prefill_fallbacks",
-            "Blend requests the controller served by full prefill (loading the KV would be slower)", registry=r,
-        )
 
     def bind_worker(self, worker) -> None:
         self.queue_depth.set_function(lambda: worker.depth)

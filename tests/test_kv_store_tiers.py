@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from blend_engine.kv_store import MemoryStore
+from blend_engine.kv_store import ChunkKV, MemoryStore
 from blend_engine.kv_store.codec import ChunkMeta, decode_chunk, encode_chunk, layer_nbytes
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.factory import build_store
