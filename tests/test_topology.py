@@ -6,14 +6,16 @@ compose file's own docker/haproxy.cfg.
    the sync lag bound, and B's KV came from Redis (A prefilled it; B computed nothing).
 2. Replica A is SIGKILLed under concurrent requests: every request sent after the kill is
    answered by B; at most the requests in flight at the kill fail.
-3. While A is down, B ingests and deletes; A restarts and catches up from the change log; a
-   delete made through A disappears from B's answers.
+3. While A is down, B ingests and deletes and the CLI ingests into the same store (B answers from
+   it); A restarts and catches up from the change log; a delete made through A disappears from
+   B's answers.
 
 Measured numbers are logged (run with `-s -o log_cli=true --log-cli-level=INFO` to see them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -251,10 +253,23 @@ def test_two_replicas_share_one_store_fail_over_and_catch_up(topology):
     assert after and all(x[1] == 200 and x[2] == "api-2" for x in after), [x for x in after if x[1] != 200][:5]
     assert any(x[2] == "api-1" for x in results if x[0] < killed_at), "A got no traffic before the kill"
 
-    # -- 3. B ingests and deletes while A is down; A restarts and catches up from the change log
-    r = client.post(f"{lb}/v1/documents", json={"documents": [ORCHARD, FERRY]}, timeout=60)
-    assert r.status_code == 201 and r.json()["new_passages"] == 2, r.text
+    # -- 3. while A is down: B ingests and deletes, the CLI ingests into the same store; A restarts
+    #       and catches up from the change log
+    r = client.post(f"{lb}/v1/documents", json={"documents": [ORCHARD]}, timeout=60)
+    assert r.status_code == 201 and r.json()["new_passages"] == 1, r.text
     assert client.delete(f"{lb}/v1/documents/{LIGHTHOUSE['doc_id']}", timeout=30).status_code == 204
+    cli_dir = a.data_dir.parent.parent / "cli"
+    (cli_dir / "data").mkdir(parents=True)
+    (cli_dir / "ferry.jsonl").write_text(json.dumps(FERRY) + "\n")
+    cli = subprocess.run([sys.executable, "-m", "corpus_tools", "ingest", str(cli_dir / "ferry.jsonl")],
+                         env={**a.env, "BLENDSERVE_DATA_DIR": str(cli_dir / "data")}, cwd=cli_dir,
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    t_cli = time.monotonic()
+    ferry = wait_for(lambda: FERRY["title"] in _titles(_ask(client, b.url, "How often does the Dunmarrow ferry cross?")),
+                     10, 0.05)
+    assert ferry, "B never answered from the document the CLI ingested"
+    logger.info("a CLI ingestion was answered by B %.3f s after the CLI exited", time.monotonic() - t_cli)
     a.start()
     a.wait_ready()
     start = a.readyz()["sync"]["start"]
