@@ -215,6 +215,17 @@ class PassageStore(ABC):
         """Change-log entries for `rows`, inside the caller's write transaction (store clock)."""
         ex.many(f"INSERT INTO passage_changes (op, vec_id, passage_id, doc_id, at) VALUES (?, ?, ?, ?, {self._NOW})",
                 [(op, r.vec_id, r.id, r.doc_id) for r in rows])
+        if rows:
+            self._announce(ex)
+
+    def _announce(self, ex) -> None:
+        """Tell followers the log grew (delivered at commit). PostgreSQL: NOTIFY; SQLite: nothing."""
+        return None
+
+    def wait_for_change(self, timeout: float) -> bool | None:
+        """Block until the change log may have grown (True) or `timeout` seconds pass (False).
+        None, at once, when the backend has no notifications (SQLite): followers just poll."""
+        return None
 
     def _ids_present(self, ex, ids: Sequence[str]) -> set[str]:
         found: set[str] = set()

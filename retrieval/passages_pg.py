@@ -24,6 +24,7 @@ from retrieval.passages import SCHEMA_VERSION, PassageConflict, PassageStore, Pa
 
 logger = logging.getLogger(__name__)
 
+CHANNEL = "blendserve_changes"  # NOTIFY channel: a write that logged changes wakes every replica's sync
 WRITE_LOCK = 0x626C656E64  # pg_advisory_xact_lock key serializing change-log writers ("blend")
 SCHEMA_LOCK = 0x736368656D  # ... and schema creation/migration ("schem")
 
@@ -107,6 +108,7 @@ class PgPassageStore(PassageStore):
         self._timeout = max(1, int(connect_timeout_s))
         self._lock = threading.RLock()
         self._conn: psycopg.Connection | None = None
+        self._listener: psycopg.Connection | None = None  # LISTEN connection, used by the sync thread only
         deadline = time.monotonic() + start_wait_s
         with self._lock:
             while True:  # PostgreSQL may still be starting (a fresh container): wait for it, then migrate
@@ -135,6 +137,32 @@ class PgPassageStore(PassageStore):
         with self._lock:
             if self._conn is not None and not self._conn.closed:
                 self._conn.close()
+            if self._listener is not None and not self._listener.closed:
+                self._listener.close()
+
+    # ------------------------------------------------------------------ notifications
+    def _announce(self, ex) -> None:
+        ex(f"NOTIFY {CHANNEL}")
+
+    def wait_for_change(self, timeout: float) -> bool | None:
+        """LISTEN on a connection of its own: True as soon as a write that logged changes commits,
+        False after `timeout`. If listening fails (PostgreSQL away) it waits out `timeout` and the
+        caller polls as without notifications."""
+        try:
+            if self._listener is None or self._listener.closed or self._listener.broken:
+                self._listener = psycopg.connect(self.url, autocommit=True, connect_timeout=self._timeout,
+                                                 application_name="blendserve-sync")
+                self._listener.execute(f"LISTEN {CHANNEL}")
+            woken = False
+            for _ in self._listener.notifies(timeout=timeout, stop_after=1):
+                woken = True
+            return woken
+        except psycopg.Error as exc:
+            logger.debug("LISTEN on %s failed (%s); polling", self._where, exc)
+            if self._listener is not None and not self._listener.closed:
+                self._listener.close()
+            time.sleep(timeout)
+            return False
 
     # ------------------------------------------------------------------ schema
     def schema_version(self) -> int:

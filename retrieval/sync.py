@@ -1,8 +1,10 @@
 """Keep a replica's in-memory FAISS index in step with the shared passage store's change log.
 
 At start the index is reconciled with the store (`retriever.open_index`) and its generation set
-to the store's head read *before* reconciling; from then on `IndexSync` polls the change log
-every `interval_s` and applies additions and deletions in log order. Applying is idempotent (an
+to the store's head read *before* reconciling; from then on `IndexSync` reads the change log
+whenever the store announces a write (PostgreSQL LISTEN/NOTIFY) and at least every `interval_s`
+(the only trigger on SQLite, and the fallback when notifications are lost), and applies additions
+and deletions in log order. Applying is idempotent (an
 add of a vector already present, or a delete of one absent, changes nothing), so changes made by
 this replica itself, already in its index, and changes racing the start-up reconcile are harmless.
 
@@ -121,13 +123,34 @@ class IndexSync:
             self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            self._wait()
+            if self._stop.is_set():
+                return
             try:
                 self.step()
             except Exception as exc:  # noqa: BLE001 - the store may be down for a while: keep polling
                 if self._error is None:
                     logger.warning("index sync failed (will retry every %.1f s): %s", self.interval_s, exc)
                 self._error = f"{type(exc).__name__}: {exc}"
+
+    def _wait(self) -> None:
+        """Until the store announces a write (PostgreSQL NOTIFY) or `interval_s` passes; waits in
+        slices of at most 1 s so `stop()` is prompt."""
+        deadline = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                woken = self.store.wait_for_change(min(left, 1.0))
+            except Exception:  # noqa: BLE001 - waiting is best effort; the poll after it decides
+                woken = None
+            if woken is None:  # no notifications (SQLite) or they failed: plain polling
+                self._stop.wait(left)
+                return
+            if woken:
+                return
 
     def stop(self) -> None:
         self._stop.set()

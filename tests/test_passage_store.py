@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -300,3 +301,31 @@ def test_postgres_going_away_is_a_storage_fault_and_comes_back(pg_cluster, tmp_p
     assert db.counts()["passages"] == 1  # reconnected
     assert sync.step() == 1 and sync.status().error is None and index.ids().tolist() == [rows[0].vec_id]
     db.close()
+
+
+def test_postgres_notifies_followers_so_sync_beats_its_poll_interval(pg_cluster, tmp_path):
+    """With LISTEN/NOTIFY a replica's index applies another replica's write long before its
+    (here 30 s) poll interval; a wait with no write times out and says so."""
+    import uuid
+
+    from local_services import wait_for
+
+    from retrieval.passages_pg import PgPassageStore
+
+    url = pg_cluster.create_database(f"t{uuid.uuid4().hex[:12]}")
+    writer, follower, emb = PgPassageStore(url), PgPassageStore(url), HashEmbedder()
+    assert follower.wait_for_change(0.2) is False  # nothing written: the wait runs out
+    index, info = open_index(tmp_path, follower, emb, IndexParams())
+    sync = IndexSync(index, follower, emb, info["generation"], interval_s=30.0)
+    sync.start()
+    try:
+        time.sleep(0.3)  # the sync thread is listening
+        rows = rows_of("a", ["announced"])
+        t0 = time.monotonic()
+        writer.upsert(rows, vectors_of(rows, emb))
+        assert wait_for(lambda: len(index) == 1, timeout=5), "the follower was not woken by NOTIFY"
+        assert time.monotonic() - t0 < 5
+    finally:
+        sync.stop()
+    writer.close()
+    follower.close()
