@@ -1,0 +1,108 @@
+"""Loading from a .gguf file, for each family transformers ships a GGUF mapping for (llama, qwen2,
+qwen3): a tiny random model is written with the `gguf` package (llama.cpp's tensor names, its q/k
+row permutation for llama, a small byte-level BPE tokenizer with a chat template), loaded through
+`ModelRunner.load` (transformers' GGUF reader, de-quantized and cached) and must give the original
+model's logits; blend at ratio 1 on the loaded model equals its full prefill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_models import PASSAGES, QUESTION, perturb
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import MemoryStore
+from blend_engine.model import ModelRunner
+from blend_engine.types import BlendPlan
+
+gguf = pytest.importorskip("gguf")
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e"]
+TOKENS = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt", "he"]
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                 "{% endif %}")
+# qwen3: transformers' GGUF mapping has no attention.key_length, so head_dim stays its default, 128
+_COMMON = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+ARCHS = {
+    "llama": (gguf.MODEL_ARCH.LLAMA, lambda: LlamaForCausalLM(LlamaConfig(**_COMMON))),
+    "qwen2": (gguf.MODEL_ARCH.QWEN2, lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON))),
+    "qwen3": (gguf.MODEL_ARCH.QWEN3, lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=128))),
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order for llama (transformers' GGUF reader undoes it)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, dim, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, arch_name: str, path) -> None:
+    cfg = model.config
+    arch = ARCHS[arch_name][0]
+    w = gguf.GGUFWriter(str(path), arch_name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        g = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert g is not None, name
+        a = t.detach().float().numpy()
+        if arch_name == "llama" and g.endswith("attn_q.weight"):
+            a = _llama_cpp_permute(a, cfg.num_attention_heads)
+        elif arch_name == "llama" and g.endswith("attn_k.weight"):
+            a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+        w.add_tensor(g, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_gguf_file_loads_exactly_and_blends(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLENDSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    original = perturb(ARCHS[arch][1]())
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(original, arch, path)
+
+    runner = ModelRunner.load(str(path), device="cpu", dtype="float32")
+    assert runner.model.config.model_type == arch
+    engine = BlendEngine(runner, MemoryStore(1 << 30, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    full = engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    ids = full.layout.token_ids()
+    assert runner.decode(runner.encode(QUESTION)) == QUESTION and runner.tokenizer.chat_template == CHAT_TEMPLATE
+    with torch.no_grad():
+        ref = original(torch.tensor([ids])).logits[0, -1]  # the weights as written, before the GGUF round trip
+    assert (full.logits - ref).abs().max().item() < 1e-4
+    for p in PASSAGES:
+        engine.ensure_cached(p)
+    blend = engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=1.0))
+    assert blend.report.cache_hits >= len(PASSAGES)
+    assert (blend.logits - full.logits).abs().max().item() < 1e-4
+    assert any((tmp_path / "cache").iterdir())  # de-quantized once, cached for the next start
