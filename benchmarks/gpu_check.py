@@ -217,6 +217,36 @@ def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int) -
     return row
 
 
+def time_attention(setup: Setup, n: int, ratio: float, reps: int) -> dict:
+    """The selected rows' attention at n tokens (S = ratio x n rows, sorted positions): one boolean
+    mask [S, N] (the device path: SDPA's memory-efficient kernel), the same as an additive float
+    mask, and the CPU path's 4 position-ordered blocks (needs the block ends on the host)."""
+    shape = TINY if setup.smoke else LLAMA_8B
+    hq, h, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    s = max(1, int(ratio * n))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    pos = torch.sort(torch.randperm(n - 1, generator=g)[:s - 1]).values.tolist() + [n - 1]
+    pos_t = torch.tensor(pos, device=setup.device)  # [S]
+    q = torch.randn(1, hq, s, d, device=setup.device, dtype=setup.dtype)
+    k = torch.randn(1, h, n, d, device=setup.device, dtype=setup.dtype)
+    v = torch.randn(1, h, n, d, device=setup.device, dtype=setup.dtype)
+    allowed = torch.arange(n, device=setup.device)[None, :] <= pos_t[:, None]  # [S, N]
+    additive = torch.zeros(allowed.shape, dtype=setup.dtype, device=setup.device).masked_fill(~allowed, float("-inf"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    blocks = []
+    for idx in torch.tensor_split(torch.arange(s), 4):
+        hi = pos[int(idx[-1])] + 1
+        blocks.append((idx.to(setup.device), hi, allowed[idx.to(setup.device), :hi]))
+    out = {"tokens": n, "rows": s}
+    out["bool_mask_ms"] = _median_ms(lambda: sdpa(q, k, v, attn_mask=allowed, enable_gqa=True), setup, reps)
+    out["float_mask_ms"] = _median_ms(lambda: sdpa(q, k, v, attn_mask=additive, enable_gqa=True), setup, reps)
+    out["blocks_ms"] = _median_ms(lambda: [sdpa(q[:, :, i], k[:, :, :hi], v[:, :, :hi], attn_mask=m, enable_gqa=True)
+                                           for i, hi, m in blocks], setup, reps)
+    q_all = torch.randn(1, hq, n, d, device=setup.device, dtype=setup.dtype)
+    out["full_causal_ms"] = _median_ms(lambda: sdpa(q_all, k, v, is_causal=True, enable_gqa=True), setup, reps)
+    return out
+
+
 # ============================================================================ (3) ingestion
 def time_ingestion(setup: Setup, runner: ModelRunner, n_passages: int, batch: int) -> dict:
     engine = BlendEngine(runner, MemoryStore(1 << 30))
@@ -274,6 +304,10 @@ def markdown(result: dict) -> str:
                      f"full_prefill / hf {r['full_prefill_ms'] / r['hf_forward_ms']:.2f}, "
                      f"blend pinned / GPU {r['blend@0.15 pinned RAM_ms'] / r['blend@0.15 GPU_ms']:.2f}, "
                      f"auto disk / full {r['blend@auto local disk_ms'] / r['full_prefill_ms']:.2f}")
+    for a in result.get("attention", []):
+        lines.append(f"- attention of {a['rows']} selected rows over {a['tokens']} keys: boolean mask "
+                     f"{a['bool_mask_ms']:.2f} ms, additive float mask {a['float_mask_ms']:.2f} ms, 4 blocks "
+                     f"{a['blocks_ms']:.2f} ms; all {a['tokens']} rows causal {a['full_causal_ms']:.2f} ms (one layer)")
     i = result.get("ingestion")
     if i is None:
         return "\n".join(lines)
@@ -314,6 +348,8 @@ def run(out: Path, smoke: bool, smollm: Path | None, lengths: list[int], reps: i
                 torch.cuda.empty_cache()
             save()
         logger.info("ttft done (%.0f s)", time.perf_counter() - t0)
+        result["attention"] = [time_attention(setup, n, 0.15, reps) for n in lengths]
+        save()
         result["ingestion"] = time_ingestion(setup, runner, 8 if smoke else 256, 8 if smoke else 32)
         save()
     return result

@@ -81,8 +81,11 @@ class LayerPacker:
     def _pack(self, layer_kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
         H, _, D = layer_kv[0][0].shape
         Tc = sum(kc.shape[1] for kc, _ in layer_kv)
-        # the CPU computes in the compute dtype; a device gets the stored dtype (fewer bytes to move)
-        dtype = self.compute_dtype if self.device.type == "cpu" else layer_kv[0][0].dtype
+        # the CPU computes in the compute dtype; a device gets the stored dtype (fewer bytes to move),
+        # except values the codec decoded to fp32 (int8): those move in the compute dtype when narrower
+        stored = layer_kv[0][0].dtype
+        narrower = stored == torch.float32 and self.compute_dtype.itemsize < 4
+        dtype = self.compute_dtype if self.device.type == "cpu" or narrower else stored
         slot = self._next % self._slots
         self._next += 1
         if not self._ring or self._ring[0][0].shape != (H, Tc, D) or self._ring[0][0].dtype != dtype:
