@@ -7,7 +7,8 @@ import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/"})
+PUBLIC_PREFIXES = ("/static/",)  # the web page's files: no data, it asks for the key itself
 
 
 def token_matches(header: str | None, api_key: str) -> bool:
@@ -27,7 +28,8 @@ class BearerAuthMiddleware:
         self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.api_key or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or not self.api_key or scope["path"] in PUBLIC_PATHS \
+                or scope["path"].startswith(PUBLIC_PREFIXES):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])

@@ -17,12 +17,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -72,6 +74,7 @@ from retrieval.passages import PassageStoreError
 
 logger = logging.getLogger(__name__)
 
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 StackFactory = Callable[[Settings], Stack]
 
 
@@ -181,10 +184,17 @@ def _stream_error(exc: BaseException) -> dict:
 
 
 # ====================================================================== routes
+page = APIRouter(include_in_schema=False)
 health = APIRouter(tags=["health"])
 api = APIRouter(tags=["query"])
 docs = APIRouter(tags=["documents"])
 ops = APIRouter(tags=["operations"])
+
+
+@page.get("/", response_class=FileResponse)
+async def index() -> FileResponse:
+    """The web page (app/static): ask, watch the answer stream in, see what was recomputed."""
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 @health.get("/healthz", response_model=Health)
@@ -576,8 +586,9 @@ def create_app(settings: Settings | None = None, stack_factory: StackFactory | N
     metrics_.bind_store(lambda: app.state.svc.stack.store if app.state.svc.stack is not None else None)
     metrics_.bind_sync(lambda: getattr(app.state.svc.stack, "sync", None))
     _install_handlers(app)
-    for router in (health, api, docs, ops):
+    for router in (page, health, api, docs, ops):
         app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     # outermost first: size limit, then auth (both pure ASGI, streaming untouched)
     app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
