@@ -18,7 +18,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from app.main import STATIC_DIR, create_app
-from corpus_tools.settings import Settings
+from blendserve_config.settings import Settings
 
 KEY = "page-key"
 DOCS = [
