@@ -136,6 +136,8 @@ class _Server:
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
+        self.proc.kill()  # never leave a server behind
+        self.proc.wait(10)
         raise AssertionError("server not ready in 120 s")
 
     def stop(self) -> None:
