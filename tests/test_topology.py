@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local_services import RedisProcess, free_port, pg_bin_dir, start_cluster, wait_for
+from local_services import RedisProcess, free_port, pg_bin_dir, wait_for
 
 logger = logging.getLogger("topology")
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,13 +127,12 @@ def tiny_model_dir(tmp_path_factory, tiny_runner) -> Path:
 
 
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory, tiny_model_dir):
+def topology(tmp_path_factory, tiny_model_dir, pg_cluster):
     work = tmp_path_factory.mktemp("topology")
-    cluster = start_cluster()
     redis_proc = haproxy = None
     apis: list[Api] = []
     try:
-        db_url = cluster.create_database("blendserve")
+        db_url = pg_cluster.create_database("topology")
         redis_proc = RedisProcess().start()
         base = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
         base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -171,15 +170,17 @@ def topology(tmp_path_factory, tiny_model_dir):
 
         assert wait_for(both_up, 20, 0.2), f"haproxy never routed to both replicas:\n{(work / 'haproxy.log').read_text()}"
         yield Topology(lb, apis[0], apis[1])
-    finally:
-        for api in apis:
-            api.stop()
+    finally:  # the balancer first: its idle keep-alive connections would hold up the replicas' shutdown
         if haproxy is not None:
             haproxy.terminate()
             haproxy.wait(10)
+        for api in apis:
+            if api.proc is not None and api.proc.poll() is None:
+                api.proc.terminate()
+        for api in apis:
+            api.stop()
         if redis_proc is not None:
             redis_proc.stop()
-        cluster.destroy()
 
 
 def _ask(client: httpx.Client, url: str, question: str, top_k: int = 1) -> httpx.Response:
