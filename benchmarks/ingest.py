@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  rate            {ing['passages_per_s']:.2f} passages/s, {ing['tokens_per_s']:.0f} tokens/s")
         print(f"  time share      KV precompute {100 * ing['kv_share']:.0f}%, embedding {100 * ing['embed_share']:.0f}%, "
             f"index+SQLite {100 * ing['index_store_share']:.0f}%")
-        print(f"  KV bytes/token  {ing['kv_bytes_per_token_model']} (2 x layers x kv_heads x head_dim x width); "
+        print(f"  KV bytes/token  {ing['kv_bytes_per_token_model']} (stored, from the codec); "
             f"stored on disk {ing['kv_bytes_per_token_stored']:.0f} incl. headers "
             f"({ing['kv_bytes'] / 2**20:.1f} MiB for the run)")
     print("index search (1 query, k=5, 384-d synthetic):")

@@ -19,7 +19,8 @@ from blend_engine.model import ModelRunner
 from blend_engine.selfcheck import GateDecision
 from blendserve_config.settings import Settings
 from corpus_tools.documents import Reader
-from corpus_tools.pipeline import IngestPipeline, IngestSummary
+from corpus_tools.ingest import IngestSummary
+from corpus_tools.pipeline import IngestPipeline
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams
 from retrieval.passages import open_passage_store

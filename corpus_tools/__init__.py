@@ -11,7 +11,7 @@ _EXPORTS = {
     "Document": "corpus_tools.documents",
     "Reader": "corpus_tools.documents",
     "IngestPipeline": "corpus_tools.pipeline",
-    "IngestSummary": "corpus_tools.pipeline",
+    "IngestSummary": "corpus_tools.ingest",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,7 +16,7 @@ from pathlib import Path
 from blendserve_config import logsafe
 from blendserve_config.settings import Settings
 from corpus_tools.documents import InputError, Reader
-from corpus_tools.pipeline import IngestSummary
+from corpus_tools.ingest import IngestSummary
 
 logger = logging.getLogger("corpus_tools")
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from blend_engine.layout import passage_text
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 from blendserve_config.settings import Settings
@@ -166,6 +168,39 @@ def test_ingest_retrieve_and_blend_from_stored_caches(tmp_path, stack):
     assert report.cache_hits == len(hits) + 1  # the passages and the system prefix
     assert report.recomputed_tokens < report.context_tokens
     assert stack.store.stats().puts == puts_before  # nothing had to be recomputed and stored
+
+
+def test_kv_byte_counts_come_from_the_codec_with_the_int8_scales(tmp_path, runner, embedder):
+    """int8 stores one byte a value plus an fp16 scale per token and head: the ingest summary and
+    stats() (what /readyz and /v1/status show) count the bytes the store holds, scales included."""
+    s = make_stack(tmp_path, runner, embedder, kv_format="int8")
+    try:
+        summary = s.pipeline.ingest([Document(text=VOLCANO, title="Etna", doc_id="etna"),
+                                     Document(text=ED, title="Ed", doc_id="ed")])
+        keys = [p["kv_key"] for d in ("etna", "ed") for p in s.pipeline.get_document(d)["passages"]]
+        stored = sum(s.store.meta(key).nbytes for key in keys)  # ChunkMeta.nbytes: the codec's count
+        assert summary.kv_computed == len(keys) == 2 and summary.kv_bytes == stored
+        kv = s.pipeline.stats()["kv"]
+        assert kv["format"] == "int8" and kv["bytes_estimate"] == stored
+        assert kv["bytes_per_token"] * summary.tokens == stored
+    finally:
+        s.close()
+
+
+def test_each_passage_is_tokenized_once_during_ingestion(stack, monkeypatch):
+    """Chunking measures candidate texts; the final passage's ids are reused to key and precompute its KV."""
+    calls: Counter[str] = Counter()
+    real = stack.engine.runner.encode
+
+    def encode(text: str) -> list[int]:
+        calls[text] += 1
+        return real(text)
+
+    monkeypatch.setattr(stack.engine.runner, "encode", encode)
+    stack.pipeline.ingest([Document(text="\n\n".join([SCOTT, ED, VOLCANO, CHESS]), title="Mixed", doc_id="mixed")])
+    passages = stack.pipeline.get_document("mixed")["passages"]
+    assert len(passages) > 1
+    assert [calls[passage_text(format_passage(p["text"], p["title"]))] for p in passages] == [1] * len(passages)
 
 
 def test_reingest_skips_everything_and_new_passages_only_are_added(tmp_path, stack):
