@@ -60,6 +60,14 @@ class IngestPipeline:
     def chunk_tokens(self) -> int:
         return self.ingestion.chunk_tokens
 
+    @property
+    def batch_size(self) -> int:
+        return self.ingestion.batch_size
+
+    @batch_size.setter
+    def batch_size(self, n: int) -> None:
+        self.ingestion.batch_size = n
+
     def kv_bytes_per_token(self) -> int:
         return self.corpus.kv_bytes_per_token()
 

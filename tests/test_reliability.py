@@ -146,23 +146,23 @@ def test_a_document_is_visible_whole_or_not_at_all_and_verify_names_it(client):
     text = " ".join(f"Sentence {i} of the long document talks about subject {i} at length." for i in range(60))
     doc = Document(text=text, title="Long", doc_id="atomic-long")
     engine = pipe.engine
-    real = engine.ensure_cached
+    real = engine.precompute
     seen = []
 
-    def dies_later(passage):
-        seen.append(passage)
+    def dies_later(token_ids):
+        seen.append(token_ids)
         if len(seen) == 5:
             raise KeyboardInterrupt("simulated crash")
-        return real(passage)
+        return real(token_ids)
 
     old_batch = pipe.batch_size
     pipe.batch_size = 2
-    engine.ensure_cached = dies_later
+    engine.precompute = dies_later
     try:
         with pytest.raises(KeyboardInterrupt):
             pipe.ingest([doc], publish="batch")
     finally:
-        del engine.ensure_cached
+        del engine.precompute
         pipe.batch_size = old_batch
     assert pipe.get_document("atomic-long") is None
     assert all(h.doc_id != "atomic-long" for h in svc(client).stack.retriever.search("subject long document", 10))
