@@ -42,7 +42,13 @@ class Corpus:
         return s.n_layers * layer_nbytes(self.engine.config.kv_format, s.n_kv_heads, n_tokens, s.head_dim)
 
     def kv_bytes_per_token(self) -> int:
-        return self.kv_nbytes(1)
+        """Stored bytes each further token adds to a chunk (int8's per-chunk K scales not included)."""
+        return self.kv_nbytes(1) - self.kv_nbytes(0)
+
+    def kv_estimate(self, passages: int, tokens: int) -> int:
+        """Stored KV bytes of `passages` chunks holding `tokens` tokens in all. Exact: a chunk's size is
+        affine in its tokens (per-token values and scales, plus int8's per-chunk K scales)."""
+        return tokens * self.kv_bytes_per_token() + passages * self.kv_nbytes(0)
 
     def passage_tokens(self, text: str, title: str) -> list[int]:
         """Token ids of a passage exactly as the engine caches it."""

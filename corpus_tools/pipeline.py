@@ -110,7 +110,7 @@ class IngestPipeline:
             "index": {"kind": c.index.kind, "configured": c.index.params.kind, "vectors": len(c.index),
                       "dim": c.index.dim, "embedder": c.embedder.name},
             "kv": {"format": c.engine.config.kv_format, "bytes_per_token": per_token,
-                   "bytes_estimate": counts["tokens"] * per_token, "store": c.store.stats().as_dict()},
+                   "bytes_estimate": c.kv_estimate(counts["passages"], counts["tokens"]), "store": c.store.stats().as_dict()},
             "model": c.engine.runner.name,
             "chunk_tokens": self.chunk_tokens,
         }

@@ -182,7 +182,6 @@ def test_kv_byte_counts_come_from_the_codec_with_the_int8_scales(tmp_path, runne
         assert summary.kv_computed == len(keys) == 2 and summary.kv_bytes == stored
         kv = s.pipeline.stats()["kv"]
         assert kv["format"] == "int8" and kv["bytes_estimate"] == stored
-        assert kv["bytes_per_token"] * summary.tokens == stored
     finally:
         s.close()
 
