@@ -1,5 +1,5 @@
 """The corpus as the service and the CLI use it: ingestion (`corpus_tools.ingest`) and
-maintenance (`corpus_tools.maintenance`) over one `Corpus` (`corpus_tools.corpus`).
+maintenance (`corpus_tools.maintenance`): a `Corpus` (`corpus_tools.corpus`) with both.
 
 This module is the service's one way into `corpus_tools` besides the document readers (see
 tests/test_import_rules.py), so it also names the ingestion's public types.
@@ -22,39 +22,15 @@ from retrieval.passages import PassageStore
 __all__ = ["DocumentRejected", "IngestPipeline", "IngestSummary", "VerifyReport"]
 
 
-class IngestPipeline:
-    """Thread-safe: writes (ingest batches, deletes, verify, gc) are serialized by the corpus lock."""
+class IngestPipeline(Corpus):
+    """The corpus with its ingestion and maintenance. Thread-safe: writes (ingest batches,
+    deletes, verify, gc) are serialized by the corpus lock."""
 
     def __init__(self, engine: BlendEngine, embedder: Embedder, index: VectorIndex, db: PassageStore,
                  index_dir: Path, chunk_tokens: int = 256, batch_size: int = 32) -> None:
-        self.corpus = Corpus(engine, embedder, index, db, index_dir)
-        self.ingestion = Ingestion(self.corpus, chunk_tokens, batch_size)
-        self.maintenance = Maintenance(self.corpus)
-
-    # ------------------------------------------------------------------ the parts
-    @property
-    def engine(self) -> BlendEngine:
-        return self.corpus.engine
-
-    @property
-    def embedder(self) -> Embedder:
-        return self.corpus.embedder
-
-    @property
-    def index(self) -> VectorIndex:
-        return self.corpus.index
-
-    @property
-    def db(self) -> PassageStore:
-        return self.corpus.db
-
-    @property
-    def index_dir(self) -> Path:
-        return self.corpus.index_dir
-
-    @property
-    def store(self):
-        return self.corpus.store
+        super().__init__(engine, embedder, index, db, index_dir)
+        self.ingestion = Ingestion(self, chunk_tokens, batch_size)
+        self.maintenance = Maintenance(self)
 
     @property
     def chunk_tokens(self) -> int:
@@ -67,12 +43,6 @@ class IngestPipeline:
     @batch_size.setter
     def batch_size(self, n: int) -> None:
         self.ingestion.batch_size = n
-
-    def kv_bytes_per_token(self) -> int:
-        return self.corpus.kv_bytes_per_token()
-
-    def system_key(self) -> tuple[str, list[int]]:
-        return self.corpus.system_key()
 
     # ------------------------------------------------------------------ ingestion
     def ensure_system_prefix(self) -> bool:
@@ -101,16 +71,15 @@ class IngestPipeline:
 
     def stats(self) -> dict:
         """Passage counts, the index, the KV format and its stored bytes per token (from the codec)."""
-        c = self.corpus
-        counts = c.db.counts()
-        per_token = c.kv_bytes_per_token()
+        counts = self.db.counts()
         return {
             **counts,
-            "incomplete_documents": len(c.db.incomplete()),
-            "index": {"kind": c.index.kind, "configured": c.index.params.kind, "vectors": len(c.index),
-                      "dim": c.index.dim, "embedder": c.embedder.name},
-            "kv": {"format": c.engine.config.kv_format, "bytes_per_token": per_token,
-                   "bytes_estimate": c.kv_estimate(counts["passages"], counts["tokens"]), "store": c.store.stats().as_dict()},
-            "model": c.engine.runner.name,
+            "incomplete_documents": len(self.db.incomplete()),
+            "index": {"kind": self.index.kind, "configured": self.index.params.kind, "vectors": len(self.index),
+                      "dim": self.index.dim, "embedder": self.embedder.name},
+            "kv": {"format": self.engine.config.kv_format, "bytes_per_token": self.kv_bytes_per_token(),
+                   "bytes_estimate": self.kv_estimate(counts["passages"], counts["tokens"]),
+                   "store": self.store.stats().as_dict()},
+            "model": self.engine.runner.name,
             "chunk_tokens": self.chunk_tokens,
         }
