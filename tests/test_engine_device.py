@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import blend_engine.engine as engine_mod
 from blend_engine.engine import BlendEngine, EngineConfig
@@ -82,25 +82,32 @@ class DeviceChecker(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _device_runner() -> ModelRunner:
+def _model(family: str):
+    """A tiny Llama, or a Mistral whose sliding window (32) is shorter than the prompt."""
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**CONFIG, sliding_window=32))
+    return LlamaForCausalLM(LlamaConfig(**CONFIG))
+
+
+def _device_runner(family: str) -> ModelRunner:
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        model = _model(family)
     return _runner(model.requires_grad_(False))
 
 
-@functools.lru_cache(maxsize=1)
-def _real_kv() -> dict:
+@functools.lru_cache(maxsize=2)
+def _real_kv(family: str) -> dict:
     """Real KV of the system prefix and the passages, computed by a real CPU model of the same shape: {key: ChunkKV}."""
     torch.manual_seed(0)
-    eng = BlendEngine(_runner(LlamaForCausalLM(LlamaConfig(**CONFIG))), MemoryStore(1 << 26, kv_format="fp16"),
+    eng = BlendEngine(_runner(_model(family)), MemoryStore(1 << 26, kv_format="fp16"),
                       EngineConfig(kv_format="fp16"))
     segments = eng.layout(BlendPlan(PASSAGES, QUESTION)).segments[:-1]  # the system prefix and the passages
     return {eng.key_of(s.token_ids): eng.precompute(s.token_ids) for s in segments}
 
 
-def _store(tier: str, tmp_path):
+def _store(tier: str, tmp_path, family: str):
     store = MemoryStore(1 << 26, kv_format="fp16") if tier == "memory" else DiskStore(tmp_path, kv_format="fp16")
-    for key, kv in _real_kv().items():
+    for key, kv in _real_kv(family).items():
         assert store.put(key, kv)
     return store
 
@@ -125,11 +132,12 @@ POLICIES = {"default": default_policy(), "single": SelectionPolicy(check_layer=1
             "sinks": SelectionPolicy(check_layer=2, metric="v", sink_tokens=2, schedule=((3, 1.0),))}
 
 
-@pytest.mark.parametrize("tier,depth", [("memory", 0), ("disk", 2)])
-def test_every_mode_runs_on_a_device_model_with_cpu_side_kv(tier, depth, tmp_path, host_sync_counter):
-    store = _store(tier, tmp_path)
-    runner = _device_runner()
+@pytest.mark.parametrize("family,tier,depth", [("llama", "memory", 0), ("llama", "disk", 2), ("mistral", "disk", 2)])
+def test_every_mode_runs_on_a_device_model_with_cpu_side_kv(family, tier, depth, tmp_path, host_sync_counter):
+    store = _store(tier, tmp_path, family)
+    runner = _device_runner(family)
     assert runner.device.type == "meta"
+    assert runner.windows[0] == (32 if family == "mistral" else None)  # mistral: window masks on the device
     engine = BlendEngine(runner, store, EngineConfig(kv_format="fp16"), loader=LayerLoader(store, depth))
     for mode, policy, ratio in [("full_prefill", None, None), ("full_reuse", None, None),
                                 ("blend", "default", 0.15), ("blend", "single", 0.3),
