@@ -178,6 +178,16 @@ def test_ask_stream_heatmap_compare_in_a_real_browser(browser, tmp_path, tiny_st
         if results["full_prefill"]["answer"] != results["blend"]["answer"]:
             assert d.find_elements(By.CSS_SELECTOR, "#comparison mark")
 
+        # 503 (with Retry-After) and 504 bodies as the API sends them become readable messages
+        for status, headers, expect in [(503, {"retry-after": "5"}, ["503", "retry in 5 s", "still loading"]),
+                                        (504, {}, ["504", "too long", "still loading"])]:
+            message = d.execute_async_script(
+                "const done = arguments[arguments.length - 1];"
+                "const body = JSON.stringify({detail: 'still loading', error: {message: 'still loading'}});"
+                "apiError(new Response(body, {status: arguments[0], headers: arguments[1]})).then((e) => done(e.message));",
+                status, headers)
+            assert all(part in message for part in expect), message
+
         shot = tmp_path / "page.png"
         assert d.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 
