@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from blend_engine.kv_store import ChunkKV
+from blend_engine.kv_store.chunkfile import encode_header
 from blend_engine.kv_store.codec import decode_chunk, encode_chunk
-from blend_engine.kv_store.disk import DiskStore, encode_header
+from blend_engine.kv_store.disk import DiskStore
 from tests.helpers import make_kv
 
 
@@ -186,7 +187,7 @@ class _LockedIndex:
 
 def _lock_index(monkeypatch, fails: float) -> list[_LockedIndex]:
     """Make every new index connection fail its WAL switch `fails` times; returns the connections."""
-    from blend_engine.kv_store import disk as disk_mod
+    from blend_engine.kv_store import chunk_index as index_mod
 
     real_connect, opened = sqlite3.connect, []
 
@@ -194,7 +195,7 @@ def _lock_index(monkeypatch, fails: float) -> list[_LockedIndex]:
         opened.append(_LockedIndex(real_connect(*a, **k), fails))
         return opened[-1]
 
-    monkeypatch.setattr(disk_mod.sqlite3, "connect", connect)
+    monkeypatch.setattr(index_mod.sqlite3, "connect", connect)
     return opened
 
 
@@ -212,5 +213,5 @@ def test_index_set_up_gives_up_when_the_database_stays_locked(tmp_path, monkeypa
     store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
     opened = _lock_index(monkeypatch, fails=float("inf"))
     with pytest.raises(sqlite3.OperationalError, match="locked"):
-        store._open_db(attempts=3)
+        store._index.open(attempts=3)
     assert opened[0].tries == 3

@@ -120,3 +120,22 @@ def test_build_store_stacks_memory_over_disk(tmp_path):
     assert store.stats().extra["tiers"][1]["name"] == "disk"
     with pytest.raises(ValueError):
         TieredStore([MemoryStore(1, kv_format="fp16"), MemoryStore(1, kv_format="int8")])
+
+
+def test_byte_lru_shared_by_memory_and_disk_tiers_keeps_order_sizes_and_counters():
+    from blend_engine.kv_store.base import StoreStats
+    from blend_engine.kv_store.lru import ByteLRU
+
+    stats = StoreStats(name="t", bytes_budget=10)
+    lru: ByteLRU[str] = ByteLRU(10, stats)
+    for key, n in (("a", 4), ("b", 3), ("c", 2)):
+        lru.add(key, n, key.upper())
+    lru.touch("a")
+    assert lru.keys() == ["b", "c", "a"] and (stats.bytes_used, stats.entries) == (9, 3)
+    assert lru.evict_for(3) == ["b"] and lru.get("b") is None and lru.get("a") == "A"
+    lru.add("a", 5, "A2")  # replacing an entry re-counts its size
+    assert lru.keys() == ["c", "a"] and stats.bytes_used == 7
+    assert not lru.fits(11) and lru.fits(10)
+    assert lru.evict_bytes(1) == ["c"]  # at least 1 byte, oldest first, whatever the budget says
+    assert lru.pop("a") == "A2" and lru.pop("a") is None
+    assert (stats.bytes_used, stats.entries, stats.evictions, len(lru)) == (0, 0, 2, 0)

@@ -60,6 +60,10 @@ class StoreStats:
     read_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
+    def snapshot(self) -> StoreStats:
+        """A copy the caller may keep (taken under the tier's lock)."""
+        return StoreStats(**{**self.__dict__, "extra": dict(self.extra)})
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
         d.update(self.extra)

@@ -6,13 +6,13 @@ Float formats decode to views of the stored bytes (no copy): callers must not mo
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blend_engine.kv_store.base import StoreStats
 from blend_engine.kv_store.blob import Blob, BlobStore
 from blend_engine.kv_store.codec import ChunkMeta
+from blend_engine.kv_store.lru import ByteLRU
 
 STORAGE_FORMATS = ("fp32", "fp16", "bf16", "int8")
 
@@ -29,10 +29,9 @@ class MemoryStore(BlobStore):
         if kv_format not in STORAGE_FORMATS:
             raise ValueError(f"memory store supports {list(STORAGE_FORMATS)}, not {kv_format!r}")
         super().__init__(name, kv_format, fingerprint)
-        self._budget = budget_bytes
-        self._items: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = StoreStats(name=name, bytes_budget=budget_bytes)
+        self._items: ByteLRU[_Entry] = ByteLRU(budget_bytes, self._stats)
 
     def meta(self, key: str) -> ChunkMeta | None:
         with self._lock:
@@ -41,20 +40,14 @@ class MemoryStore(BlobStore):
 
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
         self.check_meta(meta)
-        size = meta.nbytes
         with self._lock:
-            if size > self._budget:
+            if not self._items.fits(meta.nbytes):
                 self._stats.skipped_puts += 1
                 return False
-            self._drop(key)
-            while self._items and self._stats.bytes_used + size > self._budget:
-                evicted = next(iter(self._items))
-                self._drop(evicted)
-                self._stats.evictions += 1
-            self._items[key] = _Entry(meta, list(blobs))
-            self._stats.bytes_used += size
+            self._items.pop(key)
+            self._items.evict_for(meta.nbytes)
+            self._items.add(key, meta.nbytes, _Entry(meta, list(blobs)))
             self._stats.puts += 1
-            self._stats.entries = len(self._items)
             return True
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
@@ -65,7 +58,7 @@ class MemoryStore(BlobStore):
                     self._stats.misses += 1
                 return None
             if layer == 0:
-                self._items.move_to_end(key)
+                self._items.touch(key)
                 self._stats.hits += 1
             self._stats.bytes_read += e.meta.layer_nbytes
             return e.meta, e.blobs[layer]
@@ -73,20 +66,12 @@ class MemoryStore(BlobStore):
     def keys(self) -> list[str]:
         """Keys from least to most recently used."""
         with self._lock:
-            return list(self._items)
-
-    def _drop(self, key: str) -> bool:
-        e = self._items.pop(key, None)
-        if e is None:
-            return False
-        self._stats.bytes_used -= e.meta.nbytes
-        self._stats.entries = len(self._items)
-        return True
+            return self._items.keys()
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            return self._drop(key)
+            return self._items.pop(key) is not None
 
     def stats(self) -> StoreStats:
         with self._lock:
-            return StoreStats(**{**self._stats.__dict__, "extra": dict(self._stats.extra)})
+            return self._stats.snapshot()

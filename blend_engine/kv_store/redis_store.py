@@ -162,7 +162,7 @@ class RedisStore(BlobStore):
 
     def stats(self) -> StoreStats:
         with self._lock:
-            return StoreStats(**{**self._stats.__dict__, "extra": dict(self._stats.extra)})
+            return self._stats.snapshot()
 
     def close(self) -> None:
         self._client.close()

@@ -142,7 +142,7 @@ class TieredStore(BlobStore):
     def stats(self) -> StoreStats:
         per_tier = [t.stats() for t in self.tiers]
         with self._lock:
-            out = StoreStats(**{**self._stats.__dict__, "extra": dict(self._stats.extra)})
+            out = self._stats.snapshot()
         for field in _SUMMED:
             setattr(out, field, sum(getattr(s, field) for s in per_tier))
         out.extra["tiers"] = [s.as_dict() for s in per_tier]
