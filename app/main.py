@@ -114,7 +114,7 @@ def check_limits(settings: Settings, *, question: str, top_k: int, max_tokens: i
     if len(question) > settings.max_question_chars:
         raise _field_error(question_loc, f"question is {len(question)} characters; the limit is "
                                          f"{settings.max_question_chars}")
-    if top_k > settings.max_top_k:
+    if documents is None and top_k > settings.max_top_k:  # top_k is unused when the caller brings documents
         raise _field_error(("top_k",), f"top_k must be at most {settings.max_top_k}", top_k)
     if max_tokens > settings.max_new_tokens:
         raise _field_error(("max_tokens",), f"max_tokens must be at most {settings.max_new_tokens}", max_tokens)

@@ -629,3 +629,15 @@ def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_fact
     with TestClient(create_app(settings, tiny_stack_factory)) as c:
         assert wait_ready(c)["index"]["documents"] == 3
     assert "sample documents" not in caplog.text
+
+
+def test_top_k_limit_ignored_when_documents_are_given(tmp_path, tiny_stack_factory):
+    """A request that brings its own passages does not use top_k, so its default (5) may exceed MAX_TOP_K."""
+    app = create_app(make_settings(tmp_path / "data", max_top_k=2), tiny_stack_factory)
+    with TestClient(app) as c:
+        wait_ready(c)
+        docs = [{"title": "Paris", "text": "Paris is the capital of France."}]
+        r = c.post("/v1/query", json={"question": "What is the capital of France?", "max_tokens": 1, "documents": docs})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/query", json={"question": "What is the capital of France?", "max_tokens": 1, "top_k": 3})
+        assert r.status_code == 422 and "top_k" in r.text
