@@ -383,13 +383,22 @@ class ModelRunner:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
     ) -> torch.Tensor:
         """q [Hq, S, D] over k, v [H, N, D]; mask [S, N]: bool (True = may attend) or additive float
-        in q's dtype. Returns [S, Hq*D]."""
+        in q's dtype. Returns [S, Hq*D].
+
+        On a device (CUDA), SDPA's kernels that take a mask (memory-efficient, cuDNN) do not take grouped K/V
+        (only flash and math do, and flash takes no mask): with a mask, K/V are expanded to Hq
+        heads so a fast kernel runs instead of the math fallback."""
+        gqa = k.shape[0] != q.shape[0]
+        if gqa and mask is not None and q.device.type != "cpu":  # CUDA (and the CI stand-in device)
+            group = q.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [Hq, N, D] each
+            gqa = False
         out = torch.nn.functional.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=None if mask is None else mask.view(1, 1, *mask.shape),
             is_causal=causal and mask is None,
             scale=self.scaling,
-            enable_gqa=True,
+            enable_gqa=gqa,
         )  # [1, Hq, S, D]
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [S, Hq*D]
 
