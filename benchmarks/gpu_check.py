@@ -27,6 +27,7 @@ import random
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +316,8 @@ def markdown(result: dict) -> str:
                      f"{a['bool_mask_ms']:.2f} ms (grouped K/V), {a['bool_mask_expanded_kv_ms']:.2f} ms (K/V "
                      f"expanded, as the engine runs it on CUDA), additive float mask {a['float_mask_ms']:.2f} ms, 4 blocks "
                      f"{a['blocks_ms']:.2f} ms; all {a['tokens']} rows causal {a['full_causal_ms']:.2f} ms (one layer)")
+    for name, err in result.get("errors", {}).items():
+        lines += ["", f"**{name} failed**: `{err.strip().splitlines()[-1]}` (traceback in the JSON)"]
     i = result.get("ingestion")
     if i is None:
         return "\n".join(lines)
@@ -341,23 +344,39 @@ def run(out: Path, smoke: bool, smollm: Path | None, lengths: list[int], reps: i
         (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
         (out / "gpu_check.md").write_text(markdown(result))
 
+    def part(name: str, fn: Callable[[], object]) -> object | None:
+        """One part; a failure is recorded (with its traceback) and the next part still runs."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a one-shot run reports every part it can
+            logger.exception("%s failed", name)
+            result.setdefault("errors", {})[name] = "".join(traceback.format_exception(exc))[-4000:]
+            return None
+        finally:
+            if setup.device.type == "cuda":
+                torch.cuda.empty_cache()
+            save()
+
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp_name:
         tmp = Path(tmp_name)
-        result["correctness"] = check_correctness(setup, smollm, tmp)
-        logger.info("correctness: %s (%.0f s)", result["correctness"]["pass"], time.perf_counter() - t0)
+        correctness = part("correctness", lambda: check_correctness(setup, smollm, tmp))
+        result["correctness"] = correctness or {"model": "-", "dtype": "-", "kv_format": "-", "rows": [],
+                                                "pass": False}
         save()
+        logger.info("correctness: %s (%.0f s)", result["correctness"]["pass"], time.perf_counter() - t0)
         runner = _random_runner(setup, _tokenizer(smollm))
         result["timing_model"] = runner.name + f", {runner.dtype}"
         result["ttft"] = {"rows": []}
         for n in lengths:
-            result["ttft"]["rows"].append(time_ttft(setup, runner, n, tmp, reps))
-            if setup.device.type == "cuda":
-                torch.cuda.empty_cache()
-            save()
+            row = part(f"ttft {n}", lambda n=n: time_ttft(setup, runner, n, tmp, reps))
+            if row is not None:
+                result["ttft"]["rows"].append(row)
         logger.info("ttft done (%.0f s)", time.perf_counter() - t0)
-        result["attention"] = [time_attention(setup, n, 0.15, reps) for n in lengths]
+        result["attention"] = [a for n in lengths
+                               if (a := part(f"attention {n}", lambda n=n: time_attention(setup, n, 0.15, reps)))]
         save()
-        result["ingestion"] = time_ingestion(setup, runner, 8 if smoke else 256, 8 if smoke else 32)
+        result["ingestion"] = part("ingestion", lambda: time_ingestion(setup, runner, 8 if smoke else 256,
+                                                                       8 if smoke else 32))
         save()
     return result
 

@@ -29,3 +29,30 @@ def test_report_renders_a_partial_run():
     text = markdown({"environment": env, "reps": 3, "correctness": {"model": "m", "dtype": "bf16", "kv_format": "bf16",
                      "rows": [], "pass": True}, "timing_model": "8b", "ttft": {"rows": [row]}})
     assert "| 8192 |" in text and "3.67x" in text and "full_prefill (1.00)" in text
+
+
+def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
+    import json
+
+    import benchmarks.gpu_check as gc
+
+    def broken(*_a, **_k):
+        raise RuntimeError("CUDA error: out of memory (simulated)")
+
+    class Runner:
+        name, dtype = "stub", "bf16"
+
+    monkeypatch.setattr(gc, "check_correctness", broken)
+    monkeypatch.setattr(gc, "_tokenizer", lambda _p: None)
+    monkeypatch.setattr(gc, "_random_runner", lambda *_a: Runner())
+    monkeypatch.setattr(gc, "time_ttft", lambda *_a: broken())
+    monkeypatch.setattr(gc, "time_attention", lambda s, n, r, reps: {"tokens": n, "rows": 1, "bool_mask_ms": 1.0,
+                        "bool_mask_expanded_kv_ms": 1.0, "float_mask_ms": 1.0, "blocks_ms": 1.0, "full_causal_ms": 1.0})
+    monkeypatch.setattr(gc, "time_ingestion", lambda *_a: {"passages": 8, "passage_tokens": 256, "batch": 8,
+                        "one_at_a_time_passages_per_s": 1.0, "batched_passages_per_s": 2.0})
+    result = gc.run(tmp_path, smoke=True, smollm=None, lengths=[512], reps=1)
+    assert set(result["errors"]) == {"correctness", "ttft 512"} and not result["correctness"]["pass"]
+    assert result["attention"] and result["ingestion"]["batched_passages_per_s"] == 2.0
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "out of memory" in saved["errors"]["ttft 512"]
+    assert "ttft 512 failed" in (tmp_path / "gpu_check.md").read_text()
