@@ -12,7 +12,6 @@ from typing import Any
 
 from app.schemas import (
     Explain,
-    InlineDocument,
     PassageExplain,
     PassageOut,
     QueryExplainedResponse,
@@ -86,12 +85,20 @@ def storage_fault(exc: BaseException) -> StorageFault:
 
 
 @dataclass(frozen=True)
+class SuppliedDocument:
+    """A passage the caller brings instead of retrieval."""
+
+    text: str
+    title: str | None = None
+
+
+@dataclass(frozen=True)
 class QuerySpec:
     """A query as the engine sees it, built from either endpoint's request."""
 
     question: str
     top_k: int
-    documents: tuple[InlineDocument, ...] | None
+    documents: tuple[SuppliedDocument, ...] | None
     mode: Mode
     recompute_ratio: float | None
     gen: GenerationConfig

@@ -1,5 +1,6 @@
 """Request checks that pydantic's static schema cannot express: lone UTF-16 surrogates anywhere
-in a request, and control characters in document ids. Each raises a 422 naming the field."""
+in a request, control characters in document ids, and the size limits set in Settings. Each
+raises a 422 naming the field."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
+
+from blendserve_config.settings import Settings
 
 
 def _has_surrogate(text: str) -> bool:
@@ -47,3 +50,36 @@ def reject_surrogates(request: BaseModel) -> None:
                 "type": "value_error", "loc": ("body", *loc), "input": None,
                 "msg": "contains a lone UTF-16 surrogate (invalid Unicode text)",
             }])
+
+
+def field_error(loc: tuple, msg: str, value: Any = None) -> RequestValidationError:
+    """A 422 for the body field at `loc`."""
+    return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": msg, "input": value}])
+
+
+def check_limits(settings: Settings, *, question: str, top_k: int, max_tokens: int, documents: list | None,
+                 question_loc: tuple = ("question",)) -> None:
+    """Limits that depend on Settings; 422 naming the field."""
+    if len(question) > settings.max_question_chars:
+        raise field_error(question_loc, f"question is {len(question)} characters; the limit is "
+                                        f"{settings.max_question_chars}")
+    if documents is None and top_k > settings.max_top_k:  # top_k is unused when the caller brings documents
+        raise field_error(("top_k",), f"top_k must be at most {settings.max_top_k}", top_k)
+    if max_tokens > settings.max_new_tokens:
+        raise field_error(("max_tokens",), f"max_tokens must be at most {settings.max_new_tokens}", max_tokens)
+    check_documents(settings, documents)
+
+
+def check_documents(settings: Settings, documents: list | None) -> None:
+    """Count, title and text limits of documents (each with `title` and `text`)."""
+    if documents is None:
+        return
+    if len(documents) > settings.max_documents:
+        raise field_error(("documents",), f"{len(documents)} documents; the limit is {settings.max_documents}")
+    for i, doc in enumerate(documents):
+        if doc.title is not None and len(doc.title) > settings.max_title_chars:
+            raise field_error(("documents", i, "title"), f"title is {len(doc.title)} characters; the limit is "
+                                                         f"{settings.max_title_chars}")
+        if len(doc.text) > settings.max_document_chars:
+            raise field_error(("documents", i, "text"), f"document text is {len(doc.text)} characters; the limit "
+                                                        f"is {settings.max_document_chars}")

@@ -1,0 +1,7 @@
+"""The HTTP routes by area; `ROUTERS` in the order `create_app` includes them (the OpenAPI order)."""
+
+from __future__ import annotations
+
+from app.routes import chat, documents, ops, page, query
+
+ROUTERS = (page.router, ops.health, query.router, chat.router, documents.router, ops.router)

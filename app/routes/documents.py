@@ -1,0 +1,72 @@
+"""/v1/documents: ingest (all or nothing), get and delete documents."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+
+from fastapi import APIRouter, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from app.errors import error_response
+from app.schemas import IngestRequest, IngestResponse
+from app.service import BadRequest, run_job
+from app.state import ReadyStack, State
+from app.validation import check_documents, field_error, reject_surrogates
+from corpus_tools.documents import Document
+from corpus_tools.pipeline import DocumentRejected
+
+router = APIRouter(tags=["documents"])
+
+
+def _as_dict(obj) -> dict:
+    if is_dataclass(obj):
+        return asdict(obj)
+    if isinstance(obj, dict):
+        return dict(obj)
+    return dict(vars(obj))
+
+
+def _not_found(doc_id: str) -> JSONResponse:
+    return error_response(404, f"document {doc_id!r} not found", "not_found")
+
+
+@router.post("/v1/documents", response_model=IngestResponse, status_code=201,
+             responses={400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
+async def ingest_documents(req: IngestRequest, svc: State) -> IngestResponse:
+    """All or nothing: the documents become visible together at the end, unless the request fails or
+    times out first (then nothing is committed). Re-ingesting a doc_id replaces that document."""
+    reject_surrogates(req)
+    check_documents(svc.settings, req.documents)
+    stack = svc.require_stack()
+    docs_in = [Document(text=d.text, title=d.title, doc_id=d.doc_id, source="api") for d in req.documents]
+
+    def ingest(job):
+        return stack.pipeline.ingest(docs_in, progress=False, publish="request", before_commit=job.begin_commit,
+                                     strict=True)
+
+    try:
+        summary = await run_job(svc.worker, ingest, svc.settings.request_timeout_s, "ingest")
+    except DocumentRejected as exc:
+        raise field_error(("documents", exc.index, exc.field), exc.message) from None
+    body = IngestResponse(**_as_dict(summary))
+    svc.metrics.ingested.inc(body.new_passages)
+    if body.errors and not body.doc_ids:
+        raise BadRequest(f"nothing was ingested: {body.errors}")
+    return body
+
+
+@router.get("/v1/documents/{doc_id:path}", responses={404: {}})
+async def get_document(doc_id: str, stack: ReadyStack) -> dict:
+    doc = await run_in_threadpool(stack.pipeline.get_document, doc_id)
+    if doc is None:
+        return _not_found(doc_id)
+    return jsonable_encoder(doc)
+
+
+@router.delete("/v1/documents/{doc_id:path}", status_code=204, responses={404: {}})
+async def delete_document(doc_id: str, stack: ReadyStack) -> Response:
+    if not await run_in_threadpool(stack.pipeline.delete_document, doc_id):
+        return _not_found(doc_id)
+    return Response(status_code=204)

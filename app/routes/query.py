@@ -1,0 +1,47 @@
+"""POST /v1/query: the native endpoint, JSON or SSE (`delta` events, then `done` or `error`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastapi import APIRouter
+
+from app.routes.common import build_spec
+from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
+from app.service import QueryOutcome
+from app.state import State
+from app.streaming import run_to_completion, sse, stream_query
+from app.validation import check_limits, reject_surrogates
+
+router = APIRouter(tags=["query"])
+ENDPOINT = "/v1/query"
+
+
+class QueryFrames:
+    """`delta` events with the text, a `done` event with the whole response, or an `error` event."""
+
+    def opening(self) -> Iterable[str]:
+        return ()
+
+    def delta(self, text: str) -> str:
+        return sse({"text": text}, "delta")
+
+    def closing(self, outcome: QueryOutcome) -> Iterable[str]:
+        return (sse(outcome.response(), "done"),)
+
+    def error(self, body: dict) -> str:
+        return sse(body, "error")
+
+
+@router.post("/v1/query", response_model=QueryExplainedResponse | QueryResponse,
+             responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
+                        400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
+async def query(req: QueryRequest, svc: State):
+    reject_surrogates(req)
+    s = svc.settings
+    check_limits(s, question=req.question, top_k=req.top_k, max_tokens=req.max_tokens, documents=req.documents)
+    spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature)
+    if req.stream:
+        return await stream_query(svc, spec, ENDPOINT, QueryFrames())
+    outcome = await run_to_completion(svc, spec, "query", ENDPOINT)
+    return outcome.response()

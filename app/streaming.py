@@ -1,0 +1,95 @@
+"""Server-sent events, one way for both query endpoints.
+
+`run_to_completion` answers a non-streaming query; `stream_query` submits a streaming one, waits
+for its first delta (so an error before any token is still a plain HTTP error) and then streams
+the frames an endpoint's `Frames` writes: its opening frames, one per delta, its closing frames,
+or an in-band error frame once the headers are sent."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import StreamingResponse
+
+from app.errors import error_body
+from app.service import QueryOutcome, QuerySpec, ServiceError, StreamHandle, run_job, run_query
+from app.state import AppState
+from app.worker import Cancelled
+
+logger = logging.getLogger(__name__)
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One SSE frame: a string as is (e.g. "[DONE]"), anything else as compact JSON."""
+    payload = data if isinstance(data, str) else json.dumps(jsonable_encoder(data), separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+def stream_error(exc: BaseException) -> dict:
+    """The error envelope for a failure after the headers were sent."""
+    if isinstance(exc, ServiceError):
+        return error_body(exc.message, exc.code)
+    if isinstance(exc, Cancelled):
+        return error_body(str(exc), "cancelled", "server_error")
+    logger.exception("streaming request failed", exc_info=exc)
+    return error_body("internal error", "internal_error", "server_error")
+
+
+class Frames(Protocol):
+    """How one endpoint writes its stream."""
+
+    def opening(self) -> Iterable[str]: ...
+
+    def delta(self, text: str) -> str: ...
+
+    def closing(self, outcome: QueryOutcome) -> Iterable[str]: ...
+
+    def error(self, body: dict) -> str: ...
+
+
+async def run_to_completion(svc: AppState, spec: QuerySpec, name: str, endpoint: str) -> QueryOutcome:
+    """A query run on the engine queue and awaited whole; counted and logged under `endpoint`."""
+    stack = svc.require_stack()
+    outcome: QueryOutcome = await run_job(svc.worker, lambda job: run_query(stack, spec, job),
+                                          svc.settings.request_timeout_s, name)
+    svc.observe(endpoint, outcome)
+    return outcome
+
+
+async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Frames) -> StreamingResponse:
+    """A streaming query as an SSE response written by `frames`."""
+    stack = svc.require_stack()
+    handle = StreamHandle(svc.worker, lambda job, emit: run_query(stack, spec, job, emit),
+                          svc.settings.request_timeout_s, "query-stream")
+    try:
+        first = await handle.first()
+        done = handle.result() if first is None else None
+    except BaseException:
+        handle.cancel()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for frame in frames.opening():
+                yield frame
+            if first is not None:
+                yield frames.delta(first)
+                async for delta in handle.rest():
+                    yield frames.delta(delta)
+            outcome = done or handle.result()
+            svc.observe(endpoint, outcome)
+            for frame in frames.closing(outcome):
+                yield frame
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield frames.error(stream_error(exc))
+        finally:
+            handle.cancel()  # no-op when finished; frees the worker when the client left
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
