@@ -32,8 +32,13 @@ def error_body(message: str, code: str, kind: str = "invalid_request_error", par
 def error_response(status: int, message: str, code: str, *, param: str | None = None, detail: Any = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """The envelope as a response; its type is the caller's fault below 500, the server's from 500."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, code, kind, param, detail), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, code, error_kind(status), param, detail), status_code=status,
+                        headers=headers)
+
+
+def error_kind(status: int) -> str:
+    """The envelope's type: the caller's fault below 500, the server's from 500."""
+    return "invalid_request_error" if status < 500 else "server_error"
 
 
 def endpoint_of(request: Request) -> str:

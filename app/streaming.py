@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import StreamingResponse
 
-from app.errors import error_body
+from app.errors import error_body, error_kind
 from app.service import QueryOutcome, QuerySpec, ServiceError, StreamHandle, run_job, run_query
 from app.state import AppState
 from app.worker import Cancelled
@@ -35,7 +35,7 @@ def sse(data: Any, event: str | None = None) -> str:
 def stream_error(exc: BaseException) -> dict:
     """The error envelope for a failure after the headers were sent."""
     if isinstance(exc, ServiceError):
-        return error_body(exc.message, exc.code)
+        return error_body(exc.message, exc.code, error_kind(exc.status_code))
     if isinstance(exc, Cancelled):
         return error_body(str(exc), "cancelled", "server_error")
     logger.exception("streaming request failed", exc_info=exc)

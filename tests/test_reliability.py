@@ -408,3 +408,14 @@ def test_a_non_ascii_api_key_is_refused_at_start_up():
     with pytest.raises(ValidationError, match="api_key") as exc:
         Settings(_env_file=None, api_key="clé-secrète")
     assert "ASCII" in str(exc.value)
+
+
+def test_stream_errors_after_the_headers_say_whose_fault_it_is():
+    """An error sent inside a stream (status already 200) carries the same type a plain response would:
+    a timeout or a storage fault is the server's, a bad request the caller's."""
+    from app.service import BadRequest, RequestTimeout, StorageFault
+    from app.streaming import stream_error
+
+    assert stream_error(RequestTimeout("too slow"))["error"]["type"] == "server_error"
+    assert stream_error(StorageFault("disk gone"))["error"]["type"] == "server_error"
+    assert stream_error(BadRequest("bad"))["error"]["type"] == "invalid_request_error"
