@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    **dict.fromkeys(("BlendEngine", "EngineConfig", "Generation", "KVCache", "PrefillState"), "blend_engine.engine"),
+    **dict.fromkeys(("BlendEngine", "EngineConfig", "PrefillState"), "blend_engine.engine"),
+    "Generation": "blend_engine.generation",
+    "KVCache": "blend_engine.layers",
     **dict.fromkeys(("BlendPlan", "BlendReport", "BlendResult", "GenerationConfig", "Mode", "SelectionPolicy"),
                     "blend_engine.types"),
 }

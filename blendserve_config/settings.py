@@ -43,6 +43,8 @@ class Settings(BaseSettings):
         "auto", description="stored KV precision; auto = bf16 for a bf16 model on CUDA, else fp16")
     memory_cache_mb: int = Field(1024, ge=0)
     disk_cache_mb: int = Field(20480, ge=0)
+    prefix_cache_mb: int = Field(1024, ge=0, description="in-memory budget of prefix_cache mode's in-context "
+                                                         "entries, per engine (LRU); 0 = never reuse a prefix")
     redis_url: str | None = None
     database_url: str | None = Field(None, description="postgresql://... = shared passage store; unset = SQLite "
                                                         "in data_dir")

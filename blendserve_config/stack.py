@@ -94,7 +94,7 @@ def build_controller(settings: Settings):
 
 
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
-    config = EngineConfig(kv_format=settings.kv_format,
+    config = EngineConfig(kv_format=settings.kv_format, prefix_cache_bytes=settings.prefix_cache_mb << 20,
                           default_ratio=settings.recompute_ratio if settings.recompute_ratio is not None
                           else settings.ratio_floor)
     return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))

@@ -112,6 +112,27 @@ def test_prefix_cache_reuses_exact_prefix_only_in_same_order(tiny_engine):
     assert shuffled.report.prefix_tokens_reused == shuffled.layout.segments[0].end  # the system prefix
 
 
+
+def test_prefix_cache_budget_is_a_setting_and_its_use_is_reported(tokenizer):
+    runner = _tiny("llama", tokenizer)
+    store = MemoryStore(1 << 30, kv_format="fp32")
+    engine = BlendEngine(runner, store, EngineConfig(kv_format="fp32", prefix_cache_bytes=1 << 24))
+    _cache_all(engine)
+    sys_seg = engine.layout(BlendPlan(PASSAGES, QUESTION)).segments[0]
+    store.put(engine.key_of(sys_seg.token_ids), engine.precompute(sys_seg.token_ids))
+    engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    again = engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    assert again.report.prefix_tokens_reused == again.layout.segments[-2].end
+    st = engine.prefix_cache.stats()
+    assert st.name == "prefix" and st.bytes_budget == 1 << 24
+    assert st.entries == len(PASSAGES) + 1 and 0 < st.bytes_used <= st.bytes_budget  # sys + each passage
+    none = BlendEngine(runner, store, EngineConfig(kv_format="fp32", prefix_cache_bytes=0))
+    none.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    assert none.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache")).report.prefix_tokens_reused == 0
+    assert none.prefix_cache.stats().entries == 0
+    with pytest.raises(ValueError):
+        EngineConfig(prefix_cache_bytes=-1)
+
 def test_gradual_filtering_narrows_the_set(tiny_engine):
     _cache_all(tiny_engine)
     policy = SelectionPolicy(check_layer=1, check_multiplier=3.0, schedule=((2, 2.0), (3, 1.0)))

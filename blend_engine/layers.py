@@ -1,0 +1,210 @@
+"""The layer loop: one pass over every layer, placing loaded KV and recomputing selected tokens.
+
+    | sys | chunk_1 .. chunk_k | question |
+
+Per layer: take the next loaded layer from the stream (if any), place it (`placement.Placer`),
+recompute the positions of the current selection (all of them below a blend's check layer),
+write their fresh K/V over the placed ones and attend. At the check layer and the schedule's
+layers the selection narrows (`selection.RankSpace`). Nothing inside the loop reads a device
+value on the host: the caller reads the final positions once, after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from blend_engine.cancel import checkpoint
+from blend_engine.explain import ScoreProbe
+from blend_engine.kv_store import ChunkKV
+from blend_engine.layout import PromptLayout, Segment
+from blend_engine.model import ModelRunner
+from blend_engine.placement import Placer
+from blend_engine.selection import RankSpace, Selection
+from blend_engine.transfer import PackedLayer, cuda_ready
+from blend_engine.types import SelectionPolicy
+
+
+class KVCache:
+    """Per-request blended cache. k[l], v[l]: [H, capacity, D]; positions 0..length-1 are valid."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int, dtype, device) -> None:
+        shape = (n_kv_heads, capacity, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # L x [H, C, D]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # L x [H, C, D]
+        self.length = 0
+        self.capacity = capacity
+
+    def segment(self, start: int, end: int) -> ChunkKV:
+        k = torch.stack([kl[:, start:end] for kl in self.k])  # [L, H, T, D]
+        v = torch.stack([vl[:, start:end] for vl in self.v])  # [L, H, T, D]
+        return ChunkKV(k, v)
+
+
+@dataclass
+class Timer:
+    """Host seconds of one prefill, summed over layers."""
+
+    assemble: float = 0.0
+    compute: float = 0.0
+    wait: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerJob:
+    """What one pass over the layers does.
+
+    - recompute given: only those positions [S] are ever recomputed (full_reuse, prefix_cache).
+    - check_layer given (blend): layers 0..check_layer recompute every token; at check_layer the
+      selection is made from deviations, then narrowed per the policy's schedule.
+    - neither: plain causal prefill of every token (full_prefill, precompute).
+    Cached segments are stored at 0..T-1 and moved to their offset (`rotate`), except prefix
+    cache entries, which were computed in place.
+    """
+
+    ids: torch.Tensor  # [N] prompt token ids on the device
+    extra: int = 0  # room for new tokens after the prompt
+    cached: tuple[Segment, ...] = ()  # segments whose KV arrives, in order, from `stream`
+    stream: Iterable[PackedLayer] | None = None
+    recompute: torch.Tensor | None = None  # [S]
+    check_layer: int | None = None
+    ratio: float = 0.0
+    policy: SelectionPolicy | None = None
+    layout: PromptLayout | None = None  # blend: which positions compete
+    rotate: bool = True
+    probe: ScoreProbe | None = None  # explain: keeps the check layer's scores
+    timer: Timer = field(default_factory=Timer)  # accumulates host time (the job itself is not changed)
+
+
+@dataclass(frozen=True)
+class LayerOutput:
+    """The filled cache, the last position's hidden state [1, E], the final selection [S] on the
+    device (None: every position), the selection size per layer and the per-layer clock."""
+
+    cache: KVCache
+    last_hidden: torch.Tensor
+    selected: torch.Tensor | None
+    sizes: tuple[int, ...]
+    clock: LayerClock
+
+
+class LayerClock:
+    """Per-layer compute time: CUDA events on CUDA (read once, after the loop), perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = cuda_ready(device)
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds from each even mark to the next (start, stop pairs); for CUDA events the one
+        host wait is here, after the loop."""
+        starts, stops = self._marks[0::2], self._marks[1::2]
+        if self._cuda and stops:
+            stops[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(starts, stops)]
+        return [b - a for a, b in zip(starts, stops)]
+
+
+def run_layers(runner: ModelRunner, job: LayerJob) -> LayerOutput:
+    """Run every layer once (see `LayerJob`). At the last layer only the last position's output
+    is needed (its logits), so only it attends and runs the MLP there; every selected token's K/V
+    are still written."""
+    return _LayerLoop(runner, job).run()
+
+
+class _LayerLoop:
+    """The state of one pass: the current selection (None = every position) and hidden states."""
+
+    def __init__(self, r: ModelRunner, job: LayerJob) -> None:
+        self.r, self.job = r, job
+        self.n = N = job.ids.shape[0]
+        self.cache = KVCache(r.shape.n_layers, r.shape.n_kv_heads, N + job.extra, r.shape.head_dim, r.dtype, r.device)
+        self.cache.length = N
+        self.pos = torch.arange(N, device=job.ids.device)  # [N]
+        self.cos_all, self.sin_all = r.rope(self.pos)  # [N, D] each
+        self.sel = None if job.recompute is None else self._selection(job.recompute)  # None = all tokens
+        self.hidden = r.embed(job.ids if self.sel is None else job.ids[self.sel.pos])  # [N or S, E]
+        self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, job.ids.device, job.probe)
+                       if job.check_layer is not None else None)
+        self.schedule = dict(job.policy.schedule) if job.policy is not None else {}
+        self.placer = Placer(r, list(job.cached), job.rotate)
+
+    def _selection(self, positions: torch.Tensor) -> Selection:
+        return Selection(positions, self.cos_all, self.sin_all, self.n)
+
+    def run(self) -> LayerOutput:
+        timer, n_layers = self.job.timer, self.r.shape.n_layers
+        layers = iter(self.job.stream) if self.job.stream is not None else None
+        clock = LayerClock(self.r.device)
+        sizes: list[int] = []
+        for layer in range(n_layers):
+            checkpoint(f"at layer {layer}")  # a timed-out or abandoned request stops here, not after the prefill
+            t0 = time.perf_counter()
+            packed = next(layers) if layers is not None else None
+            t1 = time.perf_counter()
+            timer.wait += t1 - t0
+            K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
+            if packed is not None and not self._all_overwritten(layer):
+                self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
+            t2 = time.perf_counter()
+            timer.assemble += t2 - t1
+            clock.mark()
+            self._layer(layer, K, V, last=layer == n_layers - 1)
+            sizes.append(self.n if self.sel is None else self.sel.pos.shape[0])
+            clock.mark()
+            timer.compute += time.perf_counter() - t2
+        selected = None if self.sel is None else self.sel.pos  # [S]
+        return LayerOutput(self.cache, self.hidden[-1:], selected, tuple(sizes), clock)
+
+    def _all_overwritten(self, layer: int) -> bool:
+        return self.sel is None and self.job.check_layer is not None and layer < self.job.check_layer
+
+    def _layer(self, layer: int, K: torch.Tensor, V: torch.Tensor, last: bool) -> None:
+        """Recompute the current selection at one layer, write its K/V into K, V [H, C, D], attend."""
+        r, N = self.r, self.n
+        q = self._recompute_all(layer, K, V) if self.sel is None else self._recompute_selected(layer, K, V)
+        if last:  # only the last position's output is used: it alone attends, to every key
+            q, self.hidden = q[:, -1:], self.hidden[-1:]  # [Hq, 1, D], [1, E]
+            out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos[-1:], N))  # [1, Hq*D]
+        elif self.sel is None:
+            out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos, N), causal=True)  # [N, Hq*D]
+        else:
+            out = self.sel.attend(r, q, K, V, layer)  # [S, Hq*D]
+        self.hidden = r.finish_layer(layer, self.hidden, out)  # [S or N, E]
+
+    def _recompute_all(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        """Every position; at a blend's check layer, select and keep only the chosen rows."""
+        job, N = self.job, self.n
+        q, k, v = self.r.qkv(layer, self.hidden, self.cos_all, self.sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
+        if job.check_layer is not None and layer == job.check_layer:
+            ratio = job.ratio * job.policy.check_multiplier
+            picked, rows = self.ranked.select_rows(q, k, v, K, V, ratio, job.policy, None)  # [S]
+            self.sel = self._selection(picked)
+            q, self.hidden = q[:, rows], self.hidden[rows]  # [Hq, S, D], [S, E]
+        K[:, :N], V[:, :N] = k, v
+        return q
+
+    def _recompute_selected(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        """The selected positions; at a schedule layer, narrow the selection after writing."""
+        job, sel = self.job, self.sel
+        q, k, v = self.r.qkv(layer, self.hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
+        keep = None
+        if self.ranked is not None and layer in self.schedule:
+            ratio = job.ratio * self.schedule[layer]
+            narrowed, keep = self.ranked.select_rows(q, k, v, K, V, ratio, job.policy, sel.pos)  # [S']
+        K[:, sel.pos], V[:, sel.pos] = k, v
+        if keep is not None:
+            q, self.hidden = q[:, keep], self.hidden[keep]  # [Hq, S', D], [S', E]
+            self.sel = self._selection(narrowed)
+        return q

@@ -1,0 +1,197 @@
+"""CacheBlend selection: which prompt positions are recomputed, and attending from them.
+
+Token layout of every prompt (`layout.PromptLayout`)::
+
+    | sys | chunk_1 .. chunk_k | question |
+      exact   compete for        always
+      (never  recompute by their  recomputed
+      redone) K/V deviation
+
+At the check layer every position's fresh K/V is compared with the blended cache; the chunks'
+tokens that deviate most (optionally weighted by the question's attention to them) are kept,
+with every forced position (uncached tokens, EPIC sinks), then narrowed at the schedule's
+layers. `RankSpace` ranks, `Selection` attends from the kept positions. Neither reads a device
+value on the host (no sync inside the layer loop).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from blend_engine.explain import ScoreProbe
+from blend_engine.layout import PromptLayout, Segment
+from blend_engine.model import ModelRunner
+from blend_engine.types import SelectionPolicy
+
+
+class Selection:
+    """The positions recomputed at a layer and what attending from them needs, built once per set
+    (the set changes only at the check layer and the schedule's layers, not at every layer).
+
+    On the CPU, queries are split into position-ordered blocks; each block reads only the keys up
+    to its last position, under an additive causal mask by absolute position: ~S x N / 2 work,
+    not S x N (reading a block's last position is free on the host). On a device that would be a
+    host sync per set, so there one boolean mask [S, N] by absolute position is built on the
+    device (no data-dependent shape) and SDPA keeps its memory-efficient kernel.
+    """
+
+    def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, n: int,
+                 blocks: int = 4) -> None:
+        self.pos = pos  # [S] sorted absolute positions
+        self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
+        self._n = n
+        self._blocks: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._mask: torch.Tensor | None = None
+        if pos.device.type != "cpu":
+            self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
+            return
+        S = pos.numel()
+        for idx in torch.tensor_split(torch.arange(S), min(blocks, S)):
+            p = pos[idx]  # [s]
+            hi = int(p[-1]) + 1  # a host read: free on the CPU
+            allowed = torch.arange(hi)[None, :] <= p[:, None]  # [s, hi]
+            mask = torch.zeros(allowed.shape, dtype=cos_all.dtype)  # [s, hi]
+            self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf"))))
+
+    def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
+        """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D].
+        A sliding-window layer uses the model's window mask instead of the causal one."""
+        if self._mask is not None:
+            window = r.window_mask(layer, self.pos, self._n)  # [S, N] or None
+            return r.attend(q, K[:, :self._n], V[:, :self._n], self._mask if window is None else window)  # [S, Hq*D]
+        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], self._block_mask(r, layer, idx, hi, mask))
+                for idx, hi, mask in self._blocks]  # [s, Hq*D] each
+        return torch.cat(outs)  # [S, Hq*D]
+
+    def _block_mask(self, r: ModelRunner, layer: int, idx: torch.Tensor, hi: int, causal: torch.Tensor) -> torch.Tensor:
+        window = r.window_mask(layer, self.pos[idx], hi)  # [s, hi] or None
+        return causal if window is None else window
+
+
+_OTHER, _COMPETE, _FORCED = 0, 1, 2
+
+
+class RankSpace:
+    """Which positions compete for recompute, and how they are ranked.
+
+    Competing: tokens of cached passages. Always kept: uncached tokens (the question, passages that
+    missed the cache) and, with EPIC sinks, the first k tokens of each passage. The system prefix
+    is never recomputed: cached alone at position 0 it is exact.
+
+        | sys (exact) | passage_1 .. passage_k (compete) | question (always) |
+
+    Selection has fixed sizes known on the host: every row of the current set is scored, forced
+    rows get +inf, rows that never compete -inf, and one `topk` of a size computed from counts
+    keeps the forced rows plus the best competitors. No host sync, no data-dependent shape.
+    """
+
+    def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float,
+                 device: torch.device | str = "cpu", probe: ScoreProbe | None = None) -> None:
+        self.scale = scale
+        self.device = device
+        self.probe = probe  # explain: keeps the check layer's scores (device tensors, no sync)
+        cached_offsets = {s.offset for s in cached}
+        self.n = layout.n_tokens
+        self.kind = [_OTHER] * self.n  # per position, on the host
+        compete, always = [], []
+        self.passages: list[tuple[int, int]] = []
+        for seg in layout.segments:
+            span = list(range(seg.offset, seg.end))
+            if seg.offset not in cached_offsets:
+                always += span
+            elif seg.kind == "passage":
+                compete += span
+                self.passages.append((seg.offset, seg.end))
+        for i in always:
+            self.kind[i] = _FORCED
+        for i in compete:
+            self.kind[i] = _COMPETE
+        self.compete = torch.tensor(compete, dtype=torch.long, device=device)  # [P]
+        self.always = torch.tensor(always, dtype=torch.long, device=device)  # [U]
+        last = layout.segments[-1]
+        self.n_query = last.end - last.offset  # the question: always recomputed, the last Q positions
+        self.query = torch.arange(last.offset, last.end, device=device)  # [Q]
+        self._base: dict[int, tuple[torch.Tensor, int, int]] = {}
+
+    def base(self, sink_tokens: int) -> tuple[torch.Tensor, int, int]:
+        """(score offset per position [N]: +inf forced, -inf never, 0 competing; #forced; #competing)."""
+        if sink_tokens not in self._base:
+            kind = list(self.kind)
+            for s, e in self.passages:
+                kind[s:min(s + sink_tokens, e)] = [_FORCED] * (min(s + sink_tokens, e) - s)
+            table = {_OTHER: float("-inf"), _COMPETE: 0.0, _FORCED: float("inf")}
+            base = torch.tensor([table[c] for c in kind], dtype=torch.float32).to(self.device)  # [N]
+            self._base[sink_tokens] = (base, kind.count(_FORCED), kind.count(_COMPETE))
+        return self._base[sink_tokens]
+
+    def select(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None) -> torch.Tensor:
+        """Positions to keep recomputing, sorted [S']. See `select_rows`."""
+        return self.select_rows(q, k, v, K, V, ratio, policy, current)[0]
+
+    def select_rows(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy,
+                    current: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions to keep recomputing [S'], their rows in `current`), both sorted.
+
+        q [Hq, S, D], k, v [H, S, D]: fresh values for `current` (None = all N positions);
+        K, V [H, C, D]: the blended cache of this layer before the fresh values are written.
+        `current` always holds every forced position (they are kept at every narrowing).
+        """
+        base, n_forced, n_compete = self.base(policy.sink_tokens)
+        n_keep = min(len(self.compete), math.ceil(ratio * len(self.compete) - 1e-9))
+        S = self.n if current is None else current.shape[0]
+        present = n_compete if current is None else S - n_forced  # competitors in the current set
+        take = n_forced + (min(n_keep, present) if policy.use_deviation else 0)
+        rows_base = base if current is None else base[current]  # [S]
+        if policy.use_deviation and take > n_forced:
+            old_k = K[:, :S] if current is None else K[:, current]  # [H, S, D]
+            old_v = V[:, :S] if current is None else V[:, current]  # [H, S, D]
+            score = deviation(k, v, old_k, old_v, policy.metric, weight=rows_base == 0)  # [S]
+            if policy.query_weighted:
+                mass = self._attention_mass(q, k, K, current)  # [N]
+                score = score * (mass if current is None else mass[current])  # [S]
+            if self.probe is not None and current is None:  # rows are positions at the check layer
+                self.probe.record(self.compete, score[self.compete])  # [P] each, device tensors
+            score = score + rows_base  # [S]
+        else:
+            score = rows_base  # [S]
+        rows = torch.topk(score, take).indices.sort().values  # [S'] rows, sorted = positions sorted
+        return (rows if current is None else current[rows]), rows
+
+    def _attention_mass(self, q, k, K, current: torch.Tensor | None) -> torch.Tensor:
+        """Attention the question's queries pay each position, summed over heads and queries: [N].
+
+        Keys are this layer's as the question will see them: fresh for `current`, cached elsewhere.
+        The question is the last Q positions, so its rows are the last Q of q in either case.
+        """
+        n, Q = self.n, self.n_query
+        if current is None:
+            keys = k[:, :n]  # [H, N, D]
+        else:
+            keys = K[:, :n].clone()  # [H, N, D]
+            keys[:, current] = k
+        H, D = keys.shape[0], keys.shape[2]
+        group = q.shape[0] // H
+        qq = q[:, -Q:].reshape(H, group * Q, D)  # [H, G*Q, D] (q heads grouped per kv head)
+        logits = (qq.float() @ keys.float().transpose(1, 2)) * self.scale  # [H, G*Q, N]
+        qpos = torch.arange(n - Q, n, device=keys.device).repeat(group)  # [G*Q]
+        mask = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]  # [G*Q, N]
+        logits = logits.masked_fill(~mask, float("-inf"))  # [H, G*Q, N]
+        return torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [N]
+
+
+def deviation(k_new, v_new, k_old, v_old, metric: str, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token squared L2 deviation, summed over heads. Inputs [H, P, D]; output [P].
+
+    For "kv" each part is normalised by its mean over the rows where `weight` [P] is True (the
+    competing rows; all rows when None)."""
+    dk = (k_new.float() - k_old.float()).pow(2).sum(dim=(0, 2))  # [P]
+    if metric == "k":
+        return dk
+    dv = (v_new.float() - v_old.float()).pow(2).sum(dim=(0, 2))  # [P]
+    if metric == "v":
+        return dv
+    w = torch.ones_like(dk) if weight is None else weight.to(dk.dtype)  # [P]
+    n = w.sum().clamp_min(1.0)
+    return dk / ((dk * w).sum() / n).clamp_min(1e-12) + dv / ((dv * w).sum() / n).clamp_min(1e-12)
