@@ -147,13 +147,16 @@ class RankSpace:
         if policy.use_deviation and take > n_forced:
             old_k = K[:, :S] if current is None else K[:, current]  # [H, S, D]
             old_v = V[:, :S] if current is None else V[:, current]  # [H, S, D]
-            score = deviation(k, v, old_k, old_v, policy.metric, weight=rows_base == 0)  # [S]
+            competing = rows_base == 0  # [S]; only these rows have cached K/V to compare with
+            score = deviation(k, v, old_k, old_v, policy.metric, weight=competing)  # [S]
             if policy.query_weighted:
                 mass = self._attention_mass(q, k, K, current)  # [N]
                 score = score * (mass if current is None else mass[current])  # [S]
             if self.probe is not None and current is None:  # rows are positions at the check layer
                 self.probe.record(self.compete, score[self.compete])  # [P] each, device tensors
-            score = score + rows_base  # [S]
+            # uncached rows' K/V were never filled (leftover memory: NaN, inf, anything): their
+            # score is the base alone, so garbage can neither outrank nor poison the competitors
+            score = torch.where(competing, score, rows_base)  # [S]
         else:
             score = rows_base  # [S]
         rows = torch.topk(score, take).indices.sort().values  # [S'] rows, sorted = positions sorted
@@ -184,14 +187,18 @@ class RankSpace:
 def deviation(k_new, v_new, k_old, v_old, metric: str, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token squared L2 deviation, summed over heads. Inputs [H, P, D]; output [P].
 
-    For "kv" each part is normalised by its mean over the rows where `weight` [P] is True (the
-    competing rows; all rows when None)."""
+    For "kv" each part is normalised by its mean over the rows where `weight` [P] (bool) is True
+    (the competing rows; all rows when None); the other rows never enter the means, so unfilled
+    cache rows there cannot turn every score into NaN."""
     dk = (k_new.float() - k_old.float()).pow(2).sum(dim=(0, 2))  # [P]
     if metric == "k":
         return dk
     dv = (v_new.float() - v_old.float()).pow(2).sum(dim=(0, 2))  # [P]
     if metric == "v":
         return dv
-    w = torch.ones_like(dk) if weight is None else weight.to(dk.dtype)  # [P]
-    n = w.sum().clamp_min(1.0)
-    return dk / ((dk * w).sum() / n).clamp_min(1e-12) + dv / ((dv * w).sum() / n).clamp_min(1e-12)
+    if weight is None:
+        weight = torch.ones_like(dk, dtype=torch.bool)  # [P]
+    n = weight.sum().clamp_min(1).to(dk.dtype)
+    mean_k = torch.where(weight, dk, 0.0).sum() / n  # rows outside `weight` may hold NaN / inf
+    mean_v = torch.where(weight, dv, 0.0).sum() / n
+    return dk / mean_k.clamp_min(1e-12) + dv / mean_v.clamp_min(1e-12)

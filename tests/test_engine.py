@@ -312,3 +312,40 @@ def test_unsupported_architecture_is_refused(tokenizer):
 def test_mode_parse_accepts_enum_and_string():
     assert Mode.parse("prefix_cache") is Mode.PREFIX_CACHE
     assert Mode.parse(Mode.BLEND) is Mode.BLEND
+
+
+def _poisoned_empty(fill: float):
+    """torch.empty that hands back floating memory filled with `fill`, standing in for whatever an
+    allocator or a reused buffer happens to hold."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(fill) if t.is_floating_point() else t
+    return empty
+
+
+@pytest.mark.parametrize("policy", [
+    SelectionPolicy(),  # "kv": normalised over the competing rows
+    SelectionPolicy(metric="k", query_weighted=True),
+    SelectionPolicy(metric="kv", query_weighted=True, check_multiplier=2.0, schedule=((2, 1.0),)),
+    SelectionPolicy(metric="kv", sink_tokens=2, schedule=((2, 1.0),)),
+], ids=["kv", "k-weighted", "kv-weighted-schedule", "kv-sinks-schedule"])
+def test_blend_does_not_read_unfilled_cache_rows(tokenizer, monkeypatch, policy):
+    """Uncached tokens (a missed passage, the question) have no cached K/V at the check layer: what
+    the freshly allocated cache holds there must not change the selection or the logits."""
+    engine = _engine(_tiny("llama", tokenizer))
+    for p in (PASSAGES[0], PASSAGES[2]):  # PASSAGES[1] misses the cache
+        engine.ensure_cached(p)
+    plan = BlendPlan(PASSAGES[:3], QUESTION, recompute_ratio=0.3, policy=policy)
+    runs = []
+    for fill in (0.0, float("nan"), 1e30, -3.0, float("inf")):
+        monkeypatch.setattr(torch, "empty", _poisoned_empty(fill))
+        st = engine.prefill(plan)
+        monkeypatch.undo()
+        assert st.report.cache_misses >= 1
+        runs.append((fill, st.report.recomputed_positions, st.logits))
+    _, clean_positions, clean_logits = runs[0]
+    for fill, positions, logits in runs[1:]:
+        assert positions == clean_positions, f"selection changed with the cache's memory filled with {fill}"
+        assert torch.equal(logits, clean_logits), f"logits changed with the cache's memory filled with {fill}"
