@@ -252,7 +252,7 @@ def test_a_corrupt_chunk_read_is_repaired_not_a_400(client):
     """A KV blob of the wrong size (a storage fault) is dropped and recomputed: a 200, never the caller's 4xx."""
     stack = svc(client).stack
     body = {"question": "Which river?", "documents": [{"title": "Nile", "text": "The Nile flows north."}],
-            "max_tokens": 2}
+            "max_tokens": 2, "recompute_ratio": 0.15}  # a fixed ratio: the controller may pick full prefill
     assert client.post("/v1/query", json=body).status_code == 200  # now cached
     store = stack.store
     real = store.get_blob
