@@ -8,6 +8,12 @@ the engine makes between layers (`blend_engine.cancel.checkpoint`), generation b
 ingestion between batches. Work that commits (ingestion) calls `job.begin_commit()` first: from
 then on a cancel is refused, so a request is either told it failed and nothing was committed, or
 it waits the few milliseconds the commit takes and gets its answer.
+
+Admission by expected time: the worker keeps a moving average of how long each kind of job (its
+name) takes. A job with a deadline is refused at once (`QueueFull`, a 503 with Retry-After) when
+the work ahead of it plus its own cannot finish before that deadline, and a queued job is not
+started when the time it has left is shorter than such a job takes. Near the timeout the worker
+then spends its time on requests that can still be answered instead of ones that will get a 504.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Job:
         self.name = name
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.submitted = time.perf_counter()
+        self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.started: float | None = None
         self._cancel = threading.Event()
@@ -86,6 +93,8 @@ class EngineWorker:
         self._active: set[Job] = set()
         self._closed = False
         self.max_queue = max_queue
+        self._workers = workers
+        self._took: dict[str, float] = {}  # job name -> moving average of its run time (s)
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-worker-{i}", daemon=True) for i in range(workers)
         ]
@@ -103,12 +112,46 @@ class EngineWorker:
         with self._lock:
             return len(self._active)
 
+    def expected_s(self, name: str) -> float | None:
+        """How long a job of this kind takes (moving average), or None before the first one finished."""
+        with self._lock:
+            return self._took.get(name)
+
+    def expected_wait_s(self, name: str) -> float | None:
+        """Until a job of this kind submitted now would finish: the jobs ahead shared by the workers, plus itself."""
+        took = self.expected_s(name)
+        if took is None:
+            return None
+        ahead = self.depth + self.running
+        return took * (1 + ahead / self._workers)
+
+    def _learn(self, job: Job, seconds: float) -> None:
+        with self._lock:
+            old = self._took.get(job.name)
+            self._took[job.name] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def _predictable(self, name: str, timeout_s: float | None) -> bool:
+        """Such jobs usually finish within the timeout. Otherwise (none measured yet, or they usually run
+        longer) nothing is refused or skipped on estimates, so a stale estimate can never starve a kind."""
+        took = self.expected_s(name)
+        return timeout_s is not None and took is not None and took < timeout_s
+
+    def _too_late(self, job: Job) -> bool:
+        """Its time left is shorter than such a job takes: starting it would only produce a 504."""
+        if not self._predictable(job.name, job.timeout_s):
+            return False
+        return job.deadline - time.monotonic() < self.expected_s(job.name)
+
     # ------------------------------------------------------------------ submission
     def submit(self, fn: Callable[[Job], Any], name: str = "job", timeout_s: float | None = None) -> Job:
         """Queue `fn`; with `timeout_s` the job has a deadline past which it is not started or stops."""
         if self._closed:
             raise QueueFull("the engine is shutting down")
         job = Job(fn, name, timeout_s)
+        wait = self.expected_wait_s(name)
+        if self._predictable(name, timeout_s) and self.depth + self.running > 0 and wait > timeout_s:
+            raise QueueFull(f"engine busy: the work ahead would take about {wait:.1f} s, longer than the "
+                            f"request's {timeout_s:g} s timeout")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -135,9 +178,11 @@ class EngineWorker:
             job = self._queue.get()
             if job is None:
                 return
-            if job.cancelled or not job.future.set_running_or_notify_cancel():
+            late = self._too_late(job)
+            if job.cancelled or late or not job.future.set_running_or_notify_cancel():
                 if not job.future.done():
-                    why = "its deadline passed" if job.expired else "it was cancelled"
+                    why = "its deadline passed" if job.expired else \
+                        "it could not finish before its deadline" if late else "it was cancelled"
                     job.future.set_exception(Cancelled(f"{job.name} not started: {why} while queued"))
                 continue
             job.started = time.perf_counter()
@@ -149,6 +194,8 @@ class EngineWorker:
                     result = job.fn(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
                 error, result = exc, None
+            if error is None:
+                self._learn(job, time.perf_counter() - job.started)
             with self._lock:  # free the slot before anyone can see the outcome
                 self._active.discard(job)
             if error is not None:

@@ -344,6 +344,57 @@ def test_queued_work_past_its_deadline_never_starts():
         worker.close()
 
 
+
+def _measured_worker(took_s: float):
+    """A one-thread worker that has seen one "q" job take `took_s`."""
+    from app.worker import EngineWorker
+
+    worker = EngineWorker(1, 8)
+    worker.submit(lambda job: time.sleep(took_s), "q").future.result(5)
+    assert worker.expected_s("q") == pytest.approx(took_s, rel=0.5, abs=0.05)
+    return worker
+
+
+def test_work_that_cannot_finish_before_its_deadline_is_refused_or_skipped():
+    """Goodput near the timeout: a query whose wait plus run would pass its deadline gets a quick 503
+    (QueueFull) instead of a late 504, and a queued one whose time left is shorter than a query takes
+    is not started."""
+    from app.worker import QueueFull
+
+    worker = _measured_worker(0.3)
+    try:
+        gate = threading.Event()
+        blocker = worker.submit(lambda job: gate.wait(5), "q", timeout_s=5)
+        started = []
+        doomed = worker.submit(lambda job: started.append(1), "q", timeout_s=0.7)  # 1 ahead: ~0.6 s, fits
+        with pytest.raises(QueueFull, match="longer than the request's"):
+            worker.submit(lambda job: None, "q", timeout_s=0.8)  # 2 ahead: ~0.9 s, does not
+        time.sleep(0.5)  # doomed now has ~0.2 s left, less than the 0.3 s a query takes
+        gate.set()
+        blocker.future.result(5)
+        with pytest.raises(Exception, match="could not finish before its deadline"):
+            doomed.future.result(5)
+        assert not started
+        assert worker.submit(lambda job: 7, "q", timeout_s=5).future.result(5) == 7  # room again: runs
+    finally:
+        worker.close()
+
+
+def test_estimates_never_starve_a_kind_of_job():
+    """With nothing ahead, or when such jobs usually run past the timeout, no job is refused or skipped."""
+    worker = _measured_worker(0.3)
+    try:
+        assert worker.submit(lambda job: 1, "q", timeout_s=0.2).future.result(5) == 1  # idle: runs anyway
+        gate = threading.Event()
+        blocker = worker.submit(lambda job: gate.wait(5), "slow", timeout_s=5)
+        other = worker.submit(lambda job: 2, "never-measured", timeout_s=5)
+        gate.set()
+        blocker.future.result(5)
+        assert other.future.result(5) == 2
+    finally:
+        worker.close()
+
+
 # ============================================================================ 5. corrupt KV index
 def test_a_corrupt_kv_index_is_moved_aside_and_rebuilt(tmp_path, caplog):
     import torch
