@@ -32,6 +32,7 @@ from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, SelectionPolicy, default_policy
+from tests.helpers import TINY_CONFIG
 
 PASSAGES = (
     "Paris is the capital of France. It lies on the Seine and has about two million inhabitants.",
@@ -39,8 +40,7 @@ PASSAGES = (
     "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, a dormant volcano with three cones.",
 )
 QUESTION = "Which river flows through ten countries?"
-CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+CONFIG = dict(TINY_CONFIG, num_hidden_layers=6)  # the tests' tiny Llama, two layers deeper
 FINGERPRINT = "fake-cuda-test"
 
 

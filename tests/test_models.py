@@ -28,14 +28,8 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner, UnsupportedModel, check_blendable, layer_windows
 from blend_engine.types import BlendPlan
+from tests.helpers import PASSAGES, QUESTION
 
-PASSAGES = (
-    "Paris is the capital of France. The Louvre is a museum in Paris.",
-    "Berlin is the capital of Germany. The Spree flows through Berlin.",
-    "The Rhine flows through Basel, Strasbourg and Cologne before reaching the North Sea.",
-    "Mount Blanc is the highest mountain in the Alps, on the border of France and Italy.",
-)
-QUESTION = "Which river flows through Berlin?"
 WINDOW = 24  # sliding window, tokens
 ORIGINAL_MAX = 64  # original_max_position_embeddings of the scaled RoPE types
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,22 +14,13 @@ from blend_engine import selfcheck
 from blend_engine.engine import EngineConfig
 from blend_engine.selfcheck import GateDecision, GateResult, cache_path, decide, gate_key, run_gate
 from blendserve_config.settings import Settings
+from tests.test_api import wait_ready
 
 
 def make_settings(data_dir, **overrides) -> Settings:
     values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 64, "disk_cache_mb": 64,
               "redis_url": None, "api_key": None, "workers": 1}
     return Settings(_env_file=None, **{**values, **overrides})
-
-
-def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = client.get("/readyz")
-        if r.status_code == 200:
-            return r.json()
-        time.sleep(0.05)
-    raise AssertionError(f"not ready after {timeout}s: {r.json()}")
 
 
 def _no_measure(*_args, **_kwargs):
