@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 
 # The start-up fidelity gate measures the model at every service start; tests of other features run
-# with it off (their tiny random models are not meant to blend well). tests/test_selfcheck.py turns it on.
+# with it off (their tiny random models are not meant to blend well). tests/blend_engine/test_selfcheck.py turns it on.
 os.environ.setdefault("BLENDSERVE_FIDELITY_GATE", "off")
 
 
@@ -109,3 +110,15 @@ def open_store(request, tmp_path):
     yield open_one
     for h in handles:
         h.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer, saved so that subprocesses load the same weights."""
+    from tests.helpers import real_tokenizer, tiny_model
+
+    model, tok = tiny_model(), real_tokenizer()
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from benchmarks.data import DATA_ENV, default_data_dir
 from blend_engine.kv_store import ChunkKV
 from blend_engine.model import ModelRunner
+from blendserve_config.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 
 # Four short passages and a question about one of them, for the engine tests.
 PASSAGES = (
@@ -68,3 +73,36 @@ def requires_shared_data(*names: str) -> pytest.MarkDecorator:
     missing = [shared_data_file(n) for n in names if not shared_data_file(n).exists()]
     return pytest.mark.skipif(bool(missing), reason=f"shared QA data not found: {', '.join(map(str, missing))} "
                                                     f"(set {DATA_ENV} to the folder holding it)")
+
+
+def perturb(model: torch.nn.Module) -> torch.nn.Module:
+    """Random biases and norm weights (initialised to 0 and 1), so that they matter in the checks."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+# ============================================================================ the service in-process
+def make_settings(data_dir, **overrides) -> Settings:
+    values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 256, "disk_cache_mb": 512,
+              "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60}
+    values.update(overrides)
+    return Settings(_env_file=None, **values)
+
+
+def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = client.get("/readyz")
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.05)
+    raise AssertionError(f"not ready after {timeout}s: {r.json()}")
+
+
+def svc(client: TestClient):
+    return client.app.state.svc

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local_services import RedisProcess, free_port, pg_bin_dir, wait_for
+
+from tests.local_services import RedisProcess, free_port, pg_bin_dir, wait_for
 
 logger = logging.getLogger("topology")
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner, UnsupportedModel, check_blendable, layer_windows
 from blend_engine.types import BlendPlan
-from tests.helpers import PASSAGES, QUESTION
+from tests.helpers import PASSAGES, QUESTION, perturb
 
 WINDOW = 24  # sliding window, tokens
 ORIGINAL_MAX = 64  # original_max_position_embeddings of the scaled RoPE types
@@ -52,17 +52,6 @@ FAMILIES = {
                                                                  sliding_window=WINDOW, max_window_layers=2)),
     "qwen3": lambda v: Qwen3ForCausalLM(Qwen3Config(vocab_size=v, **_COMMON, head_dim=32)),
 }
-
-
-def perturb(model: torch.nn.Module) -> torch.nn.Module:
-    """Random biases and norm weights (initialised to 0 and 1), so that they matter in the checks."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,7 +24,6 @@ from app.main import create_app
 from blendserve_config.settings import Settings
 from retrieval.text import format_passage
 
-REPO = Path(__file__).resolve().parent.parent
 DOCS = [
     {"doc_id": "france", "title": "France", "text": "France is a country in Western Europe. Its capital is Paris."},
     {"doc_id": "japan", "title": "Japan", "text": "Japan is an island country in East Asia. Its capital is Tokyo."},

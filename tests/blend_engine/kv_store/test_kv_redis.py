@@ -129,9 +129,8 @@ def test_redis_down_gives_misses_and_skipped_puts_not_errors(redis_server, caplo
 
 def test_requests_still_succeed_when_redis_stops_mid_run(redis_server):
     """A blend engine over memory > Redis: Redis dies between (and during) requests; answers keep coming."""
-    from test_kv_engine import PASSAGES, QUESTION, engine_on, fingerprint
-
     from blend_engine.types import BlendPlan, GenerationConfig
+    from tests.blend_engine.kv_store.test_kv_engine import PASSAGES, QUESTION, engine_on, fingerprint
 
     fp = fingerprint()
     writer = engine_on(build_store(redis_url=redis_server.url, fingerprint=fp, redis_timeout_s=0.2))

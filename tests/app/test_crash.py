@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from corpus_tools.cli import main
-from tests.test_corpus_cli import tiny_model_dir  # noqa: F401 - the fixture, shared
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 N_DOCS = 8
 
 

@@ -15,20 +15,9 @@ from pathlib import Path
 import pytest
 
 from corpus_tools.cli import main
-from tests.helpers import real_tokenizer, tiny_model
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama with the real SmolLM2 tokenizer, saved so that subprocesses load the same weights."""
-    model, tok = tiny_model(), real_tokenizer()
-    folder = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from app.main import create_app
 from blendserve_config.settings import Settings
 from corpus_tools.documents import Document
-from tests.test_api import make_settings, svc, wait_ready
+from tests.helpers import make_settings, svc, wait_ready
 
 DOCS = [
     {"doc_id": "paris", "title": "Paris", "text": "Paris is the capital and largest city of France."},

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from tests.test_api import make_settings, wait_ready
+from tests.helpers import make_settings, wait_ready
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e '.[dev]')")
 hypothesis = pytest.importorskip("hypothesis")

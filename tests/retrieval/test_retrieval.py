@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +11,9 @@ from retrieval.embedder import Embedder, bundled_model_dir
 from retrieval.index import INDEX_FILE, IndexParams, VectorIndex
 from retrieval.passages import PassageDB, PassageRow, passage_id, vec_id_of
 from retrieval.retriever import RetrievedPassage, Retriever, open_index, place
+from tests.helpers import ROOT
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_corpus" / "hotpotqa_sample.jsonl"
+SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
 
 
 def unit_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:

@@ -204,7 +204,7 @@ def test_replica_indexes_follow_the_change_log(open_store, tmp_path):
     index_a.remove(np.array([r.vec_id for r in new]))
     sync_b.start()  # the polling thread
     try:
-        from local_services import wait_for
+        from tests.local_services import wait_for
 
         assert wait_for(lambda: len(index_b) == 1, timeout=5), "B never applied A's delete"
     finally:
@@ -291,7 +291,7 @@ def test_postgres_going_away_is_a_storage_fault_and_comes_back(pg_cluster, tmp_p
         with pytest.raises(PassageStoreError, match="passage store"):
             db.upsert(rows_of("b", ["during the outage"]))
         sync.start()
-        from local_services import wait_for
+        from tests.local_services import wait_for
 
         assert wait_for(lambda: sync.status().error, timeout=5), "sync never reported the outage"
         assert sync.generation == info["generation"]
@@ -308,9 +308,8 @@ def test_postgres_notifies_followers_so_sync_beats_its_poll_interval(pg_cluster,
     (here 30 s) poll interval; a wait with no write times out and says so."""
     import uuid
 
-    from local_services import wait_for
-
     from retrieval.passages_pg import PgPassageStore
+    from tests.local_services import wait_for
 
     url = pg_cluster.create_database(f"t{uuid.uuid4().hex[:12]}")
     writer, follower, emb = PgPassageStore(url), PgPassageStore(url), HashEmbedder()

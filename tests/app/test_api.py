@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from app.main import create_app
 from blendserve_config.settings import Settings
+from tests.helpers import make_settings, svc, wait_ready
 
 MODES = ["blend", "full_prefill", "prefix_cache", "full_reuse"]
 FIXTURE_DOCS = [
@@ -22,23 +23,6 @@ FIXTURE_DOCS = [
     {"doc_id": "everest", "title": "Mount Everest", "text": "Mount Everest is Earth's highest mountain above sea "
                                                             "level, in the Himalayas."},
 ]
-
-
-def make_settings(data_dir, **overrides) -> Settings:
-    values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 256, "disk_cache_mb": 512,
-              "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60}
-    values.update(overrides)
-    return Settings(_env_file=None, **values)
-
-
-def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = client.get("/readyz")
-        if r.status_code == 200:
-            return r.json()
-        time.sleep(0.05)
-    raise AssertionError(f"not ready after {timeout}s: {r.json()}")
 
 
 def sse_events(text: str) -> list[tuple[str | None, str]]:
@@ -62,10 +46,6 @@ def client(tmp_path_factory, tiny_stack_factory):
         r = c.post("/v1/documents", json={"documents": FIXTURE_DOCS})
         assert r.status_code == 201, r.text
         yield c
-
-
-def svc(client: TestClient):
-    return client.app.state.svc
 
 
 # ============================================================================ health, docs, settings

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_models import PASSAGES, QUESTION, perturb
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -18,6 +17,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan
+from tests.helpers import PASSAGES, QUESTION, perturb
 
 gguf = pytest.importorskip("gguf")
 

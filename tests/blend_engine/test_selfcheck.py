@@ -14,7 +14,7 @@ from blend_engine import selfcheck
 from blend_engine.engine import EngineConfig
 from blend_engine.selfcheck import GateDecision, GateResult, cache_path, decide, gate_key, run_gate
 from blendserve_config.settings import Settings
-from tests.test_api import wait_ready
+from tests.helpers import wait_ready
 
 
 def make_settings(data_dir, **overrides) -> Settings:
