@@ -7,7 +7,8 @@ a bounded queue, never on the event loop.
 
 Where things are: the routes by area in `app/routes/`, the shared state and its dependencies in
 `app/state.py`, the error envelope and handlers in `app/errors.py`, server-sent events in
-`app/streaming.py`, the request logic (no HTTP models in, plain `QuerySpec`) in `app/service.py`.
+`app/streaming.py`, the request logic (no HTTP models in or out: a `QuerySpec` in, a `QueryOutcome`
+out) in `app/service.py`, and the response bodies built from its results in `app/presenters.py`.
 """
 
 from __future__ import annotations

@@ -10,20 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.schemas import (
-    Explain,
-    PassageExplain,
-    PassageOut,
-    QueryExplainedResponse,
-    QueryResponse,
-    QueryStats,
-    QuestionExplain,
-    SystemExplain,
-    Timings,
-)
 from app.worker import Cancelled, EngineWorker, Job
 from blend_engine.errors import InputError, StorageError
-from blend_engine.explain import Explanation, SegmentExplanation, token_pieces
+from blend_engine.explain import Explanation
 from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
 from retrieval.text import format_passage
 
@@ -107,10 +96,22 @@ class QuerySpec:
     explain_max_tokens: int = 4096
 
 
-@dataclass
+@dataclass(frozen=True)
+class PassageRef:
+    """A passage an answer was built from, in prompt order: the store's passage id (a supplied
+    document's KV key), its title ("" when none) and its retrieval score (None when supplied)."""
+
+    id: str
+    title: str
+    score: float | None = None
+
+
+@dataclass(frozen=True)
 class QueryOutcome:
+    """A finished query as domain data; `app.presenters` turns it into either endpoint's body."""
+
     answer: str
-    passages: list[PassageOut]
+    passages: tuple[PassageRef, ...]
     report: BlendReport
     finish_reason: str
     completion_tokens: int
@@ -119,53 +120,23 @@ class QueryOutcome:
     total_ms: float
     queue_ms: float
     store_ms: float
-    explain: Explain | None = None
+    explanation: Explanation | None = None  # the engine's, when the request asked for explain
     fallback: str | None = None  # why a blend request was answered another way (fidelity gate)
-
-    def response(self) -> QueryResponse:
-        r = self.report
-        extra = {"explain": self.explain} if self.explain is not None else {}
-        return (QueryExplainedResponse if extra else QueryResponse)(
-            **extra,
-            answer=self.answer,
-            passages=self.passages,
-            mode=r.mode,
-            finish_reason=self.finish_reason,
-            timings=Timings(
-                retrieval_ms=round(self.retrieval_ms, 3),
-                kv_load_ms=round(r.load_ms, 3),
-                recompute_ms=round(r.recompute_ms, 3),
-                ttft_ms=round(self.ttft_ms, 3),
-                total_ms=round(self.total_ms, 3),
-                queue_ms=round(self.queue_ms, 3),
-                kv_store_ms=round(self.store_ms, 3),
-            ),
-            stats=QueryStats(
-                context_tokens=r.context_tokens,
-                recomputed_tokens=r.recomputed_tokens,
-                recompute_ratio=r.recompute_ratio,
-                cache_hits=r.cache_hits,
-                cache_misses=r.cache_misses,
-                ratio_source=r.ratio_source,
-                completion_tokens=self.completion_tokens,
-                fallback=self.fallback,
-            ),
-        )
 
 
 # ====================================================================== worker-thread code
-def _passages(stack, spec: QuerySpec) -> tuple[list[str], list[PassageOut]]:
+def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]]:
     engine = stack.engine
     if spec.documents is not None:
         texts = [format_passage(d.text, d.title) for d in spec.documents]
-        out = [PassageOut(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None)
-               for t, d in zip(texts, spec.documents)]
+        out = tuple(PassageRef(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None)
+                    for t, d in zip(texts, spec.documents))
         return texts, out
     hits = stack.retriever.search(spec.question, spec.top_k)
     if not hits:
         raise BadRequest("no passages to answer from: the index is empty; ingest documents or pass `documents`")
     texts = [format_passage(h.text, h.title) for h in hits]
-    out = [PassageOut(id=str(h.id), title=h.title or "", score=float(h.score)) for h in hits]
+    out = tuple(PassageRef(id=str(h.id), title=h.title or "", score=float(h.score)) for h in hits)
     return texts, out
 
 
@@ -218,45 +189,8 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         total_ms=retrieval_ms + result.total_ms,
         queue_ms=job.queue_ms,
         store_ms=result.store_ms,
+        explanation=result.explanation,
         fallback=fallback,
-        explain=(explain_response(stack.engine.runner.tokenizer, result.explanation, passages, spec.explain_max_tokens)
-                 if result.explanation is not None else None),
-    )
-
-
-def explain_response(tokenizer, ex: Explanation, passages: list[PassageOut], max_tokens: int) -> Explain:
-    """The engine's explanation as the API shows it: token text pieces, at most `max_tokens` listed
-    (passages then the question, in prompt order); counts always cover every token."""
-    sys_seg, *middle, q_seg = ex.segments
-    budget = max_tokens
-
-    def take(seg: SegmentExplanation) -> int:
-        nonlocal budget
-        n = min(len(seg.token_ids), budget)
-        budget -= n
-        return n
-
-    out = []
-    for i, (seg, meta) in enumerate(zip(middle, passages)):
-        n = take(seg)
-        out.append(PassageExplain(
-            index=i, id=meta.id, title=meta.title, n_tokens=len(seg.token_ids),
-            recomputed_tokens=seg.recomputed_tokens, cache=seg.cache, tier=seg.tier,
-            tokens=token_pieces(tokenizer, seg.token_ids[:n]), recomputed=list(seg.recomputed[:n]),
-            scores=[None if s is None else float(f"{s:.5g}") for s in seg.scores[:n]],
-            truncated=n < len(seg.token_ids),
-        ))
-    nq = take(q_seg)
-    question = QuestionExplain(n_tokens=len(q_seg.token_ids), recomputed_tokens=q_seg.recomputed_tokens,
-                               tokens=token_pieces(tokenizer, q_seg.token_ids[:nq]),
-                               recomputed=list(q_seg.recomputed[:nq]), truncated=nq < len(q_seg.token_ids))
-    return Explain(
-        check_layer=ex.check_layer, metric=ex.metric, max_tokens=max_tokens, explained_tokens=max_tokens - budget,
-        truncated=any(p.truncated for p in out) or question.truncated,
-        passage_recomputed_tokens=sum(p.recomputed_tokens for p in out),
-        system=SystemExplain(n_tokens=len(sys_seg.token_ids), recomputed_tokens=sys_seg.recomputed_tokens,
-                             cache=sys_seg.cache, tier=sys_seg.tier),
-        passages=out, question=question,
     )
 
 

@@ -3,22 +3,24 @@
 `run_to_completion` answers a non-streaming query; `stream_query` submits a streaming one, waits
 for its first delta (so an error before any token is still a plain HTTP error) and then streams
 the frames an endpoint's `Frames` writes: its opening frames, one per delta, its closing frames,
-or an in-band error frame once the headers are sent."""
+or an in-band error frame once the headers are sent. Both run the same worker job, `answer`: the
+query, then its HTTP body (`app.presenters`), so the tokenizer work never runs on the event loop."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import StreamingResponse
 
 from app.errors import error_body, error_kind
-from app.service import QueryOutcome, QuerySpec, ServiceError, StreamHandle, run_job, run_query
+from app.presenters import Answered, present
+from app.service import QuerySpec, ServiceError, StreamHandle, run_job, run_query
 from app.state import AppState
-from app.worker import Cancelled
+from app.worker import Cancelled, Job
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +51,29 @@ class Frames(Protocol):
 
     def delta(self, text: str) -> str: ...
 
-    def closing(self, outcome: QueryOutcome) -> Iterable[str]: ...
+    def closing(self, answered: Answered) -> Iterable[str]: ...
 
     def error(self, body: dict) -> str: ...
 
 
-async def run_to_completion(svc: AppState, spec: QuerySpec, name: str, endpoint: str) -> QueryOutcome:
+def answer(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | None = None) -> Answered:
+    """The worker job of both query endpoints: run the query, then build its HTTP body."""
+    return present(run_query(stack, spec, job, emit), stack.engine.runner.tokenizer, spec.explain_max_tokens)
+
+
+async def run_to_completion(svc: AppState, spec: QuerySpec, name: str, endpoint: str) -> Answered:
     """A query run on the engine queue and awaited whole; counted and logged under `endpoint`."""
     stack = svc.require_stack()
-    outcome: QueryOutcome = await run_job(svc.worker, lambda job: run_query(stack, spec, job),
-                                          svc.settings.request_timeout_s, name)
-    svc.observe(endpoint, outcome)
-    return outcome
+    answered: Answered = await run_job(svc.worker, lambda job: answer(stack, spec, job),
+                                       svc.settings.request_timeout_s, name)
+    svc.observe(endpoint, answered.outcome)
+    return answered
 
 
 async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Frames) -> StreamingResponse:
     """A streaming query as an SSE response written by `frames`."""
     stack = svc.require_stack()
-    handle = StreamHandle(svc.worker, lambda job, emit: run_query(stack, spec, job, emit),
+    handle = StreamHandle(svc.worker, lambda job, emit: answer(stack, spec, job, emit),
                           svc.settings.request_timeout_s, "query-stream")
     try:
         first = await handle.first()
@@ -83,9 +90,9 @@ async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Fr
                 yield frames.delta(first)
                 async for delta in handle.rest():
                     yield frames.delta(delta)
-            outcome = done or handle.result()
-            svc.observe(endpoint, outcome)
-            for frame in frames.closing(outcome):
+            answered: Answered = done or handle.result()
+            svc.observe(endpoint, answered.outcome)
+            for frame in frames.closing(answered):
                 yield frame
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield frames.error(stream_error(exc))

@@ -8,16 +8,10 @@ from collections.abc import Iterable, Iterator
 
 from fastapi import APIRouter
 
+from app.presenters import Answered, blend_extra, chat_response, usage
 from app.routes.common import build_spec
-from app.schemas import (
-    ChatChoice,
-    ChatChoiceMessage,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    QueryExplainedResponse,
-    Usage,
-)
-from app.service import QueryOutcome, QuerySpec
+from app.schemas import ChatCompletionRequest, ChatCompletionResponse
+from app.service import QuerySpec
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
 from app.validation import check_limits, field_error, reject_surrogates
@@ -25,20 +19,6 @@ from blendserve_config.settings import Settings
 
 router = APIRouter(tags=["query"])
 ENDPOINT = "/v1/chat/completions"
-
-
-def _usage(outcome: QueryOutcome) -> Usage:
-    prompt = outcome.report.context_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=outcome.completion_tokens,
-                 total_tokens=prompt + outcome.completion_tokens)
-
-
-def _blend_extra(outcome: QueryOutcome) -> dict:
-    r = outcome.response()
-    extra = {"mode": r.mode, "timings": r.timings.model_dump(), "stats": r.stats.model_dump()}
-    if isinstance(r, QueryExplainedResponse):
-        extra["explain"] = r.explain.model_dump()
-    return extra
 
 
 class ChatFrames:
@@ -59,10 +39,11 @@ class ChatFrames:
     def delta(self, text: str) -> str:
         return self._chunk({"content": text})
 
-    def closing(self, outcome: QueryOutcome) -> Iterator[str]:
-        yield self._chunk({}, outcome.finish_reason, passages=outcome.passages, blend=_blend_extra(outcome))
+    def closing(self, answered: Answered) -> Iterator[str]:
+        yield self._chunk({}, answered.outcome.finish_reason, passages=answered.body.passages,
+                          blend=blend_extra(answered.body))
         if self.include_usage:
-            yield sse({**self.head, "choices": [], "usage": _usage(outcome)})
+            yield sse({**self.head, "choices": [], "usage": usage(answered.outcome)})
         yield sse("[DONE]")
 
     def error(self, body: dict) -> str:
@@ -95,12 +76,8 @@ async def chat_completions(req: ChatCompletionRequest, svc: State):
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, ChatFrames(completion_id, created, model, include_usage))
-    outcome = await run_to_completion(svc, spec, "chat", ENDPOINT)
-    return ChatCompletionResponse(
-        id=completion_id, created=created, model=model,
-        choices=[ChatChoice(message=ChatChoiceMessage(content=outcome.answer), finish_reason=outcome.finish_reason)],
-        usage=_usage(outcome), passages=outcome.passages, blend=_blend_extra(outcome),
-    )
+    answered = await run_to_completion(svc, spec, "chat", ENDPOINT)
+    return chat_response(answered, completion_id, created, model)
 
 
 @router.get("/v1/models")

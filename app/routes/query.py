@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 from fastapi import APIRouter
 
+from app.presenters import Answered
 from app.routes.common import build_spec
 from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
-from app.service import QueryOutcome
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
 from app.validation import check_limits, reject_surrogates
@@ -26,8 +26,8 @@ class QueryFrames:
     def delta(self, text: str) -> str:
         return sse({"text": text}, "delta")
 
-    def closing(self, outcome: QueryOutcome) -> Iterable[str]:
-        return (sse(outcome.response(), "done"),)
+    def closing(self, answered: Answered) -> Iterable[str]:
+        return (sse(answered.body, "done"),)
 
     def error(self, body: dict) -> str:
         return sse(body, "error")
@@ -43,5 +43,5 @@ async def query(req: QueryRequest, svc: State):
     spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature)
     if req.stream:
         return await stream_query(svc, spec, ENDPOINT, QueryFrames())
-    outcome = await run_to_completion(svc, spec, "query", ENDPOINT)
-    return outcome.response()
+    answered = await run_to_completion(svc, spec, "query", ENDPOINT)
+    return answered.body
