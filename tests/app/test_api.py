@@ -288,6 +288,49 @@ def test_chat_explain_in_extra_body(client):
     assert "explain" not in plain.model_extra["blend"]
 
 
+def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
+    """The JSON layout (every key, in order) of /v1/query and of chat's `passages`, `blend` and
+    `usage`, streamed or not: the presenter builds one body that both endpoints show."""
+    question, blend = "What is the capital of Germany?", {"top_k": 2, "mode": "blend", "recompute_ratio": 0.3}
+    query = {"question": question, "max_tokens": 3, "explain": True, **blend}
+    chat = {"messages": [{"role": "user", "content": question}], "max_tokens": 3, "explain": True, **blend}
+
+    def untimed(body: dict) -> dict:
+        return {k: v for k, v in body.items() if k != "timings"}
+
+    body = client.post("/v1/query", json=query).json()
+    assert list(body) == ["answer", "passages", "mode", "finish_reason", "timings", "stats", "explain"]
+    assert [list(p) for p in body["passages"]] == [["id", "title", "score"]] * 2
+    assert list(body["timings"]) == ["retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms", "queue_ms",
+                                     "kv_store_ms"]
+    assert list(body["stats"]) == ["context_tokens", "recomputed_tokens", "recompute_ratio", "cache_hits",
+                                   "cache_misses", "ratio_source", "completion_tokens", "fallback"]
+    ex = body["explain"]
+    assert list(ex) == ["check_layer", "metric", "max_tokens", "explained_tokens", "truncated",
+                        "passage_recomputed_tokens", "system", "passages", "question"]
+    assert list(ex["system"]) == ["n_tokens", "recomputed_tokens", "cache", "tier"]
+    assert [list(p) for p in ex["passages"]] == [["index", "id", "title", "n_tokens", "recomputed_tokens", "cache",
+                                                  "tier", "tokens", "recomputed", "scores", "truncated"]] * 2
+    assert list(ex["question"]) == ["n_tokens", "recomputed_tokens", "tokens", "recomputed", "truncated"]
+    done = json.loads(sse_events(client.post("/v1/query", json={**query, "stream": True}).text)[-1][1])
+    assert untimed(done) == untimed(body) and list(done) == list(body)
+
+    got = client.post("/v1/chat/completions", json=chat).json()
+    assert list(got) == ["id", "object", "created", "model", "choices", "usage", "passages", "blend"]
+    assert got["passages"] == body["passages"] and list(got["blend"]) == ["mode", "timings", "stats", "explain"]
+    assert untimed(got["blend"]) == {"mode": body["mode"], "stats": body["stats"], "explain": body["explain"]}
+    assert list(got["blend"]["timings"]) == list(body["timings"])
+    stats = body["stats"]
+    assert got["usage"] == {"prompt_tokens": stats["context_tokens"], "completion_tokens": stats["completion_tokens"],
+                            "total_tokens": stats["context_tokens"] + stats["completion_tokens"]}
+    r = client.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}})
+    frames = [json.loads(d) for _, d in sse_events(r.text) if d != "[DONE]"]
+    final, last = frames[-2], frames[-1]
+    assert list(final) == ["id", "object", "created", "model", "choices", "passages", "blend"]
+    assert final["passages"] == got["passages"] and untimed(final["blend"]) == untimed(got["blend"])
+    assert list(last) == ["id", "object", "created", "model", "choices", "usage"] and last["usage"] == got["usage"]
+
+
 def test_explain_in_the_openapi_schema(client):
     spec = client.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
