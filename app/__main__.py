@@ -1,4 +1,4 @@
-"""`python -m app` (what `make run` runs): read Settings, serve the API with uvicorn."""
+"""`python -m app` (what `make run` runs): read ServiceSettings, serve the API with uvicorn."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from pydantic import ValidationError
 
-from blendserve_config.settings import Settings
+from app.settings import ServiceSettings
 
 logger = logging.getLogger("app")
 
@@ -15,7 +15,7 @@ logger = logging.getLogger("app")
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = Settings()
+        settings = ServiceSettings()
     except ValidationError as exc:  # fail fast, naming the variable
         lines = [f"  BLENDSERVE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()]
         logger.error("invalid configuration:\n%s", "\n".join(lines))

@@ -28,21 +28,21 @@ from app.limits import BodySizeLimitMiddleware
 from app.metrics import Metrics
 from app.routes import ROUTERS
 from app.routes.page import STATIC_DIR
+from app.settings import ServiceSettings
 from app.startup import build_and_warm
 from app.state import AppState
 from app.worker import EngineWorker
 from blendserve_config import logsafe
-from blendserve_config.settings import Settings
 from blendserve_config.stack import Stack, build_stack
 
 __all__ = ["STATIC_DIR", "AppState", "StackFactory", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-StackFactory = Callable[[Settings], Stack]
+StackFactory = Callable[[ServiceSettings], Stack]
 
 
-def _lifespan(settings: Settings, factory: StackFactory):
+def _lifespan(settings: ServiceSettings, factory: StackFactory):
     """Start the workers and the start-up thread; on the way out stop both and close the stack."""
 
     @asynccontextmanager
@@ -66,8 +66,12 @@ def _lifespan(settings: Settings, factory: StackFactory):
     return lifespan
 
 
-def create_app(settings: Settings | None = None, stack_factory: StackFactory | None = None) -> FastAPI:
-    settings = settings or Settings()
+def create_app(settings: ServiceSettings | None = None, stack_factory: StackFactory | None = None) -> FastAPI:
+    settings = settings if settings is not None else ServiceSettings()
+    if not isinstance(settings, ServiceSettings):  # a plain Settings would have lost the service's fields
+        raise TypeError(f"create_app needs app.settings.ServiceSettings, not {type(settings).__name__}: the service's "
+                        "own fields (host, port, api_key, max_queue, limits, ...) live there; a plain Settings "
+                        "silently ignores them")
     logsafe.install()
     app = FastAPI(
         title="Blendserve",

@@ -11,8 +11,8 @@ from fastapi import Depends, Request
 
 from app.metrics import Metrics
 from app.service import NotReady, QueryOutcome
+from app.settings import ServiceSettings
 from app.worker import EngineWorker
-from blendserve_config.settings import Settings
 from blendserve_config.stack import Stack
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 class AppState:
     """Everything the routes need, hung on `app.state.svc`."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: ServiceSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.worker: EngineWorker | None = None

@@ -1,5 +1,5 @@
 """Request checks that pydantic's static schema cannot express: lone UTF-16 surrogates anywhere
-in a request, control characters in document ids, and the size limits set in Settings. Each
+in a request, control characters in document ids, and the size limits set in ServiceSettings. Each
 raises a 422 naming the field."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 
-from blendserve_config.settings import Settings
+from app.settings import ServiceSettings
 
 
 def _has_surrogate(text: str) -> bool:
@@ -57,9 +57,9 @@ def field_error(loc: tuple, msg: str, value: Any = None) -> RequestValidationErr
     return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": msg, "input": value}])
 
 
-def check_limits(settings: Settings, *, question: str, top_k: int, max_tokens: int, documents: list | None,
+def check_limits(settings: ServiceSettings, *, question: str, top_k: int, max_tokens: int, documents: list | None,
                  question_loc: tuple = ("question",)) -> None:
-    """Limits that depend on Settings; 422 naming the field."""
+    """Limits that depend on ServiceSettings; 422 naming the field."""
     if len(question) > settings.max_question_chars:
         raise field_error(question_loc, f"question is {len(question)} characters; the limit is "
                                         f"{settings.max_question_chars}")
@@ -70,7 +70,7 @@ def check_limits(settings: Settings, *, question: str, top_k: int, max_tokens: i
     check_documents(settings, documents)
 
 
-def check_documents(settings: Settings, documents: list | None) -> None:
+def check_documents(settings: ServiceSettings, documents: list | None) -> None:
     """Count, title and text limits of documents (each with `title` and `text`)."""
     if documents is None:
         return

@@ -1,6 +1,8 @@
 """Configuration shared by the service and the batch CLI: `BLENDSERVE_*` variables and `.env`.
 
-Bad values fail fast at start-up with pydantic's message naming the field.
+Bad values fail fast at start-up with pydantic's message naming the field. The fields only the
+HTTP service reads (listener, API key, queue, timeout, request limits) are in
+`app.settings.ServiceSettings`, a subclass reading the same variables and `.env`.
 """
 
 from __future__ import annotations
@@ -16,27 +18,14 @@ from blend_engine.types import Mode
 SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "sample_corpus" / "hotpotqa_sample.jsonl"
 
 
+def empty_is_none(v):
+    """An optional setting given as an empty or blank string (`BLENDSERVE_REDIS_URL=`) is unset."""
+    return None if isinstance(v, str) and not v.strip() else v
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BLENDSERVE_", env_file=".env", extra="ignore")
 
-    # service
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    api_key: str | None = None
-    max_queue: int = Field(16, ge=1, description="requests waiting for the engine before 503")
-    workers: int = Field(1, ge=1, le=16, description="engine worker threads")
-    request_timeout_s: float = Field(120.0, gt=0)
-    max_body_bytes: int = Field(4 << 20, ge=1024, description="request bodies above this get 413")
-    max_question_chars: int = Field(4000, ge=1)
-    max_documents: int = Field(32, ge=1, description="documents per request (inline or ingested)")
-    max_document_chars: int = Field(100_000, ge=1)
-    max_title_chars: int = Field(300, ge=1, description="document titles above this get 422 (a title is repeated "
-                                                        "in every passage of its document)")
-    max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
-    max_top_k: int = Field(50, ge=1)
-    explain_max_tokens: int = Field(4096, ge=1, description="tokens explained per request (explain=true); "
-                                                            "the rest are counted but not listed")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # storage
     data_dir: Path = Path("data")
     kv_format: Literal["auto", "fp16", "bf16", "fp32", "int8"] = Field(
@@ -77,25 +66,13 @@ class Settings(BaseSettings):
     ivf_nprobe: int = Field(16, ge=1)
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
-    @field_validator("redis_url", "api_key", "database_url", mode="before")
-    @classmethod
-    def _empty_is_none(cls, v):
-        return None if isinstance(v, str) and not v.strip() else v
+    _empty_is_none = field_validator("redis_url", "database_url", mode="before")(empty_is_none)
 
     @field_validator("database_url")
     @classmethod
     def _postgres_only(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("postgresql://", "postgres://")):
             raise ValueError("must be a postgresql:// URL (unset = SQLite in the data dir)")
-        return v
-
-    @field_validator("api_key")
-    @classmethod
-    def _ascii_key(cls, v: str | None) -> str | None:
-        """HTTP headers arrive as latin-1 bytes: a key outside printable ASCII could never match."""
-        if v is not None and not all(0x21 <= ord(ch) <= 0x7E for ch in v):
-            raise ValueError("must be printable ASCII without spaces (an HTTP Authorization header cannot carry "
-                             "other characters reliably, so such a key could never match)")
         return v
 
     @model_validator(mode="after")

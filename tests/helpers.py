@@ -9,10 +9,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from app.settings import ServiceSettings
 from benchmarks.data import DATA_ENV, default_data_dir
 from blend_engine.kv_store import ChunkKV
 from blend_engine.model import ModelRunner
-from blendserve_config.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
@@ -87,11 +87,11 @@ def perturb(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # ============================================================================ the service in-process
-def make_settings(data_dir, **overrides) -> Settings:
+def make_settings(data_dir, **overrides) -> ServiceSettings:
     values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 256, "disk_cache_mb": 512,
               "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60}
     values.update(overrides)
-    return Settings(_env_file=None, **values)
+    return ServiceSettings(_env_file=None, **values)
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:

@@ -88,6 +88,7 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
 
 @pytest.mark.parametrize("statement", [
     "from blendserve_config.settings import Settings; Settings(_env_file=None)",
+    "from app.settings import ServiceSettings; ServiceSettings(_env_file=None)",
     "import blend_engine; from blend_engine.types import Mode; blend_engine.Mode",
     "import retrieval.text",
 ])

@@ -12,10 +12,10 @@ from app.presenters import Answered, blend_extra, chat_response, usage
 from app.routes.common import build_spec
 from app.schemas import ChatCompletionRequest, ChatCompletionResponse
 from app.service import QuerySpec
+from app.settings import ServiceSettings
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
 from app.validation import check_limits, field_error, reject_surrogates
-from blendserve_config.settings import Settings
 
 router = APIRouter(tags=["query"])
 ENDPOINT = "/v1/chat/completions"
@@ -50,7 +50,7 @@ class ChatFrames:
         return sse(body)
 
 
-def _chat_spec(s: Settings, req: ChatCompletionRequest) -> QuerySpec:
+def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest) -> QuerySpec:
     """The last user message is the question; system and developer messages make the system prompt."""
     users = [i for i, m in enumerate(req.messages) if m.role == "user"]
     if not users or not req.messages[users[-1]].text().strip():

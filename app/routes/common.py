@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 from app.schemas import ChatCompletionRequest, QueryRequest
 from app.service import QuerySpec, SuppliedDocument
+from app.settings import ServiceSettings
 from blend_engine.types import GenerationConfig, Mode
-from blendserve_config.settings import Settings
 
 
-def build_spec(settings: Settings, req: QueryRequest | ChatCompletionRequest, *, question: str, max_tokens: int,
+def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequest, *, question: str, max_tokens: int,
                temperature: float, top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
                system_prompt: str | None = None) -> QuerySpec:
     """The request's retrieval, mode and explain fields, with server defaults where it leaves them out."""

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from app.main import create_app
+from app.settings import ServiceSettings
 from blendserve_config.settings import Settings
 from tests.helpers import make_settings, svc, wait_ready
 
@@ -94,14 +95,37 @@ def test_startup_failure_is_reported_by_readyz(tmp_path):
 
 def test_settings_fail_fast_naming_the_field(monkeypatch):
     with pytest.raises(ValidationError, match="port"):
-        Settings(_env_file=None, port=0)
+        ServiceSettings(_env_file=None, port=0)
     monkeypatch.setenv("BLENDSERVE_MAX_QUEUE", "zero")
     with pytest.raises(ValidationError, match="max_queue"):
-        Settings(_env_file=None)
+        ServiceSettings(_env_file=None)
     monkeypatch.delenv("BLENDSERVE_MAX_QUEUE")
     monkeypatch.setenv("BLENDSERVE_DEFAULT_MODE", "turbo")
     with pytest.raises(ValidationError, match="default_mode"):
         Settings(_env_file=None)
+
+
+SERVICE_ONLY = ("host", "port", "api_key", "max_queue", "workers", "request_timeout_s", "max_body_bytes",
+                "max_question_chars", "max_documents", "max_document_chars", "max_title_chars", "max_new_tokens",
+                "max_top_k", "explain_max_tokens", "log_level")
+
+
+def test_service_settings_extend_the_shared_ones_under_the_same_names(tmp_path, monkeypatch):
+    shared, service = Settings.model_fields, ServiceSettings.model_fields
+    assert not set(SERVICE_ONLY) & set(shared) and set(service) == set(shared) | set(SERVICE_ONLY)
+    assert all(service[name].default == field.default for name, field in shared.items())
+    monkeypatch.chdir(tmp_path)  # one .env for both, as in a deployment
+    (tmp_path / ".env").write_text("BLENDSERVE_MAX_QUEUE=3\nBLENDSERVE_PORT=8123\nBLENDSERVE_CHUNK_TOKENS=128\n")
+    monkeypatch.setenv("BLENDSERVE_WORKERS", "2")
+    s = ServiceSettings()
+    assert (s.max_queue, s.port, s.workers, s.chunk_tokens) == (3, 8123, 2, 128)
+    cli = Settings()  # the CLI reads the same file and ignores what is not its own
+    assert cli.chunk_tokens == 128 and not hasattr(cli, "max_queue")
+
+
+def test_create_app_refuses_the_shared_settings(tmp_path):
+    with pytest.raises(TypeError, match="ServiceSettings"):
+        create_app(Settings(_env_file=None, data_dir=tmp_path / "data"))
 
 
 def test_several_apps_in_one_process_have_separate_registries(tmp_path):

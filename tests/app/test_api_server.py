@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from app.main import create_app
-from blendserve_config.settings import Settings
+from app.settings import ServiceSettings
 from retrieval.text import format_passage
 
 DOCS = [
@@ -70,7 +70,7 @@ def wait_ready(url: str, timeout: float, headers: dict | None = None, proc: subp
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory, tiny_stack_factory, free_port):
     port = free_port()
-    settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("srv") / "data", ingest_sample_on_start=False,
+    settings = ServiceSettings(_env_file=None, data_dir=tmp_path_factory.mktemp("srv") / "data", ingest_sample_on_start=False,
                         workers=2, max_queue=16, memory_cache_mb=256, redis_url=None, api_key=None)
     app = create_app(settings, tiny_stack_factory)
     with ThreadedServer(app, port) as srv:

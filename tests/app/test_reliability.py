@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from app.main import create_app
-from blendserve_config.settings import Settings
+from app.settings import ServiceSettings
 from corpus_tools.documents import Document
 from tests.helpers import make_settings, svc, wait_ready
 
@@ -98,10 +98,10 @@ def test_title_limit_and_title_must_fit_a_passage(tmp_path, tiny_stack_factory):
 
 
 def test_title_limit_is_a_setting(monkeypatch):
-    assert Settings(_env_file=None).max_title_chars >= 100
+    assert ServiceSettings(_env_file=None).max_title_chars >= 100
     monkeypatch.setenv("BLENDSERVE_MAX_TITLE_CHARS", "0")
     with pytest.raises(ValidationError, match="max_title_chars"):
-        Settings(_env_file=None)
+        ServiceSettings(_env_file=None)
 
 
 # ============================================================================ 3. a timed-out ingestion commits nothing
@@ -457,7 +457,7 @@ def test_readyz_without_the_key_hides_startup_error_details(tmp_path):
 
 def test_a_non_ascii_api_key_is_refused_at_start_up():
     with pytest.raises(ValidationError, match="api_key") as exc:
-        Settings(_env_file=None, api_key="clé-secrète")
+        ServiceSettings(_env_file=None, api_key="clé-secrète")
     assert "ASCII" in str(exc.value)
 
 

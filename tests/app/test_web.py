@@ -18,7 +18,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from app.main import STATIC_DIR, create_app
-from blendserve_config.settings import Settings
+from app.settings import ServiceSettings
 
 KEY = "page-key"
 DOCS = [
@@ -30,11 +30,11 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None)
 
 
-def _settings(data_dir: Path, **kw) -> Settings:
+def _settings(data_dir: Path, **kw) -> ServiceSettings:
     values = dict(data_dir=data_dir, ingest_sample_on_start=False, memory_cache_mb=256, redis_url=None, api_key=KEY,
                   workers=1, max_queue=16)
     values.update(kw)
-    return Settings(_env_file=None, **values)
+    return ServiceSettings(_env_file=None, **values)
 
 
 # ============================================================================ served files

@@ -10,17 +10,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
+from app.settings import ServiceSettings
 from blend_engine import selfcheck
 from blend_engine.engine import EngineConfig
 from blend_engine.selfcheck import GateDecision, GateResult, cache_path, decide, gate_key, run_gate
-from blendserve_config.settings import Settings
 from tests.helpers import wait_ready
 
 
-def make_settings(data_dir, **overrides) -> Settings:
+def make_settings(data_dir, **overrides) -> ServiceSettings:
     values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 64, "disk_cache_mb": 64,
               "redis_url": None, "api_key": None, "workers": 1}
-    return Settings(_env_file=None, **{**values, **overrides})
+    return ServiceSettings(_env_file=None, **{**values, **overrides})
 
 
 def _no_measure(*_args, **_kwargs):

@@ -1,0 +1,49 @@
+"""The service's settings: the shared `Settings` plus what only the HTTP service reads.
+
+`ServiceSettings` reads the same `BLENDSERVE_*` variables and `.env` file as the shared
+`blendserve_config.settings.Settings` (the CLI's), and adds the listener, the API key, the worker
+queue, the timeout and the request limits. Cheap to import (no torch). Pass a `ServiceSettings` to
+`app.main.create_app`: a plain `Settings` lacks these fields, and pydantic-settings would drop them
+silently (extra="ignore"), so `create_app` refuses one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from blendserve_config.settings import Settings, empty_is_none
+
+
+class ServiceSettings(Settings):
+    """Everything in `Settings`, plus the fields only the service reads (same variable names)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = None
+    max_queue: int = Field(16, ge=1, description="requests waiting for the engine before 503")
+    workers: int = Field(1, ge=1, le=16, description="engine worker threads")
+    request_timeout_s: float = Field(120.0, gt=0)
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="request bodies above this get 413")
+    max_question_chars: int = Field(4000, ge=1)
+    max_documents: int = Field(32, ge=1, description="documents per request (inline or ingested)")
+    max_document_chars: int = Field(100_000, ge=1)
+    max_title_chars: int = Field(300, ge=1, description="document titles above this get 422 (a title is repeated "
+                                                        "in every passage of its document)")
+    max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
+    max_top_k: int = Field(50, ge=1)
+    explain_max_tokens: int = Field(4096, ge=1, description="tokens explained per request (explain=true); "
+                                                            "the rest are counted but not listed")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    _empty_key_is_none = field_validator("api_key", mode="before")(empty_is_none)
+
+    @field_validator("api_key")
+    @classmethod
+    def _ascii_key(cls, v: str | None) -> str | None:
+        """HTTP headers arrive as latin-1 bytes: a key outside printable ASCII could never match."""
+        if v is not None and not all(0x21 <= ord(ch) <= 0x7E for ch in v):
+            raise ValueError("must be printable ASCII without spaces (an HTTP Authorization header cannot carry "
+                             "other characters reliably, so such a key could never match)")
+        return v
