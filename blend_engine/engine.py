@@ -230,7 +230,8 @@ class BlendEngine:
         repair = self._repairer({k: s for s, k in mp.cached}, mp.in_context)
         loader = self.loader if mp.store is self.store else LayerLoader(mp.store)
         packer = LayerPacker(self.runner.device, self.runner.dtype, slots=loader.prefetch_depth + 2)
-        return loader.stream([k for _, k in mp.cached], self.runner.shape.n_layers, repair, packer)
+        return loader.stream([k for _, k in mp.cached], self.runner.shape.n_layers, repair, packer,
+                             stored=packer.moves_int8)  # int8 moves as int8, dequantized on the device
 
     @staticmethod
     def _explain(plan: BlendPlan, layout: PromptLayout, final: list[int], probe: ScoreProbe, mp: ModePlan,

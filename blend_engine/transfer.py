@@ -7,7 +7,12 @@ recording an event. The engine's thread only makes its compute stream wait for t
 (`PackedLayer.wait`, no host sync), so the copy of layer i+1 overlaps the compute of layer i.
 
 On the CPU the same code packs into buffers of the compute dtype (the cast happens on the reader
-thread too) and no copy is needed. Shapes: H kv heads, Tc cached tokens, D head dim.
+thread too) and no copy is needed. Shapes: H kv heads, Tc cached tokens, D head dim, C chunks.
+
+int8 chunks (`codec.QuantLayer`, asked for with `LayerPacker.moves_int8`) travel as int8: the ring
+holds int8 kq, vq [H, Tc, D] plus their fp16 scales (K per chunk and channel [H, C, D], V per
+token [H, Tc]), half the bytes of fp16 over PCIe; `PackedLayer.wait` dequantizes on the device in
+fp32 with the codec's own formula, so the values equal the host decode's bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+from blend_engine.kv_store.codec import QuantLayer, dequantize_k, dequantize_v
+
+LayerKV = list[tuple[torch.Tensor, torch.Tensor] | QuantLayer]
 
 
 def cuda_ready(device: torch.device) -> bool:
@@ -24,22 +31,45 @@ def cuda_ready(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+@dataclass(frozen=True)
+class Int8Scales:
+    """Scales of an int8 packed layer: ks [H, C, D] fp16 (per chunk and channel), vs [H, Tc] fp16
+    (per token), chunk [Tc] int64 (each cached token's chunk)."""
+
+    ks: torch.Tensor
+    vs: torch.Tensor
+    chunk: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.ks, self.vs, self.chunk
+
+    def dequantize(self, kq: torch.Tensor, vq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kq, vq [H, Tc, D] int8 -> k, v [H, Tc, D] fp32, where the tensors are."""
+        ks = self.ks.index_select(1, self.chunk)  # [H, Tc, D] fp16: each token's chunk scale
+        return dequantize_k(kq, ks), dequantize_v(vq, self.vs)
+
+
 @dataclass
 class PackedLayer:
-    """One layer of the cached chunks: k, v [H, Tc, D] on the target device, `ready` its copy."""
+    """One layer of the cached chunks: k, v [H, Tc, D] on the target device (int8 when `scales`
+    is set), `ready` the event of their copy."""
 
     k: torch.Tensor
     v: torch.Tensor
     ready: object | None = None  # torch.cuda.Event on CUDA
+    scales: Int8Scales | None = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Order the consumer's stream after the copy (device-side wait, no host sync)."""
+        """Order the consumer's stream after the copy (device-side wait, no host sync); k, v [H, Tc, D]
+        (fp32 when dequantized here)."""
         if self.ready is not None:
             stream = torch.cuda.current_stream(self.k.device)
             stream.wait_event(self.ready)
-            self.k.record_stream(stream)  # allocated on the copy stream, freed after use on this one
-            self.v.record_stream(stream)
-        return self.k, self.v
+            for t in (self.k, self.v, *(self.scales.tensors() if self.scales else ())):
+                t.record_stream(stream)  # allocated on the copy stream, freed after use on this one
+        if self.scales is None:
+            return self.k, self.v
+        return self.scales.dequantize(self.k, self.v)  # [H, Tc, D] fp32 each
 
 
 class LayerPacker:
@@ -52,14 +82,21 @@ class LayerPacker:
     def __init__(self, device: torch.device | str, compute_dtype: torch.dtype, slots: int = 2) -> None:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
+        self.moves_int8 = self.device.type != "cpu"  # the CPU decodes on the host (measured: as fast)
         self._cuda = cuda_ready(self.device)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._slots = max(2, slots)
-        self._ring: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ring: list[tuple[torch.Tensor, ...]] = []
         self._events: list[object | None] = [None] * self._slots
         self._next = 0
+        self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def __call__(self, layer_kv: LayerKV) -> PackedLayer:
+        quant = [isinstance(x, QuantLayer) for x in layer_kv]
+        if all(quant):
+            return self._int8(layer_kv)
+        if any(quant):  # a store mixing formats: decode its int8 chunks here
+            layer_kv = [x.dequantize() if isinstance(x, QuantLayer) else x for x in layer_kv]
         if self.device.type != "cpu" and all(kc.device == self.device for kc, _ in layer_kv):
             return PackedLayer(torch.cat([kc for kc, _ in layer_kv], dim=1),  # [H, Tc, D] already there
                                torch.cat([vc for _, vc in layer_kv], dim=1))
@@ -68,32 +105,56 @@ class LayerPacker:
         kb, vb = self._pack(layer_kv)  # [H, Tc, D] host buffers
         if self.device.type == "cpu":
             return PackedLayer(kb, vb)
+        kd, vd, event = self._send(kb, vb)
+        return PackedLayer(kd, vd, event)
+
+    def _send(self, *host: torch.Tensor) -> tuple:
+        """Start the copies of this slot's host buffers to the device: (*device tensors, event)."""
         if not self._cuda:  # another device (or a stand-in): a plain transfer
-            return PackedLayer(kb.to(self.device), vb.to(self.device))
+            return (*(t.to(self.device) for t in host), None)
         with torch.cuda.stream(self._stream):
-            kd = kb.to(self.device, non_blocking=True)  # [H, Tc, D]
-            vd = vb.to(self.device, non_blocking=True)  # [H, Tc, D]
+            out = tuple(t.to(self.device, non_blocking=True) for t in host)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._events[(self._next - 1) % self._slots] = event
-        return PackedLayer(kd, vd, event)
+        return (*out, event)
+
+    def _int8(self, layer: list[QuantLayer]) -> PackedLayer:
+        """int8 chunks: packed as int8 + scales, moved as such, dequantized by `PackedLayer.wait`."""
+        H, _, D = layer[0].shape
+        lengths = tuple(q.shape[1] for q in layer)
+        Tc, C = sum(lengths), len(layer)
+        kq, vq, ks, vs = self._slot([((H, Tc, D), torch.int8), ((H, Tc, D), torch.int8),
+                                     ((H, C, D), torch.float16), ((H, Tc), torch.float16)])
+        o = 0
+        for j, q in enumerate(layer):
+            t = lengths[j]
+            kq[:, o:o + t].copy_(q.kq)  # [H, t, D] int8
+            vq[:, o:o + t].copy_(q.vq)  # [H, t, D] int8
+            ks[:, j].copy_(q.ks)  # [H, D] fp16
+            vs[:, o:o + t].copy_(q.vs)  # [H, t] fp16
+            o += t
+        if self.device.type == "cpu":
+            return PackedLayer(*Int8Scales(ks, vs, self._chunks(lengths)).dequantize(kq, vq))
+        *moved, event = self._send(kq, vq, ks, vs)
+        return PackedLayer(moved[0], moved[1], event, Int8Scales(moved[2], moved[3], self._chunks(lengths)))
+
+    def _chunks(self, lengths: tuple[int, ...]) -> torch.Tensor:
+        """Each cached token's chunk, [Tc] int64 on the device: the same for every layer, moved once."""
+        if self._chunk_index is None or self._chunk_index[0] != lengths:
+            index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [Tc]
+            self._chunk_index = (lengths, index.to(self.device))
+        return self._chunk_index[1]
 
     def _pack(self, layer_kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
         H, _, D = layer_kv[0][0].shape
         Tc = sum(kc.shape[1] for kc, _ in layer_kv)
         # the CPU computes in the compute dtype; a device gets the stored dtype (fewer bytes to move),
-        # except values the codec decoded to fp32 (int8): those move in the compute dtype when narrower
+        # except values decoded to fp32 on the host: those move in the compute dtype when narrower
         stored = layer_kv[0][0].dtype
         narrower = stored == torch.float32 and self.compute_dtype.itemsize < 4
         dtype = self.compute_dtype if self.device.type == "cpu" or narrower else stored
-        slot = self._next % self._slots
-        self._next += 1
-        if not self._ring or self._ring[0][0].shape != (H, Tc, D) or self._ring[0][0].dtype != dtype:
-            self._ring = [self._alloc((H, Tc, D), dtype) for _ in range(self._slots)]
-            self._events = [None] * self._slots
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()  # this thread only: the previous copy out of the slot is done
-        kb, vb = self._ring[slot]
+        kb, vb = self._slot([((H, Tc, D), dtype), ((H, Tc, D), dtype)])
         o = 0
         for kc, vc in layer_kv:
             t = kc.shape[1]
@@ -102,9 +163,17 @@ class LayerPacker:
             o += t
         return kb, vb
 
-    def _alloc(self, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.empty(shape, dtype=dtype, pin_memory=self._cuda),
-                torch.empty(shape, dtype=dtype, pin_memory=self._cuda))
+    def _slot(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[torch.Tensor, ...]:
+        """The next ring slot's host buffers of these (shape, dtype)s, free to overwrite."""
+        slot = self._next % self._slots
+        self._next += 1
+        if not self._ring or [(tuple(t.shape), t.dtype) for t in self._ring[0]] != specs:
+            self._ring = [tuple(torch.empty(shape, dtype=dt, pin_memory=self._cuda) for shape, dt in specs)
+                          for _ in range(self._slots)]
+            self._events = [None] * self._slots
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()  # this thread only: the previous copy out of the slot is done
+        return self._ring[slot]
 
     def _copy_pinned(self, layer_kv: LayerKV) -> PackedLayer:
         """Chunks already in pinned memory: copy each straight into its slice of a device block."""

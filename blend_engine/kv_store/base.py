@@ -86,6 +86,11 @@ class KVStore(ABC):
     def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One layer's (k, v), each [H, T, D]; None on a miss or a corrupt entry (which is dropped)."""
 
+    def get_layer_stored(self, key: str, layer: int):
+        """One layer as stored, for a consumer that decodes it where it computes: (k, v) [H, T, D],
+        or an int8 store's `codec.QuantLayer`. Default: `get_layer`."""
+        return self.get_layer(key, layer)
+
     @abstractmethod
     def get(self, key: str) -> ChunkKV | None:
         """Every layer of a chunk (in the store's precision); None on a miss or corruption."""

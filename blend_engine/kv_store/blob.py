@@ -17,7 +17,14 @@ import torch
 
 from blend_engine.errors import CorruptChunk
 from blend_engine.kv_store.base import ChunkKV, KVStore
-from blend_engine.kv_store.codec import ChunkMeta, check_format, decode_chunk, decode_layer, encode_chunk
+from blend_engine.kv_store.codec import (
+    ChunkMeta,
+    QuantLayer,
+    check_format,
+    decode_chunk,
+    decode_layer,
+    encode_chunk,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +65,17 @@ class BlobStore(KVStore):
         return self.put_blobs(key, meta, blobs)
 
     def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._decoded_layer(key, layer, quantized=False)  # [H, T, D] each
+
+    def get_layer_stored(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | QuantLayer | None:
+        return self._decoded_layer(key, layer, quantized=True)  # int8: not dequantized here
+
+    def _decoded_layer(self, key: str, layer: int, quantized: bool):
         got = self.get_blob(key, layer)
         if got is None:
             return None
         try:
-            return decode_layer(*got)  # [H, T, D] each
+            return decode_layer(*got, quantized=quantized)
         except CorruptChunk as exc:
             self._drop_unreadable(key, exc)
             return None

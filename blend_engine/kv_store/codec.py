@@ -117,19 +117,55 @@ def encode_layer(fmt: str, k: torch.Tensor, v: torch.Tensor) -> bytearray:
     return bytearray().join((_raw(k.to(dt)), _raw(v.to(dt))))
 
 
-def decode_layer(meta: ChunkMeta, blob: bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stored blob -> (k, v) [H, T, D]. Float formats return views of `blob` (no copy): read-only by contract."""
+@dataclass(frozen=True)
+class QuantLayer:
+    """One layer of an int8 chunk as stored (views of its blob, read-only): kq, vq [H, T, D] int8,
+    ks [H, D] fp16 (K per channel), vs [H, T] fp16 (V per token). Moves as int8 to a device and is
+    dequantized there (`transfer`); `dequantize` is the host decode, the one formula both use."""
+
+    kq: torch.Tensor
+    vq: torch.Tensor
+    ks: torch.Tensor
+    vs: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.kq.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kq, self.vq, self.ks, self.vs))
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [H, T, D] fp32."""
+        return dequantize_k(self.kq, self.ks.unsqueeze(1)), dequantize_v(self.vq, self.vs)
+
+
+def dequantize_k(kq: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """kq [H, T, D] int8, ks [H, 1 or T, D] fp16 -> k [H, T, D] fp32 (exact products of exact fp32 casts)."""
+    return kq.float() * ks.float()  # [H, T, D]
+
+
+def dequantize_v(vq: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """vq [H, T, D] int8, vs [H, T] fp16 -> v [H, T, D] fp32."""
+    return vq.float() * vs.float().unsqueeze(-1)  # [H, T, D]
+
+
+def decode_layer(meta: ChunkMeta, blob: bytearray | memoryview,
+                 quantized: bool = False) -> tuple[torch.Tensor, torch.Tensor] | QuantLayer:
+    """A stored blob -> (k, v) [H, T, D], or with `quantized` an int8 layer as its `QuantLayer`.
+    Float formats return views of `blob` (no copy): read-only by contract."""
     H, T, D = meta.n_heads, meta.n_tokens, meta.head_dim
     if len(blob) != meta.layer_nbytes:
         raise CorruptChunk(f"layer blob of {len(blob)} bytes, expected {meta.layer_nbytes}")
     raw = torch.frombuffer(blob, dtype=torch.uint8)  # [bytes]
     n = H * T * D
     if meta.fmt == "int8":
-        kq = raw[:n].view(torch.int8).view(H, T, D)  # [H, T, D]
-        vq = raw[n:2 * n].view(torch.int8).view(H, T, D)  # [H, T, D]
-        ks = raw[2 * n:2 * n + 2 * H * D].view(torch.float16).view(H, 1, D).float()  # [H, 1, D]
-        vs = raw[2 * n + 2 * H * D:].view(torch.float16).view(H, T, 1).float()  # [H, T, 1]
-        return kq.float() * ks, vq.float() * vs  # [H, T, D] each, fp32
+        q = QuantLayer(raw[:n].view(torch.int8).view(H, T, D),  # kq [H, T, D]
+                       raw[n:2 * n].view(torch.int8).view(H, T, D),  # vq [H, T, D]
+                       raw[2 * n:2 * n + 2 * H * D].view(torch.float16).view(H, D),  # ks [H, D]
+                       raw[2 * n + 2 * H * D:].view(torch.float16).view(H, T))  # vs [H, T]
+        return q if quantized else q.dequantize()  # [H, T, D] each, fp32
     dt = FLOAT_FORMATS[meta.fmt]
     half = n * dt.itemsize
     k = raw[:half].view(dt).view(H, T, D)  # [H, T, D]
@@ -147,13 +183,7 @@ def encode_chunk(fmt: str, kv: ChunkKV, fingerprint: str = "") -> tuple[ChunkMet
 
 
 def decode_chunk(meta: ChunkMeta, blobs: Sequence[bytearray]) -> ChunkKV:
-    layers = [decode_layer(meta, b) for b in blobs]
+    layers = [decode_layer(meta, b) for b in blobs]  # (k, v) [H, T, D] each
     k = torch.stack([kl for kl, _ in layers])  # [L, H, T, D]
     v = torch.stack([vl for _, vl in layers])  # [L, H, T, D]
     return ChunkKV(k, v)
-
-
-def roundtrip(fmt: str, kv: ChunkKV) -> ChunkKV:
-    """What a chunk looks like after a store/load cycle in `fmt` (used for repaired chunks)."""
-    meta, blobs = encode_chunk(fmt, kv)
-    return decode_chunk(meta, blobs)

@@ -3,6 +3,8 @@
 `LayerStream` is an iterator over layers; each item is the list of (k, v) [H, T, D] for the
 requested chunks in order, or, given a `pack` callable (the engine's `transfer.LayerPacker`),
 whatever it makes of that list: packing runs on the reader thread, off the critical path.
+With `stored=True` an int8 store's layers come as read (`codec.QuantLayer`, not dequantized),
+for a consumer that moves them as int8 and dequantizes on its device.
 `PrefetchStream` reads layers i+1.. on a background thread while the engine computes layer i
 (bounded read-ahead); `LayerStream` reads synchronously. Either way a missing or corrupt chunk
 is recomputed through `repair(key)`, stored again, and counted.
@@ -20,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from blend_engine.kv_store.base import ChunkKV, KVStore
-from blend_engine.kv_store.codec import FORMATS, roundtrip
+from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
 
 logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+LayerKV = list[tuple[torch.Tensor, torch.Tensor] | QuantLayer]
 Pack = Callable[[LayerKV], object]
 
 
@@ -42,33 +44,44 @@ class LayerStream:
     """Synchronous stream: reads layer i when the engine asks for it (no overlap)."""
 
     def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair,
-                 pack: Pack | None = None) -> None:
+                 pack: Pack | None = None, stored: bool = False) -> None:
         self._store = store
         self._pack = pack
+        self._stored = stored
         self._keys = list(keys)
         self._n_layers = n_layers
         self._repair = repair
-        self._fixed: dict[str, ChunkKV] = {}
+        self._fixed: dict[str, ChunkKV | tuple[ChunkMeta, list[bytearray]]] = {}
         self.trace = LoadTrace()
 
-    def _fix(self, key: str) -> ChunkKV:
+    def _fix(self, key: str) -> None:
         """Recompute a chunk from its text, store it again, and use it as the store would return it."""
         kv = self._repair(key)
         self._store.put(key, kv)
         fmt = getattr(self._store, "kv_format", None)
-        if fmt in FORMATS:
-            kv = roundtrip(fmt, kv)  # same values a later cached load gives
-        self._fixed[key] = kv
+        self._fixed[key] = encode_chunk(fmt, kv) if fmt in FORMATS else kv  # a later cached load's values
         self.trace.repaired.append(key)
-        return kv
+
+    def _fixed_layer(self, key: str, layer: int):
+        fixed = self._fixed[key]
+        if isinstance(fixed, ChunkKV):
+            return fixed.layer(layer)  # [H, T, D] each
+        meta, blobs = fixed
+        return decode_layer(meta, blobs[layer], quantized=self._stored)
+
+    def _get(self, key: str, layer: int):
+        if self._stored:
+            return self._store.get_layer_stored(key, layer)
+        return self._store.get_layer(key, layer)
 
     def _read(self, layer: int) -> LayerKV:
         out: LayerKV = []
         for key in self._keys:
-            got = self._fixed[key].layer(layer) if key in self._fixed else self._store.get_layer(key, layer)
+            got = self._fixed_layer(key, layer) if key in self._fixed else self._get(key, layer)
             if got is None:  # missing or corrupt mid-stream: recompute from text, re-store, go on
-                got = self._fix(key).layer(layer)
-            self.trace.bytes_read += got[0].numel() * got[0].element_size() * 2
+                self._fix(key)
+                got = self._fixed_layer(key, layer)
+            self.trace.bytes_read += got.nbytes if isinstance(got, QuantLayer) else got[0].nbytes * 2
             out.append(got)
         return out
 
@@ -95,8 +108,8 @@ class PrefetchStream(LayerStream):
     """
 
     def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair, depth: int,
-                 pack: Pack | None = None) -> None:
-        super().__init__(store, keys, n_layers, repair, pack)
+                 pack: Pack | None = None, stored: bool = False) -> None:
+        super().__init__(store, keys, n_layers, repair, pack, stored)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="kv-prefetch", daemon=True)
@@ -151,8 +164,10 @@ class LayerLoader:
         self.store = store
         self.prefetch_depth = prefetch_depth
 
-    def stream(self, keys: Sequence[str], n_layers: int, repair: Repair, pack: Pack | None = None) -> LayerStream:
-        """`pack` turns each layer's chunk list into the item yielded (run where the read runs)."""
+    def stream(self, keys: Sequence[str], n_layers: int, repair: Repair, pack: Pack | None = None,
+               stored: bool = False) -> LayerStream:
+        """`pack` turns each layer's chunk list into the item yielded (run where the read runs);
+        `stored`: layers as stored (int8 not dequantized, see the module doc)."""
         if self.prefetch_depth == 0:
-            return LayerStream(self.store, keys, n_layers, repair, pack)
-        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth, pack)
+            return LayerStream(self.store, keys, n_layers, repair, pack, stored)
+        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth, pack, stored)

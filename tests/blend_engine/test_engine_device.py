@@ -18,6 +18,8 @@ counting stand-in answering from shapes alone.
 from __future__ import annotations
 
 import functools
+import math
+import threading
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.model import ModelRunner
+from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, SelectionPolicy, default_policy
 from tests.helpers import TINY_CONFIG
 
@@ -59,7 +62,8 @@ def _runner(model) -> ModelRunner:
         ModelRunner._fingerprint = orig
 
 
-_TRANSFERS = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.lift_fresh.default}
+_TRANSFERS = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.lift_fresh.default,
+              torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device}  # `.to` under inference_mode
 _SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten._unique2.default}
 
 
@@ -68,7 +72,12 @@ class DeviceMix(AssertionError):
 
 
 class DeviceChecker(TorchDispatchMode):
-    """Raises on an op that mixes CPU and device tensors (other than transfers) or reads values."""
+    """Raises on an op that mixes CPU and device tensors (other than transfers) or reads values.
+    `uploads`: (dtype, shape) of every host-to-device transfer, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uploads: list[tuple[torch.dtype, tuple[int, ...]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -79,7 +88,11 @@ class DeviceChecker(TorchDispatchMode):
             devices = {t.device.type for t in tensors if t.dim() > 0}
             if "cpu" in devices and len(devices) > 1:
                 raise DeviceMix(f"{func} mixes devices {sorted(devices)}")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _TRANSFERS and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" \
+                and isinstance(out, torch.Tensor) and out.device.type != "cpu":
+            self.uploads.append((args[0].dtype, tuple(args[0].shape)))
+        return out
 
 
 def _model(family: str):
@@ -95,19 +108,18 @@ def _device_runner(family: str) -> ModelRunner:
     return _runner(model.requires_grad_(False))
 
 
-@functools.lru_cache(maxsize=2)
-def _real_kv(family: str) -> dict:
+@functools.lru_cache(maxsize=4)
+def _real_kv(family: str, fmt: str = "fp16") -> dict:
     """Real KV of the system prefix and the passages, computed by a real CPU model of the same shape: {key: ChunkKV}."""
     torch.manual_seed(0)
-    eng = BlendEngine(_runner(_model(family)), MemoryStore(1 << 26, kv_format="fp16"),
-                      EngineConfig(kv_format="fp16"))
+    eng = BlendEngine(_runner(_model(family)), MemoryStore(1 << 26, kv_format=fmt), EngineConfig(kv_format=fmt))
     segments = eng.layout(BlendPlan(PASSAGES, QUESTION)).segments[:-1]  # the system prefix and the passages
     return {eng.key_of(s.token_ids): eng.precompute(s.token_ids) for s in segments}
 
 
-def _store(tier: str, tmp_path, family: str):
-    store = MemoryStore(1 << 26, kv_format="fp16") if tier == "memory" else DiskStore(tmp_path, kv_format="fp16")
-    for key, kv in _real_kv(family).items():
+def _store(tier: str, tmp_path, family: str, fmt: str = "fp16"):
+    store = MemoryStore(1 << 26, kv_format=fmt) if tier == "memory" else DiskStore(tmp_path, kv_format=fmt)
+    for key, kv in _real_kv(family, fmt).items():
         assert store.put(key, kv)
     return store
 
@@ -153,6 +165,49 @@ def test_every_mode_runs_on_a_device_model_with_cpu_side_kv(family, tier, depth,
         if mode != "full_prefill":
             assert state.report.cache_hits == len(PASSAGES) + 1 and state.report.cache_misses == 0
         assert len(host_sync_counter) <= 1, f"{mode}: more than one device->host sync per request"
+
+
+@pytest.fixture
+def reader_uploads(monkeypatch):
+    """Uploads made by the packer on the prefetch thread (dispatch modes are per thread), checked there too."""
+    seen: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    pack = LayerPacker.__call__
+
+    def checked(self, layer_kv):
+        if threading.current_thread() is threading.main_thread():
+            return pack(self, layer_kv)  # under the test's own checker
+        with DeviceChecker() as checker:
+            out = pack(self, layer_kv)
+        seen.extend(checker.uploads)
+        return out
+
+    monkeypatch.setattr(LayerPacker, "__call__", checked)
+    return seen
+
+
+@pytest.mark.parametrize("tier,depth", [("memory", 0), ("disk", 2)])
+def test_int8_kv_crosses_to_the_device_as_int8(tier, depth, tmp_path, host_sync_counter, reader_uploads):
+    """int8 chunks move as int8 plus small fp16 scales (half of fp16's bytes) and are dequantized
+    on the device: every host-to-device copy of a cached layer's [H, Tc, D] block is int8."""
+    store = _store(tier, tmp_path, "llama", "int8")
+    runner = _device_runner("llama")
+    engine = BlendEngine(runner, store, EngineConfig(kv_format="int8"), loader=LayerLoader(store, depth))
+    H, D, L = CONFIG["num_key_value_heads"], runner.shape.head_dim, CONFIG["num_hidden_layers"]
+    for mode, ratio in [("full_reuse", None), ("blend", 0.15)]:
+        plan = BlendPlan(PASSAGES, QUESTION, mode=mode, recompute_ratio=ratio)
+        layout = engine.layout(plan)
+        host_sync_counter.n_tokens = layout.n_tokens
+        Tc = sum(s.end - s.offset for s in layout.segments[:-1])  # every segment but the question is cached
+        reader_uploads.clear()
+        checker = DeviceChecker()
+        with checker:
+            state = engine.prefill(plan, max_new_tokens=2)
+        assert state.report.cache_hits == len(PASSAGES) + 1
+        uploads = checker.uploads + reader_uploads
+        blocks = [dt for dt, shape in uploads if shape == (H, Tc, D)]
+        assert blocks == [torch.int8] * (2 * L), f"{mode}: cached layers uploaded as {blocks}"
+        big = [(dt, shape) for dt, shape in uploads if dt != torch.int8 and math.prod(shape) >= H * Tc]
+        assert big == [(torch.float16, (H, Tc))] * L, f"{mode}: only V's per-token scales besides int8: {big}"
 
 
 def test_the_checker_catches_syncs_and_device_mixes():

@@ -168,3 +168,37 @@ def test_batched_precompute_equals_one_at_a_time():
         one = eng.precompute(ids)
         assert many.k.shape == one.k.shape
         assert torch.allclose(many.k, one.k, atol=1e-5) and torch.allclose(many.v, one.v, atol=1e-5)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_int8_dequantized_after_the_move_equals_the_host_decode(tmp_path, monkeypatch, tier):
+    """The device path (int8 packed as stored, dequantized where the model runs), forced on the CPU,
+    gives the logits and selection of the host decode; from disk with a corrupted chunk repaired."""
+    import blend_engine.engine as engine_mod
+    from blend_engine.transfer import LayerPacker
+
+    def run(moves_int8: bool):
+        class Packer(LayerPacker):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                self.moves_int8 = moves_int8
+
+        monkeypatch.setattr(engine_mod, "LayerPacker", Packer)
+        fp = fingerprint("int8")
+        store = (MemoryStore(1 << 26, kv_format="int8", fingerprint=fp) if tier == "memory"
+                 else build_store(kv_format="int8", disk_dir=tmp_path / str(moves_int8), fingerprint=fp))
+        engine = engine_on(store, "int8")
+        for p in PASSAGES:
+            engine.ensure_cached(p)
+        if tier == "disk":
+            store.tiers[0].delete(engine.key_of(engine.passage_tokens(PASSAGES[1])))  # only on disk now
+            path = store.tier("disk").path(engine.key_of(engine.passage_tokens(PASSAGES[1])))
+            data = bytearray(path.read_bytes())
+            data[-7] ^= 0xFF  # a flipped byte in the last layer: repaired mid-stream
+            path.write_bytes(bytes(data))
+        return engine.prefill(plan(0.3))
+
+    host, moved = run(False), run(True)
+    assert torch.equal(moved.logits, host.logits)
+    assert moved.report.recomputed_positions == host.report.recomputed_positions
+    assert moved.report.repaired_chunks == host.report.repaired_chunks == (1 if tier == "disk" else 0)
