@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from blend_engine.attention import check_selected_attention
 from blend_engine.errors import InputError
 from blend_engine.explain import Explanation, ScoreProbe, build_explanation, tier_of
 from blend_engine.generation import Generation
@@ -76,8 +77,12 @@ class EngineConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     kv_format: str = "fp16"
     prefix_cache_bytes: int = 1 << 30  # budget of the prefix_cache mode's in-context entries
+    # how a blend's selected rows attend: "auto" (4 blocks on the CPU, one boolean-mask SDPA on a
+    # device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `attention`)
+    selected_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        check_selected_attention(self.selected_attention)
         if not 0 <= self.default_ratio <= 1:
             raise ValueError("default_ratio must be within [0, 1]")
         if self.prefix_cache_bytes < 0:
@@ -196,7 +201,8 @@ class BlendEngine:
         tiers = {k: tier_of(mp.store, k) for _, k in mp.cached} if plan.explain else {}  # before loading promotes
         stream = self._stream(mp)
         job = LayerJob(ids, max_new_tokens, tuple(s for s, _ in mp.cached), stream, mp.recompute, mp.check_layer,
-                       mp.ratio, policy, layout, rotate=not mp.in_context, probe=probe)
+                       mp.ratio, policy, layout, rotate=not mp.in_context, probe=probe,
+                       attention=self.config.selected_attention)
         try:
             out = run_layers(self.runner, job)
         finally:

@@ -76,6 +76,7 @@ class LayerJob:
     layout: PromptLayout | None = None  # blend: which positions compete
     rotate: bool = True
     probe: ScoreProbe | None = None  # explain: keeps the check layer's scores
+    attention: str = "auto"  # how selected rows attend (`selection.Selection`)
     timer: Timer = field(default_factory=Timer)  # accumulates host time (the job itself is not changed)
 
 
@@ -141,7 +142,7 @@ class _LayerLoop:
         self.placer = Placer(r, list(job.cached), job.rotate)
 
     def _selection(self, positions: torch.Tensor) -> Selection:
-        return Selection(positions, self.cos_all, self.sin_all, self.n)
+        return Selection(positions, self.cos_all, self.sin_all, self.n, attention=self.job.attention)
 
     def run(self) -> LayerOutput:
         timer, n_layers = self.job.timer, self.r.shape.n_layers

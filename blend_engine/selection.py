@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
+from blend_engine.attention import flex_attend, selected_block_mask
 from blend_engine.explain import ScoreProbe
 from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
@@ -30,21 +32,26 @@ class Selection:
     """The positions recomputed at a layer and what attending from them needs, built once per set
     (the set changes only at the check layer and the schedule's layers, not at every layer).
 
-    On the CPU, queries are split into position-ordered blocks; each block reads only the keys up
+    `attention` (`EngineConfig.selected_attention`): "auto" is "blocks" on the CPU, "sdpa_mask"
+    elsewhere. "blocks": queries split into position-ordered blocks; each reads only the keys up
     to its last position, under an additive causal mask by absolute position: ~S x N / 2 work,
-    not S x N (reading a block's last position is free on the host). On a device that would be a
-    host sync per set, so there one boolean mask [S, N] by absolute position is built on the
-    device (no data-dependent shape) and SDPA keeps its memory-efficient kernel.
+    not S x N (reading a block's last position is free on the host; on a device it would be a
+    host sync per set). "sdpa_mask": one boolean mask [S, N] by absolute position, built on the
+    device (no data-dependent shape), SDPA keeps its memory-efficient kernel. "flex":
+    FlexAttention with a block mask from the positions (`attention`), one per window size.
     """
 
     def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, n: int,
-                 blocks: int = 4) -> None:
+                 blocks: int = 4, attention: str = "auto") -> None:
         self.pos = pos  # [S] sorted absolute positions
         self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
         self._n = n
         self._blocks: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         self._mask: torch.Tensor | None = None
-        if pos.device.type != "cpu":
+        self._flex: dict[int | None, BlockMask] | None = {} if attention == "flex" else None
+        if self._flex is not None:
+            return
+        if attention == "sdpa_mask" or pos.device.type != "cpu":
             self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
             return
         S = pos.numel()
@@ -58,6 +65,11 @@ class Selection:
     def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
         """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D].
         A sliding-window layer uses the model's window mask instead of the causal one."""
+        if self._flex is not None:
+            window = r.windows[layer]
+            if window not in self._flex:  # built once per set and window size, on the device
+                self._flex[window] = selected_block_mask(self.pos, self._n, window)
+            return flex_attend(q, K[:, :self._n], V[:, :self._n], self._flex[window], r.scaling)  # [S, Hq*D]
         if self._mask is not None:
             window = r.window_mask(layer, self.pos, self._n)  # [S, N] or None
             return r.attend(q, K[:, :self._n], V[:, :self._n], self._mask if window is None else window)  # [S, Hq*D]

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="fixed ratio; unset = controller")
     ratio_floor: float = Field(0.15, ge=0, le=1)
     ratio_max: float = Field(0.5, ge=0, le=1)
+    selected_attention: Literal["auto", "sdpa_mask", "flex"] = Field(
+        "auto", description="how a blend's recomputed rows attend: auto = 4 blocks on the CPU, one boolean-mask "
+                            "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
     # retrieval and ingestion

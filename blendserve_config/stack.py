@@ -96,7 +96,7 @@ def build_controller(settings: Settings):
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
     config = EngineConfig(kv_format=settings.kv_format, prefix_cache_bytes=settings.prefix_cache_mb << 20,
                           default_ratio=settings.recompute_ratio if settings.recompute_ratio is not None
-                          else settings.ratio_floor)
+                          else settings.ratio_floor, selected_attention=settings.selected_attention)
     return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))
 
 

@@ -44,7 +44,7 @@ def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatc
 
     monkeypatch.setattr(gc, "check_correctness", broken)
     monkeypatch.setattr(gc, "_tokenizer", lambda _p: None)
-    monkeypatch.setattr(gc, "_random_runner", lambda *_a: Runner())
+    monkeypatch.setattr(gc, "random_runner", lambda *_a: Runner())
     monkeypatch.setattr(gc, "time_ttft", lambda *_a: broken())
     monkeypatch.setattr(gc, "time_attention", lambda s, n, r, reps: {"tokens": n, "rows": 1, "bool_mask_ms": 1.0,
                         "bool_mask_expanded_kv_ms": 1.0, "float_mask_ms": 1.0, "blocks_ms": 1.0, "full_causal_ms": 1.0})
@@ -56,3 +56,21 @@ def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatc
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "out of memory" in saved["errors"]["ttft 512"]
     assert "ttft 512 failed" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_failing_variant_or_flex_timing_is_recorded_in_its_row():
+    from benchmarks.gpu_timing import recorded
+
+    assert "ZeroDivisionError" in recorded("flex", lambda: {"x": 1 / 0})["flex_error"]
+    assert recorded("flex", lambda: {"flex_ms": 1.0}) == {"flex_ms": 1.0}
+    env = {"device_name": "X", "torch": "t", "transformers": "t"}
+    row = {"tokens": 8192, "hf_forward_ms": 100.0, "full_prefill_ms": 110.0, "blend@0.15 pinned RAM_ms": 30.0,
+           "blend@0.15 GPU_ms": 29.0, "blend@auto local disk_ms": 100.0, "auto_served_by": "blend", "auto_ratio": 0.2,
+           "variants_error": "Traceback ...\nRuntimeError: compile failed"}
+    attention = {"tokens": 8192, "rows": 1228, "bool_mask_ms": 1.0, "bool_mask_expanded_kv_ms": 1.0,
+                 "float_mask_ms": 1.0, "blocks_ms": 1.0, "full_causal_ms": 1.0, "flex_ms": 0.5,
+                 "flex_block_mask_ms": 0.1, "flex_first_call_s": 20.0}
+    text = markdown({"environment": env, "reps": 3, "correctness": {"model": "m", "dtype": "bf16", "kv_format": "bf16",
+                     "rows": [], "pass": True}, "timing_model": "8b", "ttft": {"rows": [row]}, "attention": [attention]})
+    assert "flex/int8 variants failed: `RuntimeError: compile failed`" in text
+    assert "FlexAttention 0.50 ms" in text and "compile included: 20.0 s" in text

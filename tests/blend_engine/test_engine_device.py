@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import blend_engine.engine as engine_mod
+from blend_engine.attention import selected_block_mask
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
@@ -208,6 +209,16 @@ def test_int8_kv_crosses_to_the_device_as_int8(tier, depth, tmp_path, host_sync_
         assert blocks == [torch.int8] * (2 * L), f"{mode}: cached layers uploaded as {blocks}"
         big = [(dt, shape) for dt, shape in uploads if dt != torch.int8 and math.prod(shape) >= H * Tc]
         assert big == [(torch.float16, (H, Tc))] * L, f"{mode}: only V's per-token scales besides int8: {big}"
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_flex_block_masks_are_built_on_the_device_without_host_syncs(window):
+    """`selected_attention="flex"` builds its block mask from device positions inside the layer loop:
+    no host read (FlexAttention itself refuses `meta`, so the engine-level check is on the CPU)."""
+    pos = torch.arange(0, 300, 7, device="meta")  # [S]
+    with DeviceChecker():
+        mask = selected_block_mask(pos, 301, window)
+    assert mask.kv_num_blocks.device.type == "meta" and mask.shape[-2:] == (pos.shape[0], 301)
 
 
 def test_the_checker_catches_syncs_and_device_mixes():

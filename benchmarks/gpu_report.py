@@ -1,0 +1,75 @@
+"""The GPU check's markdown report (`gpu_check`), from its result dict (also partial runs)."""
+
+from __future__ import annotations
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"# GPU check ({env['device_name']}, torch {env['torch']}, transformers {env['transformers']})", ""]
+    if "correctness" not in result:
+        return "\n".join(lines)
+    c = result["correctness"]
+    lines += [f"## (1) correctness: {c['model']}, {c['dtype']}, KV {c['kv_format']}: "
+              f"{'PASS' if c['pass'] else 'FAIL'}", "",
+              "| tier | question | same argmax | KL ratio 1.0 | KL full_reuse | KL blend@0.15 |", "|---|---|---|---|---|---|"]
+    for r in c["rows"]:
+        lines.append(f"| {r['tier']} | {r['question']} | {r['same_argmax']} | {r['kl_ratio1']:.2e} | "
+                     f"{r['kl_full_reuse']:.3f} | {r['kl_blend015']:.3f} |")
+    t = result.get("ttft")
+    if t is None:
+        return "\n".join(lines)
+    lines += ["", f"## (2) time to first token, ms (median of {result['reps']}; {result['timing_model']}; "
+              "random weights: timing only)", ""]
+    keys = [k for k in t["rows"][0] if k.endswith("_ms") and k != "layout_ms"] if t["rows"] else []
+    lines += ["| tokens | " + " | ".join(k[:-3] for k in keys) + " | auto served by (ratio) |",
+              "|---" * (len(keys) + 2) + "|"]
+    for r in t["rows"]:
+        lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]:.1f}" for k in keys)
+                     + f" | {r['auto_served_by']} ({r['auto_ratio']:.2f}) |")
+    lines += ["", "Our modes include building the prompt layout (tokenizing the passages): layout_ms in the JSON.",
+              "", "Targets at 8K: blend@0.15 pinned RAM >= 3x faster than full_prefill; full_prefill within 1.2x of "
+              "hf_forward; blend@0.15 pinned RAM within 1.1x of blend@0.15 GPU; blend@auto local disk never slower "
+              "than full_prefill.", ""]
+    for r in t["rows"]:
+        speedup = r["full_prefill_ms"] / r["blend@0.15 pinned RAM_ms"]
+        lines.append(f"- {r['tokens']} tokens: blend pinned speedup {speedup:.2f}x, "
+                     f"full_prefill / hf {r['full_prefill_ms'] / r['hf_forward_ms']:.2f}, "
+                     f"blend pinned / GPU {r['blend@0.15 pinned RAM_ms'] / r['blend@0.15 GPU_ms']:.2f}, "
+                     f"auto disk / full {r['blend@auto local disk_ms'] / r['full_prefill_ms']:.2f}"
+                     + _variants(r))
+    for a in result.get("attention", []):
+        lines.append(f"- attention of {a['rows']} selected rows over {a['tokens']} keys: boolean mask "
+                     f"{a['bool_mask_ms']:.2f} ms (grouped K/V), {a['bool_mask_expanded_kv_ms']:.2f} ms (K/V "
+                     f"expanded, as the engine runs it on CUDA), additive float mask {a['float_mask_ms']:.2f} ms, 4 blocks "
+                     f"{a['blocks_ms']:.2f} ms, FlexAttention {_flex(a)}; all {a['tokens']} rows causal "
+                     f"{a['full_causal_ms']:.2f} ms (one layer)")
+    for name, err in result.get("errors", {}).items():
+        lines += ["", f"**{name} failed**: `{err.strip().splitlines()[-1]}` (traceback in the JSON)"]
+    i = result.get("ingestion")
+    if i is None:
+        return "\n".join(lines)
+    lines += ["", f"## (3) ingestion precompute ({i['passages']} passages of {i['passage_tokens']} tokens)", "",
+              f"one at a time: {i['one_at_a_time_passages_per_s']:.1f} passages/s; batched ({i['batch']}): "
+              f"{i['batched_passages_per_s']:.1f} passages/s", ""]
+    return "\n".join(lines)
+
+
+def _variants(r: dict) -> str:
+    """blend@0.15 flex and int8 against blend@0.15 from pinned RAM (rows of older runs lack them)."""
+    if "variants_error" in r:
+        return f", flex/int8 variants failed: `{r['variants_error'].strip().splitlines()[-1]}`"
+    if "blend@0.15 flex pinned RAM_ms" not in r:
+        return ""
+    base = r["blend@0.15 pinned RAM_ms"]
+    return (f", blend flex / default attention {r['blend@0.15 flex pinned RAM_ms'] / base:.2f} (first flex "
+            f"prefill, compile included: {r['flex_first_prefill_s']:.1f} s), blend int8 RAM / pinned RAM "
+            f"{r['blend@0.15 int8 RAM_ms'] / base:.2f}")
+
+
+def _flex(a: dict) -> str:
+    if "flex_error" in a:
+        return f"failed: `{a['flex_error'].strip().splitlines()[-1]}`"
+    if "flex_ms" not in a:
+        return "-"
+    return (f"{a['flex_ms']:.2f} ms (+ block mask {a['flex_block_mask_ms']:.2f} ms once per selection; first call, "
+            f"compile included: {a['flex_first_call_s']:.1f} s)")

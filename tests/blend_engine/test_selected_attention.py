@@ -1,0 +1,88 @@
+"""How a blend's selected rows attend (`EngineConfig.selected_attention`): FlexAttention with a block
+mask from the selected positions, and the one boolean-mask SDPA path, equal the CPU's 4-block path
+(same selection, logits within float rounding), with full and sliding-window attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import MemoryStore
+from blend_engine.model import ModelRunner
+from blend_engine.types import BlendPlan, SelectionPolicy
+from tests.helpers import PASSAGES, QUESTION, TINY_CONFIG
+
+WINDOW = 24  # shorter than every passage: window layers mask keys the causal mask would let through
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)),
+    "mistral-window": lambda: MistralForCausalLM(MistralConfig(**TINY_CONFIG, sliding_window=WINDOW)),
+}
+PLANS = {
+    "blend@0.15": BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=0.15),
+    "blend@0.3 gradual": BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=0.3,
+                                   policy=SelectionPolicy(check_layer=1, metric="kv", schedule=((2, 0.5),))),
+    "full_reuse, one miss": BlendPlan(PASSAGES, QUESTION, mode="full_reuse"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def engines(request, real_runner) -> dict[str, BlendEngine]:
+    torch.manual_seed(0)
+    runner = ModelRunner(MODELS[request.param]().eval(), real_runner.tokenizer, f"tiny-{request.param}")
+    store = MemoryStore(1 << 28, kv_format="fp32")
+    out = {kind: BlendEngine(runner, store, EngineConfig(kv_format="fp32", selected_attention=kind))
+           for kind in ("auto", "sdpa_mask", "flex")}
+    for p in PASSAGES[:-1]:  # the last passage misses: recomputed in context through the selection path
+        out["auto"].ensure_cached(p)
+    return out
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("kind", ["sdpa_mask", "flex"])
+def test_selected_attention_paths_agree_with_the_cpu_blocks(engines, plan, kind):
+    reference = engines["auto"].prefill(PLANS[plan])
+    got = engines[kind].prefill(PLANS[plan])
+    assert got.report.recomputed_positions == reference.report.recomputed_positions
+    assert got.report.recomputed_tokens < got.report.context_tokens  # the selected path ran
+    torch.testing.assert_close(got.logits, reference.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_at_ratio_one_equals_full_prefill(engines):
+    full = engines["auto"].prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
+    one = engines["flex"].prefill(BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=1.0))
+    torch.testing.assert_close(one.logits, full.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("engines", ["mistral-window"], indirect=True)
+def test_flex_with_a_wrong_window_would_differ(engines):
+    """The window matters in these prompts: the same rows without the window give other logits."""
+    runner = engines["flex"].runner
+    assert any(w is not None for w in runner.windows)
+    plan = PLANS["blend@0.15"]
+    windowed = engines["flex"].prefill(plan).logits
+    saved = runner.windows
+    runner.windows = tuple(None for _ in saved)
+    try:
+        unwindowed = engines["flex"].prefill(plan).logits
+    finally:
+        runner.windows = saved
+    assert (windowed - unwindowed).abs().max() > 1e-3
+
+
+def test_unknown_selected_attention_is_refused():
+    with pytest.raises(ValueError, match="selected_attention"):
+        EngineConfig(selected_attention="fastest")
+
+
+def test_the_setting_reaches_the_engine(real_runner, monkeypatch):
+    from blendserve_config.settings import Settings
+    from blendserve_config.stack import build_engine
+
+    monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "flex")
+    engine = build_engine(Settings(_env_file=None), real_runner, MemoryStore(1 << 20))
+    assert engine.config.selected_attention == "flex"
+    monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "fastest")
+    with pytest.raises(ValueError, match="selected_attention"):
+        Settings(_env_file=None)
