@@ -1,10 +1,11 @@
 """PostgreSQL passage store (psycopg 3): one store shared by every replica.
 
 `BLENDSERVE_DATABASE_URL=postgresql://user:password@host:5432/db`. The tables are those of the
-SQLite store (see `retrieval.passages`); the SQL is shared, only connections, transactions and
-the schema differ. Writes take a transaction-scoped advisory lock before their first change-log
-entry, so `passage_changes.seq` is handed out in commit order (a follower never misses a change
-that commits after a higher number it has already applied). Schema changes run under another
+SQLite store (one definition, `retrieval.schema`, rendered for each dialect); the SQL is shared
+(`retrieval.passage_store`), only connections, transactions and the column types differ.
+Writes take a transaction-scoped advisory lock before their first change-log entry, so
+`passage_changes.seq` is handed out in commit order (a follower never misses a change that
+commits after a higher number it has already applied). Schema changes run under another
 advisory lock, so replicas starting together do not race to create the tables.
 """
 
@@ -20,55 +21,14 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from retrieval.passages import SCHEMA_VERSION, PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
+from retrieval.passage_store import PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
+from retrieval.schema import SCHEMA_VERSION, embedding_column, schema
 
 logger = logging.getLogger(__name__)
 
 CHANNEL = "blendserve_changes"  # NOTIFY channel: a write that logged changes wakes every replica's sync
 WRITE_LOCK = 0x626C656E64  # pg_advisory_xact_lock key serializing change-log writers ("blend")
 SCHEMA_LOCK = 0x736368656D  # ... and schema creation/migration ("schem")
-
-_PG_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS passages (
-        id          TEXT PRIMARY KEY,
-        vec_id      BIGINT NOT NULL UNIQUE,
-        doc_id      TEXT NOT NULL,
-        seq         INTEGER NOT NULL,
-        title       TEXT NOT NULL,
-        text        TEXT NOT NULL,
-        source      TEXT NOT NULL,
-        token_count INTEGER NOT NULL,
-        kv_key      TEXT NOT NULL,
-        ingested_at DOUBLE PRECISION NOT NULL,
-        embedding   BYTEA
-    )""",
-    "CREATE INDEX IF NOT EXISTS passages_doc ON passages(doc_id)",
-    "CREATE INDEX IF NOT EXISTS passages_kv ON passages(kv_key)",
-    """CREATE TABLE IF NOT EXISTS passage_changes (
-        seq        BIGSERIAL PRIMARY KEY,
-        op         TEXT NOT NULL CHECK (op IN ('add', 'del')),
-        vec_id     BIGINT NOT NULL,
-        passage_id TEXT NOT NULL,
-        doc_id     TEXT NOT NULL,
-        at         DOUBLE PRECISION NOT NULL
-    )""",
-    "CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS staged (
-        id          TEXT PRIMARY KEY,
-        vec_id      BIGINT NOT NULL,
-        doc_id      TEXT NOT NULL,
-        seq         INTEGER NOT NULL,
-        title       TEXT NOT NULL,
-        text        TEXT NOT NULL,
-        source      TEXT NOT NULL,
-        token_count INTEGER NOT NULL,
-        kv_key      TEXT NOT NULL,
-        ingested_at DOUBLE PRECISION NOT NULL,
-        embedding   BYTEA
-    )""",
-    "CREATE INDEX IF NOT EXISTS staged_doc ON staged(doc_id)",
-)
-
 
 def redact_url(url: str) -> str:
     """postgresql://host:port/dbname, without user or password."""
@@ -182,9 +142,9 @@ class PgPassageStore(PassageStore):
                 raise SchemaTooNew(found, where=self._where)
             if found == SCHEMA_VERSION:
                 return
-            for stmt in _PG_SCHEMA:
+            for stmt in schema("postgresql"):
                 conn.execute(stmt)
-            conn.execute("ALTER TABLE passages ADD COLUMN IF NOT EXISTS embedding BYTEA")
+            conn.execute(f"ALTER TABLE passages ADD COLUMN IF NOT EXISTS {embedding_column('postgresql')}")
             conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "
                          "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
         logger.info("passage store %s: schema version %d (was %d)", self._where, SCHEMA_VERSION, found)

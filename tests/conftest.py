@@ -74,7 +74,7 @@ def tiny_stack_factory(tiny_runner, embedder):
 @pytest.fixture(scope="session")
 def pg_cluster():
     """A throwaway PostgreSQL cluster for the session (skips with a message when the binaries are missing)."""
-    from local_services import start_cluster
+    from tests.local_services import start_cluster
 
     cluster = start_cluster()
     yield cluster

@@ -1,0 +1,117 @@
+"""The passage store's tables, defined once and rendered for SQLite and for PostgreSQL.
+
+Schema version 3 (1: passages only, no meta table; 2: + embedding column, change log,
+store_meta; 3: + staged):
+
+- `passages`: one row per visible passage; `vec_id` is its FAISS id, `embedding` its vector;
+- `staged`: the same columns, rows of documents being ingested (never read by retrieval; a
+  document's vec_ids may repeat while it is re-ingested, so `vec_id` is not unique there);
+- `passage_changes`: the ingestion change log, numbered in commit order;
+- `store_meta`: key/value, holds `schema_version`.
+
+A column names a kind (`text`, `int`, `id64`, `float`, `bytes`, `serial`); `TYPES` gives each
+kind's type in each dialect, so both stores create the same tables. The rendered text is the
+text the stores executed before the schema was defined here (checked by a test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SCHEMA_VERSION = 3
+
+Dialect = Literal["sqlite", "postgresql"]
+
+# kind -> (SQLite, PostgreSQL)
+TYPES: dict[str, tuple[str, str]] = {
+    "text": ("TEXT", "TEXT"),
+    "int": ("INTEGER", "INTEGER"),
+    "id64": ("INTEGER", "BIGINT"),  # FAISS ids: 60 bits
+    "float": ("REAL", "DOUBLE PRECISION"),
+    "bytes": ("BLOB", "BYTEA"),
+    "serial": ("INTEGER PRIMARY KEY AUTOINCREMENT", "BIGSERIAL PRIMARY KEY"),  # numbered in commit order
+}
+NOT_NULL = "NOT NULL"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str
+    rule: str = ""  # constraints after the type, the same in both dialects
+
+    def sql(self, dialect: Dialect, width: int = 0) -> str:
+        """`name TYPE rule`, the name padded to `width` characters."""
+        kind = TYPES[self.kind][dialect == "postgresql"]
+        return " ".join(part for part in (self.name.ljust(width), kind, self.rule) if part)
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[Column, ...]
+    indexes: tuple[tuple[str, str], ...] = ()  # (index name, column)
+    one_line: bool = False  # a short table is written on one line
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def column(self, name: str) -> Column:
+        return next(c for c in self.columns if c.name == name)
+
+    def create(self, dialect: Dialect) -> str:
+        if self.one_line:
+            return f"CREATE TABLE IF NOT EXISTS {self.name} ({', '.join(c.sql(dialect) for c in self.columns)})"
+        width = max(len(c.name) for c in self.columns)
+        body = ",\n".join(f"    {c.sql(dialect, width)}" for c in self.columns)
+        return f"CREATE TABLE IF NOT EXISTS {self.name} (\n{body}\n)"
+
+    def statements(self, dialect: Dialect) -> tuple[str, ...]:
+        indexes = tuple(f"CREATE INDEX IF NOT EXISTS {ix} ON {self.name}({col})" for ix, col in self.indexes)
+        return (self.create(dialect), *indexes)
+
+
+def _passage_table(name: str, vec_id_rule: str, indexes: tuple[tuple[str, str], ...]) -> Table:
+    """`passages` and `staged`: one column list, so a row moves between them as is."""
+    return Table(name, (
+        Column("id", "text", "PRIMARY KEY"),
+        Column("vec_id", "id64", vec_id_rule),
+        Column("doc_id", "text", NOT_NULL),
+        Column("seq", "int", NOT_NULL),
+        Column("title", "text", NOT_NULL),
+        Column("text", "text", NOT_NULL),
+        Column("source", "text", NOT_NULL),
+        Column("token_count", "int", NOT_NULL),
+        Column("kv_key", "text", NOT_NULL),
+        Column("ingested_at", "float", NOT_NULL),
+        Column("embedding", "bytes"),
+    ), indexes)
+
+
+PASSAGES = _passage_table("passages", "NOT NULL UNIQUE", (("passages_doc", "doc_id"), ("passages_kv", "kv_key")))
+STAGED = _passage_table("staged", NOT_NULL, (("staged_doc", "doc_id"),))
+CHANGES = Table("passage_changes", (
+    Column("seq", "serial"),
+    Column("op", "text", "NOT NULL CHECK (op IN ('add', 'del'))"),
+    Column("vec_id", "id64", NOT_NULL),
+    Column("passage_id", "text", NOT_NULL),
+    Column("doc_id", "text", NOT_NULL),
+    Column("at", "float", NOT_NULL),
+))
+META = Table("store_meta", (Column("key", "text", "PRIMARY KEY"), Column("value", "text", NOT_NULL)), one_line=True)
+TABLES = (PASSAGES, CHANGES, META, STAGED)  # creation order
+
+# A passage row's columns (`PassageRow`'s fields, in order): every column but the embedding.
+ROW_COLUMNS = tuple(n for n in PASSAGES.names if n != "embedding")
+
+
+def schema(dialect: Dialect) -> tuple[str, ...]:
+    """Every statement creating the current schema, in order (each `IF NOT EXISTS`)."""
+    return tuple(stmt for table in TABLES for stmt in table.statements(dialect))
+
+
+def embedding_column(dialect: Dialect) -> str:
+    """`embedding <type>`: the column version 1 lacked (added by migration)."""
+    return PASSAGES.column("embedding").sql(dialect)
