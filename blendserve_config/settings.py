@@ -63,13 +63,16 @@ class Settings(BaseSettings):
     ingest_sample_on_start: bool = True
     ingest_batch_size: int = Field(32, ge=1, le=4096, description="passages per SQLite transaction / index save")
     embed_batch_size: int = Field(64, ge=1, le=4096)
+    precompute_batch: int | None = Field(
+        None, ge=1, le=1024, description="passages per KV precompute forward during ingestion (at most "
+                                         "ingest_batch_size); unset = 16 on a GPU, 1 (one at a time) on the CPU")
     hnsw_m: int = Field(32, ge=4, le=256)
     hnsw_ef_search: int = Field(64, ge=1)
     ivf_nlist: int = Field(0, ge=0, description="0 = about 4*sqrt(n) when trained")
     ivf_nprobe: int = Field(16, ge=1)
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
-    _empty_is_none = field_validator("redis_url", "database_url", mode="before")(empty_is_none)
+    _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", mode="before")(empty_is_none)
 
     @field_validator("database_url")
     @classmethod

@@ -117,7 +117,8 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
                 len(index), index.kind, info["loaded"], info["added"], info["removed"], db.describe(),
                 info["generation"])
     retriever = Retriever(embedder, index, db, settings.placement)
-    pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size)
+    pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size,
+                              settings.precompute_batch)
     sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s, start_info=info)
     return Stack(settings, runner, store, engine, retriever, pipeline, sync)
 

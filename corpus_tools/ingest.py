@@ -20,6 +20,11 @@ document at the end in one transaction, after `before_commit()` (the request's l
 cancelled), so a request that fails or times out commits nothing. Cancellation
 (`blend_engine.cancel`) is checked between batches and between the layers of every precompute;
 a cancelled run drops what it staged.
+
+KV precompute: one passage at a time (`precompute_batch` 1, the CPU default: a forward per
+passage, cancellation between its layers), or on a device `precompute_batch` passages per
+forward (`BlendEngine.precompute_many`: right-padded, each passage alone at 0..T-1), with
+cancellation checked between those forwards; at most an ingest batch (`batch_size`) per forward.
 """
 
 from __future__ import annotations
@@ -119,13 +124,23 @@ class _Run:
     published: dict[str, set[str]] = field(default_factory=dict)  # doc id -> passage ids this run made visible
 
 
+def default_precompute_batch(device_type: str) -> int:
+    """Passages per precompute forward when not configured: batched on a device, one at a time on the CPU
+    (a CPU forward gains little from batching and loses the per-layer cancellation checks)."""
+    return 1 if device_type == "cpu" else 16
+
+
 class Ingestion:
     """Chunk, precompute, embed, stage and publish documents into a `Corpus`."""
 
-    def __init__(self, corpus: Corpus, chunk_tokens: int = 256, batch_size: int = 32) -> None:
+    def __init__(self, corpus: Corpus, chunk_tokens: int = 256, batch_size: int = 32,
+                 precompute_batch: int = 1) -> None:
+        if precompute_batch < 1:
+            raise ValueError("precompute_batch must be >= 1")
         self.corpus = corpus
         self.chunk_tokens = chunk_tokens
         self.batch_size = batch_size
+        self.precompute_batch = precompute_batch
 
     def ensure_system_prefix(self) -> bool:
         """Precompute the system prefix so the first query misses nothing. True when computed now."""
@@ -234,6 +249,8 @@ class Ingestion:
         c = self.corpus
         with c.lock:
             existing = c.db.get_many([cand.pid for cand in batch])
+            if self.precompute_batch > 1:
+                self._precompute_missing(batch, tally)
             rows = [self._cache_one(cand, existing.get(cand.pid), tally) for cand in batch]
             fresh = [r for r in rows if r.vec_id not in c.index]
             t = time.perf_counter()
@@ -248,6 +265,29 @@ class Ingestion:
             tally.index_s += time.perf_counter() - t
             tally.new += sum(1 for r in rows if r.id not in existing)
         bar.update(len(batch))
+
+    def _precompute_missing(self, batch: list[_Candidate], tally: _Tally) -> None:
+        """The KV of this batch's passages the store lacks, `precompute_batch` per forward, stored
+        before `_cache_one` finds them (and counted here, not there). Cancellation is checked
+        between forwards (the model's own forward runs the layers). A put the store skips (full)
+        leaves the passage to `_cache_one`, which computes it alone."""
+        engine, store = self.corpus.engine, self.corpus.store
+        todo: dict[str, list[int]] = {}
+        for cand in batch:
+            key = engine.key_of(cand.token_ids)
+            if key not in todo and not store.contains(key):
+                todo[key] = cand.token_ids
+        items = list(todo.items())
+        for start in range(0, len(items), self.precompute_batch):
+            checkpoint("between precompute batches")
+            group = items[start:start + self.precompute_batch]
+            t = time.perf_counter()
+            kvs = engine.precompute_many([ids for _, ids in group], batch_size=self.precompute_batch)
+            for (key, ids), kv in zip(group, kvs):
+                if store.put(key, kv):
+                    tally.kv_computed += 1
+                    tally.kv_bytes += self.corpus.kv_nbytes(len(ids))
+            tally.kv_s += time.perf_counter() - t
 
     def _publish(self, run: _Run, before_commit: Callable[[], None] | None) -> None:
         """Make every completed document visible in one transaction, then update the index to match."""

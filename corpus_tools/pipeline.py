@@ -13,7 +13,7 @@ from pathlib import Path
 from blend_engine.engine import BlendEngine
 from corpus_tools.corpus import Corpus
 from corpus_tools.documents import Document
-from corpus_tools.ingest import DocumentRejected, Ingestion, IngestSummary
+from corpus_tools.ingest import DocumentRejected, Ingestion, IngestSummary, default_precompute_batch
 from corpus_tools.maintenance import Maintenance, VerifyReport
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
@@ -27,9 +27,14 @@ class IngestPipeline(Corpus):
     deletes, verify, gc) are serialized by the corpus lock."""
 
     def __init__(self, engine: BlendEngine, embedder: Embedder, index: VectorIndex, db: PassageStore,
-                 index_dir: Path, chunk_tokens: int = 256, batch_size: int = 32) -> None:
+                 index_dir: Path, chunk_tokens: int = 256, batch_size: int = 32,
+                 precompute_batch: int | None = None) -> None:
+        """precompute_batch: passages per KV precompute forward; None = `default_precompute_batch`
+        for the engine's device (1 on the CPU)."""
         super().__init__(engine, embedder, index, db, index_dir)
-        self.ingestion = Ingestion(self, chunk_tokens, batch_size)
+        if precompute_batch is None:
+            precompute_batch = default_precompute_batch(engine.runner.device.type)
+        self.ingestion = Ingestion(self, chunk_tokens, batch_size, precompute_batch)
         self.maintenance = Maintenance(self)
 
     @property

@@ -8,7 +8,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
+from blend_engine.cancel import Cancelled, cancel_scope
 from blend_engine.layout import passage_text
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
@@ -306,3 +308,70 @@ def test_stack_reopens_persisted_corpus_and_ingests_sample_once(tmp_path, runner
         assert hit.doc_id == "Etna" and s2.store.contains(s2.pipeline.get_document("Etna")["passages"][0]["kv_key"])
     finally:
         s2.close()
+
+
+LIGHTHOUSE = "\n\n".join(f"Paragraph {i} says that the lighthouse keeper number {i} logged the storm at dawn." * 2
+                         for i in range(8))
+
+
+def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, embedder, monkeypatch):
+    """BLENDSERVE_PRECOMPUTE_BATCH forced above 1 on the CPU: the same passages, the same stored KV
+    (fp16; right-padded batches of the model's own forward), the same summary counts."""
+    docs = [Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log"),
+            Document(text=VOLCANO, title="Etna", doc_id="etna"), Document(text=ED, title="Ed", doc_id="ed")]
+    out, forwards = {}, []
+    for n in (1, 4):
+        s = make_stack(tmp_path / str(n), runner, embedder, precompute_batch=n, ingest_batch_size=8)
+        real = s.engine.precompute_many
+        monkeypatch.setattr(s.engine, "precompute_many", lambda lists, batch_size, real=real:
+                            forwards.append(len(lists)) or real(lists, batch_size))
+        try:
+            assert s.pipeline.ingestion.precompute_batch == n
+            summary = s.pipeline.ingest(docs)
+            keys = [p["kv_key"] for d in ("log", "etna", "ed") for p in s.pipeline.get_document(d)["passages"]]
+            out[n] = (summary, keys, {k: s.store.get(k) for k in keys})
+        finally:
+            s.close()
+    (one, keys, kv1), (many, keys4, kv4) = out[1], out[4]
+    assert keys == keys4 and len(keys) > 4  # more passages than one forward takes
+    assert max(forwards) == 4 and sum(forwards) == many.kv_computed  # batched: every passage, 4 per forward
+    assert (many.kv_computed, many.kv_bytes, many.passages) == (one.kv_computed, one.kv_bytes, one.passages)
+    for k in keys:
+        a, b = kv1[k], kv4[k]
+        assert a.k.dtype == torch.float16 and a.k.shape == b.k.shape
+        for x, y in ((a.k, b.k), (a.v, b.v)):  # identical here; elsewhere at most a rare fp16 ulp apart
+            assert (x == y).float().mean() > 0.999
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=2 ** -10)
+
+
+def test_cancelled_between_precompute_batches_commits_nothing(tmp_path, runner, embedder):
+    s = make_stack(tmp_path, runner, embedder, precompute_batch=2, ingest_batch_size=8)
+    engine, calls = s.engine, []
+    real = engine.precompute_many
+
+    def counted(lists, batch_size=16):
+        calls.append(len(lists))
+        return real(lists, batch_size)
+
+    engine.precompute_many = counted
+    try:
+        with cancel_scope(lambda: len(calls) >= 2):  # cancelled after the second forward
+            with pytest.raises(Cancelled, match="between precompute batches"):
+                s.pipeline.ingest([Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log")], publish="request")
+        assert calls == [2, 2]  # stopped before the third forward of the first ingest batch
+        assert s.pipeline.db.counts()["passages"] == 0 and len(s.retriever.index) == 0
+        assert s.pipeline.get_document("log") is None and not s.pipeline.db.incomplete()
+    finally:
+        del engine.precompute_many
+        s.close()
+
+
+def test_precompute_batch_defaults_to_one_on_the_cpu_and_is_validated(monkeypatch):
+    from corpus_tools.ingest import default_precompute_batch
+
+    assert default_precompute_batch("cpu") == 1 and default_precompute_batch("cuda") > 1
+    monkeypatch.setenv("BLENDSERVE_PRECOMPUTE_BATCH", "0")
+    with pytest.raises(ValueError, match="precompute_batch"):
+        Settings(_env_file=None)
+    monkeypatch.setenv("BLENDSERVE_PRECOMPUTE_BATCH", "")
+    assert Settings(_env_file=None).precompute_batch is None
