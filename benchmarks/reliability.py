@@ -48,28 +48,37 @@ class Case:
     content_type: str = "application/json"
 
 
-def battery() -> list[Case]:
-    s = "\ud800"
-    ok_user = [{"role": "user", "content": "hi"}]
-    cases = [
+SURROGATE = "\ud800"  # a lone surrogate: not encodable as UTF-8
+OK_USER = [{"role": "user", "content": "hi"}]
+
+
+def _surrogates() -> list[Case]:
+    """A lone surrogate in each string field of every endpoint (422 naming the field)."""
+    return [
         Case("ingest title surrogate", "POST", "/v1/documents", {"documents": [{"text": "ok", "title": "\ud83d"}]}),
-        Case("ingest text surrogate", "POST", "/v1/documents", {"documents": [{"text": f"ok {s}"}]}),
-        Case("ingest doc_id surrogate", "POST", "/v1/documents", {"documents": [{"text": "ok", "doc_id": f"a{s}"}]}),
-        Case("query question surrogate", "POST", "/v1/query", {"question": f"q{s}?"}),
+        Case("ingest text surrogate", "POST", "/v1/documents", {"documents": [{"text": f"ok {SURROGATE}"}]}),
+        Case("ingest doc_id surrogate", "POST", "/v1/documents", {"documents": [{"text": "ok", "doc_id": f"a{SURROGATE}"}]}),
+        Case("query question surrogate", "POST", "/v1/query", {"question": f"q{SURROGATE}?"}),
         Case("query doc title surrogate", "POST", "/v1/query",
-             {"question": "q?", "documents": [{"title": s, "text": "p"}]}),
-        Case("query doc text surrogate", "POST", "/v1/query", {"question": "q?", "documents": [{"text": f"p{s}"}]}),
-        Case("chat content surrogate", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": s}]}),
+             {"question": "q?", "documents": [{"title": SURROGATE, "text": "p"}]}),
+        Case("query doc text surrogate", "POST", "/v1/query", {"question": "q?", "documents": [{"text": f"p{SURROGATE}"}]}),
+        Case("chat content surrogate", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}),
         Case("chat text part surrogate", "POST", "/v1/chat/completions",
-             {"messages": [{"role": "user", "content": [{"type": "text", "text": s}]}]}),
+             {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]}),
         Case("chat system surrogate", "POST", "/v1/chat/completions",
-             {"messages": [{"role": "system", "content": s}, *ok_user]}),
-        Case("chat model surrogate", "POST", "/v1/chat/completions", {"model": s, "messages": ok_user}),
-        Case("chat stop surrogate", "POST", "/v1/chat/completions", {"stop": [s], "messages": ok_user}),
+             {"messages": [{"role": "system", "content": SURROGATE}, *OK_USER]}),
+        Case("chat model surrogate", "POST", "/v1/chat/completions", {"model": SURROGATE, "messages": OK_USER}),
+        Case("chat stop surrogate", "POST", "/v1/chat/completions", {"stop": [SURROGATE], "messages": OK_USER}),
         Case("chat name surrogate", "POST", "/v1/chat/completions",
-             {"messages": [{"role": "user", "content": "hi", "name": s}]}),
+             {"messages": [{"role": "user", "content": "hi", "name": SURROGATE}]}),
         Case("chat doc title surrogate", "POST", "/v1/chat/completions",
-             {"messages": ok_user, "documents": [{"title": s, "text": "p"}]}),
+             {"messages": OK_USER, "documents": [{"title": SURROGATE, "text": "p"}]}),
+    ]
+
+
+def _limits_and_types() -> list[Case]:
+    """Values past a limit, out of range, or of the wrong type."""
+    return [
         Case("huge title (9,000 words)", "POST", "/v1/documents",
              {"documents": [{"text": "ten words of text here and there", "title": "word " * 9000}]}),
         Case("huge inline title", "POST", "/v1/query", {"question": "q?", "documents": [{"title": "w " * 9000,
@@ -86,6 +95,12 @@ def battery() -> list[Case]:
         Case("missing question", "POST", "/v1/query", {}),
         Case("blank question", "POST", "/v1/query", {"question": "   "}),
         Case("question not a string", "POST", "/v1/query", {"question": ["a"]}),
+    ]
+
+
+def _malformed_bodies() -> list[Case]:
+    """Bodies that are not a JSON object, or not JSON at all."""
+    return [
         Case("body is a list", "POST", "/v1/query", [1, 2]),
         Case("body is null", "POST", "/v1/query", raw=b"null"),
         Case("empty body", "POST", "/v1/query", raw=b""),
@@ -94,6 +109,12 @@ def battery() -> list[Case]:
         Case("form content type", "POST", "/v1/query", raw=b"question=q", content_type="application/x-www-form-urlencoded"),
         Case("text content type", "POST", "/v1/documents", raw=b"hello", content_type="text/plain"),
         Case("deeply nested JSON", "POST", "/v1/query", raw=b"[" * 5000 + b"]" * 5000),
+    ]
+
+
+def _documents_and_chat() -> list[Case]:
+    """Documents and chat messages that break the schema."""
+    return [
         Case("no documents", "POST", "/v1/documents", {"documents": []}),
         Case("empty document text", "POST", "/v1/documents", {"documents": [{"text": ""}]}),
         Case("document text not a string", "POST", "/v1/documents", {"documents": [{"text": 5}]}),
@@ -103,9 +124,15 @@ def battery() -> list[Case]:
         Case("chat without user", "POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "s"}]}),
         Case("chat empty messages", "POST", "/v1/chat/completions", {"messages": []}),
         Case("chat unknown role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
-        Case("chat n=2", "POST", "/v1/chat/completions", {"messages": ok_user, "n": 2}),
-        Case("chat top_p 0", "POST", "/v1/chat/completions", {"messages": ok_user, "top_p": 0}),
+        Case("chat n=2", "POST", "/v1/chat/completions", {"messages": OK_USER, "n": 2}),
+        Case("chat top_p 0", "POST", "/v1/chat/completions", {"messages": OK_USER, "top_p": 0}),
         Case("chat content number", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ]
+
+
+def _paths() -> list[Case]:
+    """Methods, paths and document ids the routes refuse."""
+    return [
         Case("wrong method", "GET", "/v1/query"),
         Case("unknown path", "GET", "/v1/nothing-here"),
         Case("missing document", "GET", "/v1/documents/no-such-document-id"),
@@ -114,11 +141,20 @@ def battery() -> list[Case]:
         Case("doc id encoded newline", "GET", "/v1/documents/a%0Ab"),
         Case("doc id encoded surrogate", "GET", "/v1/documents/%ED%A0%80"),
     ]
-    for ch, label in (("\n", "newline"), ("\r", "carriage return"), ("\x1b[31m", "ANSI escape"), ("\t", "tab"),
-                      ("\x00", "NUL"), ("\u2028", "line separator")):
-        cases.append(Case(f"doc_id with {label}", "POST", "/v1/documents",
-                          {"documents": [{"text": "Some text.", "doc_id": f"bad{ch}id"}]}))
-    return cases
+
+
+def _control_characters_in_doc_ids() -> list[Case]:
+    """Each control character in an ingested doc_id (422: ids are logged and shown)."""
+    return [Case(f"doc_id with {label}", "POST", "/v1/documents",
+                 {"documents": [{"text": "Some text.", "doc_id": f"bad{ch}id"}]})
+            for ch, label in (("\n", "newline"), ("\r", "carriage return"), ("\x1b[31m", "ANSI escape"), ("\t", "tab"),
+                              ("\x00", "NUL"), ("\u2028", "line separator"))]
+
+
+def battery() -> list[Case]:
+    """Every bad input the service must answer with a JSON 4xx, never a 5xx."""
+    return [*_surrogates(), *_limits_and_types(), *_malformed_bodies(), *_documents_and_chat(), *_paths(),
+            *_control_characters_in_doc_ids()]
 
 
 def _send(client: httpx.Client, case: Case) -> tuple[int, bool]:

@@ -61,7 +61,7 @@ def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout
         proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, proc, ready_timeout_s)
+            wait_ready(url, ready_timeout_s, proc)
             yield url
         finally:
             proc.terminate()
@@ -74,18 +74,24 @@ def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout
                 shutil.copyfile(Path(tmp) / "server.log", keep_log)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers: dict | None = None,
+               interval_s: float = 1.0, request_timeout_s: float = 5.0) -> dict:
+    """Poll `GET {url}/readyz` until it answers 200; its JSON. RuntimeError as soon as `proc` (the
+    service's process, when given) exits; TimeoutError, with the last answer, after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
+    last = "no answer"
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the service exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"the service at {url} was not ready within {timeout_s:.0f} s")
+            r = httpx.get(f"{url}/readyz", headers=headers, timeout=request_timeout_s)
+            if r.status_code == 200:
+                return r.json()
+            last = f"{r.status_code} {r.text[:500]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(interval_s)
+    raise TimeoutError(f"the service at {url} was not ready within {timeout_s:.0f} s (last: {last})")
 
 
 def request_bodies(examples: list[Example], max_paragraphs: int | None, max_tokens: int) -> list[dict]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,17 @@ def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
 
 def svc(client: TestClient):
     return client.app.state.svc
+
+
+@contextmanager
+def serving(settings: ServiceSettings, stack_factory=None, documents: list[dict] | None = None
+            ) -> Iterator[TestClient]:
+    """The app in this process (TestClient), ready, with `documents` ingested (201 asserted)."""
+    from app.main import create_app
+
+    with TestClient(create_app(settings, stack_factory)) as client:
+        wait_ready(client)
+        if documents:
+            r = client.post("/v1/documents", json={"documents": documents})
+            assert r.status_code == 201, r.text
+        yield client

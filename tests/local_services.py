@@ -1,4 +1,5 @@
-"""Throwaway PostgreSQL clusters for tests: initdb into a temp dir, pg_ctl on a free loopback port.
+"""Local services for tests: throwaway PostgreSQL clusters (initdb into a temp dir, pg_ctl on a
+free loopback port), a throwaway redis-server, an app served on a thread, waiting for readiness.
 
 PostgreSQL refuses to run as root, and CI runs as root: then every PostgreSQL command runs as an
 unprivileged user (`postgres` when the Debian package created it, else `nobody`) through
@@ -14,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -160,3 +162,31 @@ class RedisProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+def wait_url_ready(url: str, timeout: float, headers: dict | None = None, proc: subprocess.Popen | None = None) -> dict:
+    """The service at `url` ready (its /readyz JSON): the benchmarks' wait, polled every 0.1 s."""
+    from benchmarks.throughput import wait_ready
+
+    return wait_ready(url, timeout, proc=proc, headers=headers, interval_s=0.1, request_timeout_s=2.0)
+
+
+class ThreadedServer:
+    """An app served by uvicorn on a thread of this process (a real socket); ready on enter."""
+
+    def __init__(self, app, port: int) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> ThreadedServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, 60, 0.02)
+        wait_url_ready(self.url, timeout=60)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,7 +15,7 @@ from pydantic import ValidationError
 from app.main import create_app
 from app.settings import ServiceSettings
 from blendserve_config.settings import Settings
-from tests.helpers import make_settings, svc, wait_ready
+from tests.helpers import make_settings, serving, svc, wait_ready
 
 MODES = ["blend", "full_prefill", "prefix_cache", "full_reuse"]
 FIXTURE_DOCS = [
@@ -41,11 +43,7 @@ def sse_events(text: str) -> list[tuple[str | None, str]]:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, tiny_stack_factory):
-    app = create_app(make_settings(tmp_path_factory.mktemp("api") / "data"), tiny_stack_factory)
-    with TestClient(app) as c:
-        wait_ready(c)
-        r = c.post("/v1/documents", json={"documents": FIXTURE_DOCS})
-        assert r.status_code == 201, r.text
+    with serving(make_settings(tmp_path_factory.mktemp("api") / "data"), tiny_stack_factory, FIXTURE_DOCS) as c:
         yield c
 
 
@@ -581,24 +579,30 @@ def test_api_key_guards_everything_but_health(tmp_path, tiny_stack_factory):
 
 
 # ============================================================================ load: queue full, timeout
-def _occupy(worker, release: threading.Event, n_waiting: int) -> None:
-    """Block every worker thread and fill `n_waiting` queue slots with jobs waiting on `release`."""
-    worker.submit(lambda job: release.wait(30))
-    deadline = time.monotonic() + 5
-    while worker.running < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    for _ in range(n_waiting):
+@contextmanager
+def _occupied(worker, n_waiting: int) -> Iterator[None]:
+    """Block every worker thread and fill `n_waiting` queue slots with jobs waiting for the block to
+    end; then release them and wait (at most 5 s) until the worker is idle."""
+    release = threading.Event()
+    try:
         worker.submit(lambda job: release.wait(30))
+        deadline = time.monotonic() + 5
+        while worker.running < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(n_waiting):
+            worker.submit(lambda job: release.wait(30))
+        yield
+    finally:
+        release.set()
+        deadline = time.monotonic() + 5
+        while (worker.depth or worker.running) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def test_full_queue_is_503_with_retry_after(tmp_path, tiny_stack_factory):
-    app = create_app(make_settings(tmp_path / "data", workers=1, max_queue=2), tiny_stack_factory)
-    with TestClient(app) as c:
-        wait_ready(c)
+    with serving(make_settings(tmp_path / "data", workers=1, max_queue=2), tiny_stack_factory) as c:
         worker = c.app.state.svc.worker
-        release = threading.Event()
-        try:
-            _occupy(worker, release, 2)
+        with _occupied(worker, 2):
             assert worker.depth == 2
             doc = {"documents": [{"text": "Queue text."}]}
             for path, body in [("/v1/query", {"question": "q?", **doc}), ("/v1/query", {"question": "q?",
@@ -610,32 +614,18 @@ def test_full_queue_is_503_with_retry_after(tmp_path, tiny_stack_factory):
                 assert int(r.headers["retry-after"]) >= 1
             metrics = c.get("/metrics").text
             assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 4.0" in metrics
-        finally:
-            release.set()
-        deadline = time.monotonic() + 5
-        while (worker.depth or worker.running) and time.monotonic() < deadline:
-            time.sleep(0.01)
         r = c.post("/v1/query", json={"question": "q?", "documents": [{"text": "After the storm."}], "max_tokens": 2})
         assert r.status_code == 200
 
 
 def test_request_timeout_is_504_and_frees_the_slot(tmp_path, tiny_stack_factory):
-    app = create_app(make_settings(tmp_path / "data", workers=1, request_timeout_s=0.3), tiny_stack_factory)
-    with TestClient(app) as c:
-        wait_ready(c)
+    with serving(make_settings(tmp_path / "data", workers=1, request_timeout_s=0.3), tiny_stack_factory) as c:
         worker = c.app.state.svc.worker
-        release = threading.Event()
-        try:
-            _occupy(worker, release, 0)
-            body = {"question": "q?", "documents": [{"text": "Timeout text."}], "max_tokens": 2}
+        body = {"question": "q?", "documents": [{"text": "Timeout text."}], "max_tokens": 2}
+        with _occupied(worker, 0):
             assert c.post("/v1/query", json=body).status_code == 504
             assert c.post("/v1/query", json={**body, "stream": True}).status_code == 504
             assert worker.depth == 2  # both still queued behind the blocker, but cancelled
-        finally:
-            release.set()
-        deadline = time.monotonic() + 5
-        while (worker.depth or worker.running) and time.monotonic() < deadline:
-            time.sleep(0.01)
         assert worker.depth == 0 and worker.running == 0
         # the cancelled jobs never ran: their passage was not stored
         engine = c.app.state.svc.stack.engine

@@ -12,59 +12,22 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from app.main import create_app
 from app.settings import ServiceSettings
 from retrieval.text import format_passage
+from tests.local_services import ThreadedServer, wait_url_ready
 
 DOCS = [
     {"doc_id": "france", "title": "France", "text": "France is a country in Western Europe. Its capital is Paris."},
     {"doc_id": "japan", "title": "Japan", "text": "Japan is an island country in East Asia. Its capital is Tokyo."},
     {"doc_id": "kenya", "title": "Kenya", "text": "Kenya is a country in East Africa. Its capital is Nairobi."},
 ]
-
-
-class ThreadedServer:
-    def __init__(self, app, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self) -> ThreadedServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        wait_ready(self.url, timeout=60)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-def wait_ready(url: str, timeout: float, headers: dict | None = None, proc: subprocess.Popen | None = None) -> dict:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}")
-        try:
-            r = httpx.get(f"{url}/readyz", headers=headers, timeout=2)
-            if r.status_code == 200:
-                return r.json()
-            last = r.text
-        except httpx.TransportError as exc:
-            last = repr(exc)
-        time.sleep(0.1)
-    raise AssertionError(f"not ready after {timeout}s: {last}")
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +107,7 @@ def real_server(tmp_path_factory, free_port):
     proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, timeout=180, proc=proc)
+        wait_url_ready(url, timeout=180, proc=proc)
         yield proc, url, {"Authorization": "Bearer e2e-key"}, home / "server.log"
     finally:
         if proc.poll() is None:

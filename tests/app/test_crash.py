@@ -19,6 +19,7 @@ import pytest
 
 from corpus_tools.cli import main
 from tests.helpers import ROOT
+from tests.local_services import wait_url_ready
 
 N_DOCS = 8
 
@@ -126,18 +127,12 @@ class _Server:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=cwd, env={**env, "BLENDSERVE_PORT": str(port)},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.proc.kill()  # never leave a server behind
-        self.proc.wait(10)
-        raise AssertionError("server not ready in 120 s")
+        try:
+            wait_url_ready(self.url, 120, proc=self.proc)
+        except BaseException:
+            self.proc.kill()  # never leave a server behind
+            self.proc.wait(10)
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from app.main import create_app
 from app.settings import ServiceSettings
 from corpus_tools.documents import Document
-from tests.helpers import make_settings, svc, wait_ready
+from tests.helpers import make_settings, serving, svc, wait_ready
 
 DOCS = [
     {"doc_id": "paris", "title": "Paris", "text": "Paris is the capital and largest city of France."},
@@ -33,11 +33,7 @@ def post_raw(client: TestClient, path: str, body: dict, **kw):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, tiny_stack_factory):
-    app = create_app(make_settings(tmp_path_factory.mktemp("rel") / "data"), tiny_stack_factory)
-    with TestClient(app) as c:
-        wait_ready(c)
-        r = c.post("/v1/documents", json={"documents": DOCS})
-        assert r.status_code == 201, r.text
+    with serving(make_settings(tmp_path_factory.mktemp("rel") / "data"), tiny_stack_factory, DOCS) as c:
         yield c
 
 

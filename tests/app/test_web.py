@@ -8,17 +8,16 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from app.main import STATIC_DIR, create_app
 from app.settings import ServiceSettings
+from tests.local_services import ThreadedServer
 
 KEY = "page-key"
 DOCS = [
@@ -54,29 +53,6 @@ def test_page_and_its_files_are_served_without_the_key_and_fetch_nothing_externa
 
 
 # ============================================================================ the browser
-class _Server:
-    def __init__(self, app, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("the app did not become ready in 60 s")
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def browser():
     if not (CHROMIUM and CHROMEDRIVER):
@@ -116,7 +92,7 @@ def test_ask_stream_heatmap_compare_in_a_real_browser(browser, tmp_path, tiny_st
     from selenium.webdriver.common.keys import Keys
 
     app = create_app(_settings(tmp_path / "data"), tiny_stack_factory)
-    with _Server(app, free_port()) as srv:
+    with ThreadedServer(app, free_port()) as srv:
         r = httpx.post(f"{srv.url}/v1/documents", json={"documents": DOCS}, headers={"Authorization": f"Bearer {KEY}"},
                        timeout=60)
         assert r.status_code == 201, r.text

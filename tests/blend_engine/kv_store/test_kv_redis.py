@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import socket
-import subprocess
 import time
 
 import pytest
@@ -18,6 +16,7 @@ from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.redis_store import RedisStore, redact
 from blend_engine.kv_store.tiered import TieredStore
 from tests import helpers
+from tests.local_services import RedisProcess
 
 REDIS = shutil.which("redis-server")
 pytestmark = [
@@ -26,44 +25,9 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway redis-server bound to 127.0.0.1, no persistence."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.2)
-        for _ in range(100):
-            try:
-                if client.ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
 @pytest.fixture
 def redis_server():
-    server = RedisServer()
-    server.start()
+    server = RedisProcess().start()
     yield server
     server.stop()
 
