@@ -20,11 +20,11 @@ def markdown(result: dict) -> str:
         return "\n".join(lines)
     lines += ["", f"## (2) time to first token, ms (median of {result['reps']}; {result['timing_model']}; "
               "random weights: timing only)", ""]
-    keys = [k for k in t["rows"][0] if k.endswith("_ms") and k != "layout_ms"] if t["rows"] else []
+    keys = list(dict.fromkeys(k for r in t["rows"] for k in r if k.endswith("_ms") and k != "layout_ms"))
     lines += ["| tokens | " + " | ".join(k[:-3] for k in keys) + " | auto served by (ratio) |",
               "|---" * (len(keys) + 2) + "|"]
     for r in t["rows"]:
-        lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]:.1f}" for k in keys)
+        lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[k]:.1f}" if k in r else "-" for k in keys)
                      + f" | {r['auto_served_by']} ({r['auto_ratio']:.2f}) |")
     lines += ["", "Our modes include building the prompt layout (tokenizing the passages): layout_ms in the JSON.",
               "", "Targets at 8K: blend@0.15 pinned RAM >= 3x faster than full_prefill; full_prefill within 1.2x of "

@@ -45,8 +45,8 @@ def random_runner(setup: Setup, tokenizer) -> ModelRunner:
     return ModelRunner(model, tokenizer, "llama-3.1-8b-shape (random)" if not setup.smoke else "tiny (random)")
 
 
-def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int) -> dict:
-    """Every configuration at a context of about n tokens."""
+def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, variants: bool = True) -> dict:
+    """Every configuration at a context of about n tokens (the flex and int8 variants if `variants`)."""
     fmt = "bf16" if runner.dtype == torch.bfloat16 else "fp16"
     dt = torch.bfloat16 if fmt == "bf16" else torch.float16
     pin = setup.device.type == "cuda"
@@ -70,7 +70,9 @@ def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int) -
         for mode, ratio, label in (("full_reuse", None, "full_reuse"), ("blend", 0.15, "blend@0.15")):
             p = BlendPlan(tuple(passages), QUESTIONS[0], mode=mode, recompute_ratio=ratio)
             row[f"{label} {where}_ms"] = median_ms(lambda p=p, e=engine: e.prefill(p), setup, reps)
-    row.update(recorded("variants", lambda: time_variants(setup, runner, passages, stores["pinned RAM"], fmt, reps)))
+    if variants:
+        row.update(recorded("variants", lambda: time_variants(setup, runner, passages, stores["pinned RAM"], fmt,
+                                                              reps)))
     disk = stores["local disk"]
     auto = BlendEngine(runner, disk, EngineConfig(kv_format=fmt), loader=LayerLoader(disk, 2),
                        controller=BandwidthController())

@@ -134,16 +134,23 @@ class LayerPacker:
             ks[:, j].copy_(q.ks)  # [H, D] fp16
             vs[:, o:o + t].copy_(q.vs)  # [H, t] fp16
             o += t
+        chunk = self._chunks(lengths)  # [Tc], before the copies: this layer's event covers its move
         if self.device.type == "cpu":
-            return PackedLayer(*Int8Scales(ks, vs, self._chunks(lengths)).dequantize(kq, vq))
+            return PackedLayer(*Int8Scales(ks, vs, chunk).dequantize(kq, vq))
         *moved, event = self._send(kq, vq, ks, vs)
-        return PackedLayer(moved[0], moved[1], event, Int8Scales(moved[2], moved[3], self._chunks(lengths)))
+        return PackedLayer(moved[0], moved[1], event, Int8Scales(moved[2], moved[3], chunk))
 
     def _chunks(self, lengths: tuple[int, ...]) -> torch.Tensor:
-        """Each cached token's chunk, [Tc] int64 on the device: the same for every layer, moved once."""
+        """Each cached token's chunk, [Tc] int64 on the device: the same for every layer, moved
+        once (on the copy stream, ahead of the first layer's event)."""
         if self._chunk_index is None or self._chunk_index[0] != lengths:
             index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [Tc]
-            self._chunk_index = (lengths, index.to(self.device))
+            if self._cuda:
+                with torch.cuda.stream(self._stream):
+                    index = index.pin_memory().to(self.device, non_blocking=True)  # [Tc]
+            else:
+                index = index.to(self.device)  # [Tc]
+            self._chunk_index = (lengths, index)
         return self._chunk_index[1]
 
     def _pack(self, layer_kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:

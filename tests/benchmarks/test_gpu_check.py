@@ -74,3 +74,17 @@ def test_a_failing_variant_or_flex_timing_is_recorded_in_its_row():
                      "rows": [], "pass": True}, "timing_model": "8b", "ttft": {"rows": [row]}, "attention": [attention]})
     assert "flex/int8 variants failed: `RuntimeError: compile failed`" in text
     assert "FlexAttention 0.50 ms" in text and "compile included: 20.0 s" in text
+
+
+def test_columns_only_some_rows_have_are_shown_with_a_dash_elsewhere():
+    env = {"device_name": "X", "torch": "t", "transformers": "t"}
+    base = {"hf_forward_ms": 100.0, "full_prefill_ms": 110.0, "blend@0.15 pinned RAM_ms": 30.0,
+            "blend@0.15 GPU_ms": 29.0, "blend@auto local disk_ms": 100.0, "auto_served_by": "blend", "auto_ratio": 0.2}
+    rows = [{"tokens": 4096, **base}, {"tokens": 8192, **base, "blend@0.15 flex pinned RAM_ms": 25.0,
+                                       "blend@0.15 int8 RAM_ms": 28.0, "flex_first_prefill_s": 31.0}]
+    text = markdown({"environment": env, "reps": 3, "correctness": {"model": "m", "dtype": "bf16", "kv_format": "bf16",
+                     "rows": [], "pass": True}, "timing_model": "8b", "ttft": {"rows": rows}})
+    header = next(line for line in text.splitlines() if line.startswith("| tokens"))
+    assert "blend@0.15 flex pinned RAM" in header and "blend@0.15 int8 RAM" in header
+    assert "| 4096 | 100.0 | 110.0 | 30.0 | 29.0 | 100.0 | - | - |" in text
+    assert "blend flex / default attention 0.83 (first flex prefill, compile included: 31.0 s)" in text
