@@ -37,7 +37,7 @@ from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.kv_store.codec import encode_chunk
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
-from blend_engine.types import BlendPlan, GenerationConfig
+from blend_engine.types import BlendPlan, GenerationConfig, Mode
 
 logger = logging.getLogger(__name__)
 RATIO = 0.15
@@ -63,22 +63,32 @@ def build_contexts(runner: ModelRunner, n: int = 2, target_tokens: int = 4000, d
     return [build_context(examples, target_tokens, lambda t: len(runner.encode(t)), start=i) for i in range(n)]
 
 
-def precompute_all(runner: ModelRunner, contexts: list[Context]) -> dict[str, ChunkKV]:
-    """Key -> chunk KV (model precision) of every passage, computed once."""
+def precompute_all(runner: ModelRunner, contexts: list[Context]) -> dict[tuple[int, ...], ChunkKV]:
+    """Token ids -> chunk KV (model precision) of every passage, computed once. Keyed by ids, not
+    by store key: a store key includes the stored format, so each store keys the chunks itself."""
     eng = BlendEngine(runner, build_store(memory_bytes=0))
-    chunks: dict[str, ChunkKV] = {}
+    chunks: dict[tuple[int, ...], ChunkKV] = {}
     for ctx in contexts:
         for p in ctx.passages:
-            ids = eng.passage_tokens(p)
-            key = eng.key_of(ids)
-            if key not in chunks:
-                chunks[key] = eng.precompute(ids)
+            ids = tuple(eng.passage_tokens(p))
+            if ids not in chunks:
+                chunks[ids] = eng.precompute(list(ids))
     return chunks
 
 
+def fill(store: KVStore, engine: BlendEngine, chunks: dict[tuple[int, ...], ChunkKV]) -> None:
+    """Put every chunk under the key `engine` looks it up by (its model and stored format)."""
+    for ids, kv in chunks.items():
+        store.put(engine.key_of(list(ids)), kv)
+
+
+def _no_misses(what: str, reports: list) -> None:
+    if any(r.cache_misses or r.repaired_chunks for r in reports):
+        raise RuntimeError(f"benchmark runs on {what} missed the cache; the store under test is not serving")
+
+
 def _summarize(name: str, depth: int, runs: list) -> TierResult:
-    if any(r.report.cache_misses or r.report.repaired_chunks for r in runs):
-        raise RuntimeError(f"benchmark runs on {name} missed the cache; the tier under test is not serving")
+    _no_misses(name, [r.report for r in runs])
     med = statistics.median
     reps = [r.report for r in runs]
     return TierResult(
@@ -88,7 +98,7 @@ def _summarize(name: str, depth: int, runs: list) -> TierResult:
     )
 
 
-def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[str, ChunkKV], workdir: Path,
+def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[tuple[int, ...], ChunkKV], workdir: Path,
                   redis_url: str | None = None, trials: int = 3) -> list[TierResult]:
     """TTFT per tier (RAM, disk, disk without prefetch, Redis): median over trials, mean over contexts.
 
@@ -99,12 +109,12 @@ def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[str
                                   "disk": build_store(memory_bytes=0, disk_dir=workdir / "kv", fingerprint=fp)}
     if redis_url:
         stores["redis"] = build_store(memory_bytes=0, redis_url=redis_url, redis_timeout_s=2.0, fingerprint=fp)
-    for store in stores.values():
-        for key, kv in chunks.items():
-            store.put(key, kv)
     configs = [("ram", 2), ("disk", 2), ("disk", 0)] + ([("redis", 2)] if redis_url else [])
     engines = {c: BlendEngine(runner, stores[c[0]], EngineConfig(kv_format="fp16"), loader=build_loader(stores[c[0]], c[1]))
                for c in configs}
+    for c in configs:
+        if c[1] == 2:  # one fill per store
+            fill(stores[c[0]], engines[c], chunks)
     gen = GenerationConfig(max_tokens=1)
     per_ctx: dict[tuple[str, int], list[TierResult]] = {c: [] for c in configs}
     for ctx in contexts:
@@ -130,26 +140,34 @@ def _merge(name: str, depth: int, rs: list[TierResult]) -> TierResult:
                       trials=rs[0].trials * len(rs), **fields)
 
 
-def measure_formats(runner: ModelRunner, contexts: list[Context], chunks: dict[str, ChunkKV]) -> dict:
-    """Stored bytes per token (fp16, int8) and KL(fp16 || int8) of the first-token distribution."""
+def measure_formats(runner: ModelRunner, contexts: list[Context], chunks: dict[tuple[int, ...], ChunkKV]) -> dict:
+    """Stored bytes per token (fp32, fp16, int8) and KL(fp16 || int8) of the first-token distribution,
+    at blend@RATIO and at full_reuse (every cached value used as stored). Each store is filled under
+    its own format's keys, and a run that missed the cache stops the benchmark (a miss is
+    recomputed, which would measure recompute, not the format)."""
     one = next(iter(chunks.values()))
     out: dict = {"bytes_per_token": {}}
     for fmt in ("fp32", "fp16", "int8"):
         meta, _ = encode_chunk(fmt, one)
         out["bytes_per_token"][fmt] = meta.nbytes / one.n_tokens
-    logits: dict[str, list[torch.Tensor]] = {}
+    logits: dict[tuple[str, Mode], list[torch.Tensor]] = {}
     for fmt in ("fp16", "int8"):
         store = build_store(kv_format=fmt, memory_bytes=16 << 30)
-        for key, kv in chunks.items():
-            store.put(key, kv)
         eng = BlendEngine(runner, store, EngineConfig(kv_format=fmt), loader=build_loader(store))
-        logits[fmt] = [eng.prefill(BlendPlan(passages=c.passages, question=c.question, recompute_ratio=RATIO)).logits
+        fill(store, eng, chunks)
+        for c in contexts:  # stores the system prompt's chunk, as a served request does
+            eng.run(BlendPlan(passages=c.passages, question=c.question, recompute_ratio=RATIO), GenerationConfig(max_tokens=1))
+        for mode, ratio in ((Mode.BLEND, RATIO), (Mode.FULL_REUSE, None)):
+            results = [eng.prefill(BlendPlan(passages=c.passages, question=c.question, mode=mode, recompute_ratio=ratio))
                        for c in contexts]
-    kls = [kl(a, b) for a, b in zip(logits["fp16"], logits["int8"])]
-    agree = [int(a.argmax()) == int(b.argmax()) for a, b in zip(logits["fp16"], logits["int8"])]
-    out["kl_int8_vs_fp16"] = statistics.mean(kls)
-    out["kl_per_context"] = kls
-    out["top1_agreement"] = sum(agree) / len(agree)
+            _no_misses(f"the {fmt} store", [r.report for r in results])
+            logits[fmt, mode] = [r.logits for r in results]
+    for mode, suffix in ((Mode.BLEND, ""), (Mode.FULL_REUSE, "_full_reuse")):
+        pairs = list(zip(logits["fp16", mode], logits["int8", mode]))
+        kls = [kl(a, b) for a, b in pairs]
+        out[f"kl_int8_vs_fp16{suffix}"] = statistics.mean(kls)
+        out[f"kl_per_context{suffix}"] = kls
+        out[f"top1_agreement{suffix}"] = sum(int(a.argmax()) == int(b.argmax()) for a, b in pairs) / len(pairs)
     return out
 
 
@@ -220,7 +238,8 @@ def format_table(result: dict) -> str:
     lines.append(f"disk/RAM TTFT: {result['disk_over_ram']:.3f}x (target <= 1.15x)"
                  + (f", Redis/RAM: {result['redis_over_ram']:.3f}x" if result["redis_over_ram"] else ""))
     lines.append("bytes/token: " + ", ".join(f"{k} {v:.0f}" for k, v in f["bytes_per_token"].items())
-                 + f"; KL(fp16||int8) first token: {f['kl_int8_vs_fp16']:.2e}, top-1 agreement {f['top1_agreement']:.0%}")
+                 + f"; KL(fp16||int8) first token: blend {f['kl_int8_vs_fp16']:.2e} (top-1 agreement "
+                 f"{f['top1_agreement']:.0%}), full_reuse {f['kl_int8_vs_fp16_full_reuse']:.2e}")
     return "\n".join(lines)
 
 
