@@ -61,7 +61,8 @@ def _variants(r: dict) -> str:
     if "blend@0.15 flex pinned RAM_ms" not in r:
         return ""
     base = r["blend@0.15 pinned RAM_ms"]
-    return (f", blend flex / default attention {r['blend@0.15 flex pinned RAM_ms'] / base:.2f} (first flex "
+    failed = " (flex compile FAILED: that row ran the boolean-mask fallback)" if r.get("flex_compile_failed") else ""
+    return (f", blend flex{failed} / default attention {r['blend@0.15 flex pinned RAM_ms'] / base:.2f} (first flex "
             f"prefill, compile included: {r['flex_first_prefill_s']:.1f} s), blend int8 RAM / pinned RAM "
             f"{r['blend@0.15 int8 RAM_ms'] / base:.2f}")
 

@@ -22,7 +22,7 @@ from benchmarks.gpu_common import (
     make_passages,
     median_ms,
 )
-from blend_engine.attention import flex_attend, selected_block_mask
+from blend_engine.attention import compile_failed, flex_attend, selected_block_mask
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import KVStore, MemoryStore
 from blend_engine.kv_store.controller import BandwidthController
@@ -108,6 +108,7 @@ def time_variants(setup: Setup, runner: ModelRunner, passages: list[str], pinned
     setup.sync()
     out = {"flex_first_prefill_s": time.perf_counter() - t0}
     out["blend@0.15 flex pinned RAM_ms"] = median_ms(lambda: flex.prefill(plan), setup, reps)
+    out["flex_compile_failed"] = compile_failed()  # then the row above ran the boolean-mask fallback
     int8 = MemoryStore(64 << 30, kv_format="int8")
     engine8 = BlendEngine(runner, int8, EngineConfig(kv_format="int8"), loader=LayerLoader(int8, 2))
     cache_kv(engine8, passages, [int8])
@@ -161,6 +162,8 @@ def _time_flex(setup: Setup, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     mask = selected_block_mask(pos, n, None)
     flex_attend(q, k, v, mask, scale)
     setup.sync()
+    if compile_failed():  # the calls below would time the eager reference, not the kernel
+        raise RuntimeError("compiling flex_attention failed (traceback in the log)")
     return {"flex_first_call_s": time.perf_counter() - t0,
             "flex_block_mask_ms": median_ms(lambda: selected_block_mask(pos, n, None), setup, reps),
             "flex_ms": median_ms(lambda: flex_attend(q, k, v, mask, scale), setup, reps)}

@@ -69,13 +69,20 @@ class Selection:
             window = r.windows[layer]
             if window not in self._flex:  # built once per set and window size, on the device
                 self._flex[window] = selected_block_mask(self.pos, self._n, window)
-            return flex_attend(q, K[:, :self._n], V[:, :self._n], self._flex[window], r.scaling)  # [S, Hq*D]
+            return flex_attend(q, K[:, :self._n], V[:, :self._n], self._flex[window], r.scaling,
+                               fallback=lambda: self._attend_masked(r, q, K, V, layer))  # [S, Hq*D]
         if self._mask is not None:
-            window = r.window_mask(layer, self.pos, self._n)  # [S, N] or None
-            return r.attend(q, K[:, :self._n], V[:, :self._n], self._mask if window is None else window)  # [S, Hq*D]
+            return self._attend_masked(r, q, K, V, layer)  # [S, Hq*D]
         outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], self._block_mask(r, layer, idx, hi, mask))
                 for idx, hi, mask in self._blocks]  # [s, Hq*D] each
         return torch.cat(outs)  # [S, Hq*D]
+
+    def _attend_masked(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
+        """One boolean mask [S, N] by absolute position (the window mask on a sliding layer): [S, Hq*D]."""
+        if self._mask is None:  # "flex" whose compile failed: built once, on the device
+            self._mask = torch.arange(self._n, device=self.pos.device)[None, :] <= self.pos[:, None]  # [S, N] bool
+        window = r.window_mask(layer, self.pos, self._n)  # [S, N] or None
+        return r.attend(q, K[:, :self._n], V[:, :self._n], self._mask if window is None else window)  # [S, Hq*D]
 
     def _block_mask(self, r: ModelRunner, layer: int, idx: torch.Tensor, hi: int, causal: torch.Tensor) -> torch.Tensor:
         window = r.window_mask(layer, self.pos[idx], hi)  # [s, hi] or None

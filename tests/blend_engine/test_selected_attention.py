@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from blend_engine import attention
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
@@ -39,6 +40,7 @@ def engines(request, real_runner) -> dict[str, BlendEngine]:
     return out
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("kind", ["sdpa_mask", "flex"])
 def test_selected_attention_paths_agree_with_the_cpu_blocks(engines, plan, kind):
@@ -86,3 +88,23 @@ def test_the_setting_reaches_the_engine(real_runner, monkeypatch):
     monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "fastest")
     with pytest.raises(ValueError, match="selected_attention"):
         Settings(_env_file=None)
+
+
+def test_a_failed_flex_compile_falls_back_to_the_boolean_mask(engines, monkeypatch, caplog):
+    """On CUDA a compiler failure (e.g. a recompile for new shapes; CPU inductor 2.13 fails that
+    way on the second shape) must not fail requests, nor fall back to the eager reference, which
+    materialises S x N x Hq scores: the boolean-mask SDPA path takes over, logged, and stays."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(attention, "_failed", False)
+    monkeypatch.setattr(attention, "_compiled", broken)
+    monkeypatch.setattr(attention, "_kernel", lambda device: None if attention._failed else broken)
+    plan = PLANS["blend@0.15"]
+    want = engines["sdpa_mask"].prefill(plan)
+    with caplog.at_level("ERROR", logger="blend_engine.attention"):
+        got = engines["flex"].prefill(plan)
+    assert attention.compile_failed()
+    assert sum("compiling flex_attention failed" in r.message for r in caplog.records) == 1  # logged once
+    assert torch.equal(got.logits, want.logits)  # the very same path, not a near copy
+    assert torch.equal(engines["flex"].prefill(plan).logits, want.logits)  # and it stays
