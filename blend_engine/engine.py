@@ -285,12 +285,12 @@ class BlendEngine:
             raise ValueError("KV cache capacity exhausted")
         hidden = r.embed(torch.tensor([token_id], device=r.device))  # [1, E]
         cos, sin = r.rope(torch.tensor([p]))  # [1, D] each
+        windows = r.window_masks(torch.tensor([p]), p + 1)  # layer -> [1, p+1] or None (full attention)
         for layer in range(r.shape.n_layers):
             q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, 1, D], [H, 1, D], [H, 1, D]
             cache.k[layer][:, p:p + 1] = k
             cache.v[layer][:, p:p + 1] = v
-            window = r.window_mask(layer, torch.tensor([p]), p + 1)  # [1, p+1] or None (full attention)
-            out = r.attend(q, cache.k[layer][:, :p + 1], cache.v[layer][:, :p + 1], window)  # [1, Hq*D]
+            out = r.attend(q, cache.k[layer][:, :p + 1], cache.v[layer][:, :p + 1], windows(layer))  # [1, Hq*D]
             hidden = r.finish_layer(layer, hidden, out)  # [1, E]
         cache.length = p + 1
         return r.logits(hidden)[0]  # [V]

@@ -49,7 +49,6 @@ class Timer:
     """Host seconds of one prefill, summed over layers."""
 
     assemble: float = 0.0
-    compute: float = 0.0
     wait: float = 0.0
 
 
@@ -134,6 +133,7 @@ class _LayerLoop:
         self.cache.length = N
         self.pos = torch.arange(N, device=job.ids.device)  # [N]
         self.cos_all, self.sin_all = r.rope(self.pos)  # [N, D] each
+        self.windows = r.window_masks(self.pos, N)  # layer -> [N, N] or None, one per window size
         self.sel = None if job.recompute is None else self._selection(job.recompute)  # None = all tokens
         self.hidden = r.embed(job.ids if self.sel is None else job.ids[self.sel.pos])  # [N or S, E]
         self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, job.ids.device, job.probe)
@@ -142,7 +142,7 @@ class _LayerLoop:
         self.placer = Placer(r, list(job.cached), job.rotate)
 
     def _selection(self, positions: torch.Tensor) -> Selection:
-        return Selection(positions, self.cos_all, self.sin_all, self.n, attention=self.job.attention)
+        return Selection(positions, self.cos_all, self.sin_all, self.n, self.r.window_masks, attention=self.job.attention)
 
     def run(self) -> LayerOutput:
         timer, n_layers = self.job.timer, self.r.shape.n_layers
@@ -158,13 +158,11 @@ class _LayerLoop:
             K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
             if packed is not None and not self._all_overwritten(layer):
                 self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
-            t2 = time.perf_counter()
-            timer.assemble += t2 - t1
+            timer.assemble += time.perf_counter() - t1
             clock.mark()
             self._layer(layer, K, V, last=layer == n_layers - 1)
             sizes.append(self.n if self.sel is None else self.sel.pos.shape[0])
             clock.mark()
-            timer.compute += time.perf_counter() - t2
         selected = None if self.sel is None else self.sel.pos  # [S]
         return LayerOutput(self.cache, self.hidden[-1:], selected, tuple(sizes), clock)
 
@@ -179,7 +177,7 @@ class _LayerLoop:
             q, self.hidden = q[:, -1:], self.hidden[-1:]  # [Hq, 1, D], [1, E]
             out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos[-1:], N))  # [1, Hq*D]
         elif self.sel is None:
-            out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos, N), causal=True)  # [N, Hq*D]
+            out = r.attend(q, K[:, :N], V[:, :N], self.windows(layer), causal=True)  # [N, Hq*D]
         else:
             out = self.sel.attend(r, q, K, V, layer)  # [S, Hq*D]
         self.hidden = r.finish_layer(layer, self.hidden, out)  # [S or N, E]

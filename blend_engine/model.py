@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,19 @@ class ModelRunner:
         j = torch.arange(n_keys, device=self.device).view(1, -1)  # [1, n]
         allowed = (j <= q) & (j > q - window)  # [S, n]
         return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+
+    def window_masks(self, q_pos: torch.Tensor, n_keys: int) -> Callable[[int], torch.Tensor | None]:
+        """`window_mask` for these queries at any layer, built once per window size: the layers of a
+        pass (or of one selection set) share them instead of building one per layer."""
+        built: dict[int, torch.Tensor] = {}
+
+        def mask(layer: int) -> torch.Tensor | None:
+            window = self.windows[layer]
+            if window is not None and window not in built:
+                built[window] = self.window_mask(layer, q_pos, n_keys)  # [S, n_keys]
+            return None if window is None else built[window]
+
+        return mask
 
     def rotation(self, deltas: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Relative rotation tables for moving keys by `deltas` positions: cos, sin [T, D]."""

@@ -17,6 +17,7 @@ value on the host (no sync inside the layer loop).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -26,6 +27,9 @@ from blend_engine.explain import ScoreProbe
 from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
 from blend_engine.types import SelectionPolicy
+
+# ModelRunner.window_masks: (query positions [S], key count) -> (layer -> window mask [S, N] or None)
+WindowMasks = Callable[[torch.Tensor, int], Callable[[int], "torch.Tensor | None"]]
 
 
 class Selection:
@@ -42,11 +46,12 @@ class Selection:
     """
 
     def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, n: int,
-                 blocks: int = 4, attention: str = "auto") -> None:
+                 window_masks: WindowMasks, blocks: int = 4, attention: str = "auto") -> None:
         self.pos = pos  # [S] sorted absolute positions
         self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
         self._n = n
-        self._blocks: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._windows = window_masks(pos, n)  # layer -> [S, N] or None, built once per set and window size
+        self._blocks: list[tuple[torch.Tensor, int, torch.Tensor, Callable[[int], torch.Tensor | None]]] = []
         self._mask: torch.Tensor | None = None
         self._flex: dict[int | None, BlockMask] | None = {} if attention == "flex" else None
         if self._flex is not None:
@@ -60,7 +65,7 @@ class Selection:
             hi = int(p[-1]) + 1  # a host read: free on the CPU
             allowed = torch.arange(hi)[None, :] <= p[:, None]  # [s, hi]
             mask = torch.zeros(allowed.shape, dtype=cos_all.dtype)  # [s, hi]
-            self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf"))))
+            self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf")), window_masks(p, hi)))
 
     def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
         """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D].
@@ -73,20 +78,16 @@ class Selection:
                                fallback=lambda: self._attend_masked(r, q, K, V, layer))  # [S, Hq*D]
         if self._mask is not None:
             return self._attend_masked(r, q, K, V, layer)  # [S, Hq*D]
-        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], self._block_mask(r, layer, idx, hi, mask))
-                for idx, hi, mask in self._blocks]  # [s, Hq*D] each
+        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], causal if (window := windows(layer)) is None else window)
+                for idx, hi, causal, windows in self._blocks]  # [s, Hq*D] each
         return torch.cat(outs)  # [S, Hq*D]
 
     def _attend_masked(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
         """One boolean mask [S, N] by absolute position (the window mask on a sliding layer): [S, Hq*D]."""
         if self._mask is None:  # "flex" whose compile failed: built once, on the device
             self._mask = torch.arange(self._n, device=self.pos.device)[None, :] <= self.pos[:, None]  # [S, N] bool
-        window = r.window_mask(layer, self.pos, self._n)  # [S, N] or None
+        window = self._windows(layer)  # [S, N] or None
         return r.attend(q, K[:, :self._n], V[:, :self._n], self._mask if window is None else window)  # [S, Hq*D]
-
-    def _block_mask(self, r: ModelRunner, layer: int, idx: torch.Tensor, hi: int, causal: torch.Tensor) -> torch.Tensor:
-        window = r.window_mask(layer, self.pos[idx], hi)  # [s, hi] or None
-        return causal if window is None else window
 
 
 _OTHER, _COMPETE, _FORCED = 0, 1, 2

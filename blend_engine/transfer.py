@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blend_engine.kv_store.codec import QuantLayer, dequantize_k, dequantize_v
-
-LayerKV = list[tuple[torch.Tensor, torch.Tensor] | QuantLayer]
+from blend_engine.kv_store.loader import LayerKV
 
 
 def cuda_ready(device: torch.device) -> bool:
