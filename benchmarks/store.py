@@ -112,9 +112,8 @@ def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[tup
     configs = [("ram", 2), ("disk", 2), ("disk", 0)] + ([("redis", 2)] if redis_url else [])
     engines = {c: BlendEngine(runner, stores[c[0]], EngineConfig(kv_format="fp16"), loader=build_loader(stores[c[0]], c[1]))
                for c in configs}
-    for c in configs:
-        if c[1] == 2:  # one fill per store
-            fill(stores[c[0]], engines[c], chunks)
+    for name, store in stores.items():
+        fill(store, engines[name, 2], chunks)
     gen = GenerationConfig(max_tokens=1)
     per_ctx: dict[tuple[str, int], list[TierResult]] = {c: [] for c in configs}
     for ctx in contexts:
