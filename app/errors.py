@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.service import RequestTimeout, ServiceError, StorageFault, storage_fault
+from app.service import Busy, RequestTimeout, ServiceError, StorageFault, storage_fault
 from app.worker import Cancelled, QueueFull
 from blend_engine.errors import StorageError
 from retrieval.passages import PassageStoreError
@@ -98,10 +98,8 @@ async def _service(request: Request, exc: ServiceError) -> JSONResponse:
 
 
 async def _full(request: Request, exc: QueueFull) -> JSONResponse:
-    metrics = request.app.state.svc.metrics
-    metrics.rejected.inc()
-    metrics.requests.labels(endpoint_of(request), "503").inc()
-    return error_response(503, str(exc), "overloaded", headers={"Retry-After": "1"})
+    request.app.state.svc.metrics.rejected.inc()
+    return await _service(request, Busy(str(exc)))
 
 
 async def _storage(request: Request, exc: Exception) -> JSONResponse:

@@ -1,15 +1,16 @@
 """Request and response models. Static shape checks live here; limits that come from Settings
-(question length, documents, top_k, max_tokens) are checked in `app.main.check_limits`.
+(question length, documents, top_k, max_tokens) are checked in `app.validation.check_limits`.
 
 Request models are strict: JSON types are not coerced ("0.3" is not a number, true is not 1; an
 integer is still a valid float) and NaN / Infinity are refused."""
 
 from __future__ import annotations
 
-import unicodedata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from blendserve_config.logsafe import has_control
 
 ModeName = Literal["blend", "full_prefill", "prefix_cache", "full_reuse"]
 
@@ -25,7 +26,7 @@ def _not_blank(v: str) -> str:
 
 def _printable_id(v: str | None) -> str | None:
     """Document ids must be addressable in a URL path and safe to log: no control characters."""
-    if v is not None and any(unicodedata.category(ch) == "Cc" or ch in "\u2028\u2029" for ch in v):
+    if v is not None and has_control(v):
         raise ValueError("must not contain control characters (newline, carriage return, tab, escape, ...)")
     return v
 

@@ -4,7 +4,7 @@ raises a 422 naming the field."""
 
 from __future__ import annotations
 
-import unicodedata
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,14 +13,12 @@ from pydantic import BaseModel
 
 from app.settings import ServiceSettings
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 def _has_surrogate(text: str) -> bool:
-    return any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
-
-
-def has_control(text: str) -> bool:
-    """C0/C1 control characters (newline, carriage return, ESC, NUL, ...) and line/paragraph separators."""
-    return any(unicodedata.category(ch) == "Cc" or ch in "\u2028\u2029" for ch in text)
+    """A lone UTF-16 surrogate (never valid in UTF-8); one C-speed scan, ASCII text skipped at once."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _strings(value: Any, loc: tuple) -> Iterator[tuple[tuple, str]]:

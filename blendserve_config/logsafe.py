@@ -27,9 +27,19 @@ def _escape_char(ch: str) -> str:
     return f"\\u{code:04x}"
 
 
-def _is_control(ch: str) -> bool:
+def _breaks_lines(ch: str) -> bool:
+    """C0/C1 control characters (newline, carriage return, tab, ESC, NUL, ...) and line/paragraph separators."""
     code = ord(ch)
-    return code < 0x20 or 0x7F <= code <= 0x9F or code in (0x2028, 0x2029) or 0xD800 <= code <= 0xDFFF
+    return code < 0x20 or 0x7F <= code <= 0x9F or code in (0x2028, 0x2029)
+
+
+def _is_control(ch: str) -> bool:
+    return _breaks_lines(ch) or 0xD800 <= ord(ch) <= 0xDFFF
+
+
+def has_control(text: str) -> bool:
+    """Whether text holds a control character or a line/paragraph separator (what an id must not)."""
+    return any(map(_breaks_lines, text))
 
 
 def printable(value: object) -> str:

@@ -55,7 +55,7 @@ class Stack:
         if self.sync is not None:
             self.sync.stop()
         try:
-            self.pipeline.index.save(self.pipeline.index_dir)
+            self.pipeline.save_index()
         except OSError as exc:
             logger.warning("could not save the index on close: %s", exc)
         self.pipeline.db.close()

@@ -53,9 +53,6 @@ class IngestPipeline(Corpus):
     def ensure_system_prefix(self) -> bool:
         return self.ingestion.ensure_system_prefix()
 
-    def check_document(self, doc: Document, doc_id: str) -> tuple[str, str] | None:
-        return self.ingestion.check_document(doc, doc_id)
-
     def ingest(self, docs: Iterable[Document], progress: bool = False, publish: str = "batch",
                before_commit: Callable[[], None] | None = None, strict: bool = False) -> IngestSummary:
         """See `Ingestion.ingest`."""
