@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -31,6 +30,7 @@ import torch
 
 from benchmarks.data import Context, build_context, load_examples
 from benchmarks.scoring import kl
+from benchmarks.throughput import free_port
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore
@@ -177,9 +177,7 @@ def local_redis() -> Iterator[str | None]:
     if binary is None:
         yield None
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -43,13 +42,9 @@ def tiny_runner(real_runner):
 @pytest.fixture(scope="session")
 def free_port():
     """A function returning a currently free TCP port on 127.0.0.1."""
+    from benchmarks.throughput import free_port
 
-    def pick() -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    return pick
+    return free_port
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -21,11 +20,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.throughput import free_port  # the one free-port helper, re-exported for the tests
 
 
 def pg_bin_dir() -> Path | None:

@@ -119,15 +119,6 @@ class Topology:
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tiny_runner) -> Path:
-    """The tiny random Llama saved as a checkpoint directory: both replicas load the same weights."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_runner.model.save_pretrained(folder)
-    tiny_runner.tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def topology(tmp_path_factory, tiny_model_dir, pg_cluster):
     work = tmp_path_factory.mktemp("topology")
     redis_proc = haproxy = None

@@ -280,10 +280,7 @@ def test_explain_with_a_missed_passage_and_streaming(client):
 
 
 def test_explain_cap_cuts_and_says_so(tmp_path, tiny_stack_factory):
-    app = create_app(make_settings(tmp_path / "data", explain_max_tokens=12), tiny_stack_factory)
-    with TestClient(app) as c:
-        wait_ready(c)
-        assert c.post("/v1/documents", json={"documents": FIXTURE_DOCS}).status_code == 201
+    with serving(make_settings(tmp_path / "data", explain_max_tokens=12), tiny_stack_factory, FIXTURE_DOCS) as c:
         r = c.post("/v1/query", json={"question": "What is the capital of Germany?", "top_k": 3, "max_tokens": 2,
                                       "recompute_ratio": 0.5, "explain": True})
         assert r.status_code == 200, r.text
@@ -670,9 +667,7 @@ def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_fact
 
 def test_top_k_limit_ignored_when_documents_are_given(tmp_path, tiny_stack_factory):
     """A request that brings its own passages does not use top_k, so its default (5) may exceed MAX_TOP_K."""
-    app = create_app(make_settings(tmp_path / "data", max_top_k=2), tiny_stack_factory)
-    with TestClient(app) as c:
-        wait_ready(c)
+    with serving(make_settings(tmp_path / "data", max_top_k=2), tiny_stack_factory) as c:
         docs = [{"title": "Paris", "text": "Paris is the capital of France."}]
         r = c.post("/v1/query", json={"question": "What is the capital of France?", "max_tokens": 1, "documents": docs})
         assert r.status_code == 200, r.text

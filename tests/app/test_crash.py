@@ -33,7 +33,7 @@ def corpus_docs() -> list[dict]:
 
 
 @pytest.fixture
-def env(tiny_model_dir, tmp_path) -> dict:  # noqa: F811 - the fixture imported above
+def env(tiny_model_dir, tmp_path) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
             "BLENDSERVE_MODEL": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
             "BLENDSERVE_INGEST_BATCH_SIZE": "2", "BLENDSERVE_CHUNK_TOKENS": "32",

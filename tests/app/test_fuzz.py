@@ -11,10 +11,8 @@ import time
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
-from app.main import create_app
-from tests.helpers import make_settings, wait_ready
+from tests.helpers import make_settings, serving
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e '.[dev]')")
 hypothesis = pytest.importorskip("hypothesis")
@@ -30,11 +28,8 @@ def fuzz_app(tmp_path_factory, tiny_stack_factory):
     settings = make_settings(tmp_path_factory.mktemp("fuzz") / "data", max_new_tokens=4, max_top_k=5,
                              max_documents=3, max_document_chars=1500, max_question_chars=400,
                              max_title_chars=80, chunk_tokens=64, request_timeout_s=30, max_body_bytes=64 * 1024)
-    app = create_app(settings, tiny_stack_factory)
-    with TestClient(app) as client:
-        wait_ready(client)
-        assert client.post("/v1/documents", json={"documents": DOCS}).status_code == 201
-        yield app, client
+    with serving(settings, tiny_stack_factory, DOCS) as client:
+        yield client.app, client
 
 
 POISONS = ("\ud800", "\udfff tail", "line\nbreak\r\x1b[2J\x00")

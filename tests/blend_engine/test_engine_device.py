@@ -36,7 +36,7 @@ from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.model import ModelRunner
 from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, SelectionPolicy, default_policy
-from tests.helpers import TINY_CONFIG
+from tests.helpers import TINY_CONFIG, real_tokenizer
 
 PASSAGES = (
     "Paris is the capital of France. It lies on the Seine and has about two million inhabitants.",
@@ -50,7 +50,7 @@ FINGERPRINT = "fake-cuda-test"
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer():
-    return ModelRunner.load().tokenizer
+    return real_tokenizer()  # from the unpacked GGUF cache: no second model load
 
 
 def _runner(model) -> ModelRunner:

@@ -320,10 +320,8 @@ def test_postgres_notifies_followers_so_sync_beats_its_poll_interval(pg_cluster,
     try:
         time.sleep(0.3)  # the sync thread is listening
         rows = rows_of("a", ["announced"])
-        t0 = time.monotonic()
         writer.upsert(rows, vectors_of(rows, emb))
-        assert wait_for(lambda: len(index) == 1, timeout=5), "the follower was not woken by NOTIFY"
-        assert time.monotonic() - t0 < 5
+        assert wait_for(lambda: len(index) == 1, timeout=5), "the follower was not woken by NOTIFY"  # polls every 30 s
     finally:
         sync.stop()
     writer.close()
