@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from blend_engine.errors import CorruptChunk
-from blend_engine.kv_store.base import ChunkKV, KVStore
+from blend_engine.kv_store.base import ChunkKV, KVStore, StoreStats
 from blend_engine.kv_store.codec import (
     ChunkMeta,
     QuantLayer,
@@ -32,6 +33,9 @@ Blob = bytearray
 
 
 class BlobStore(KVStore):
+    _lock: AbstractContextManager  # every tier guards its stats with its lock
+    _stats: StoreStats
+
     def __init__(self, name: str, kv_format: str, fingerprint: str = "") -> None:
         self.name = name
         self.kv_format = check_format(kv_format)
@@ -77,7 +81,7 @@ class BlobStore(KVStore):
         try:
             return decode_layer(*got, quantized=quantized)
         except CorruptChunk as exc:
-            self._drop_unreadable(key, exc)
+            self._drop_corrupt(key, str(exc))
             return None
 
     def get_blobs(self, key: str) -> tuple[ChunkMeta, list[Blob]] | None:
@@ -99,13 +103,13 @@ class BlobStore(KVStore):
         try:
             return decode_chunk(*got)
         except CorruptChunk as exc:
-            self._drop_unreadable(key, exc)
+            self._drop_corrupt(key, str(exc))
             return None
 
-    def _drop_unreadable(self, key: str, exc: CorruptChunk) -> None:
-        """A blob that does not decode is a storage fault, never the caller's: drop it (a miss, recomputed)."""
-        stats = getattr(self, "_stats", None)
-        if stats is not None:
-            stats.corrupt += 1
-        logger.warning("KV chunk %s in %s is unreadable (%s); dropped, will be recomputed", key, self.name, exc)
+    def _drop_corrupt(self, key: str, why: str) -> None:
+        """A chunk that fails its checks or does not decode is a storage fault, never the caller's:
+        counted (under the tier's lock), logged and dropped; it is a miss and gets recomputed."""
+        with self._lock:
+            self._stats.corrupt += 1
+        logger.warning("KV chunk %s in %s is unreadable (%s); dropped, will be recomputed", key, self.name, why)
         self.delete(key)

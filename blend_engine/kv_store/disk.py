@@ -230,11 +230,6 @@ class DiskStore(BlobStore):
         except FileNotFoundError:
             return existed
 
-    def _drop_corrupt(self, key: str, why: str) -> None:
-        self._stats.corrupt += 1
-        logger.warning("disk chunk %s is corrupt (%s); dropped, will be recomputed", key, why)
-        self._drop_entry(key)
-
     # ------------------------------------------------------------------ KVStore
     def prefetch(self, keys: Sequence[str]) -> None:
         """Ask the kernel to start reading these files."""

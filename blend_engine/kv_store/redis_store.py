@@ -150,11 +150,6 @@ class RedisStore(BlobStore):
         self._count("puts")
         return True
 
-    def _drop_corrupt(self, key: str, why: str) -> None:
-        self._count("corrupt")
-        logger.warning("redis chunk %s is corrupt (%s); dropped, will be recomputed", key, why)
-        self.delete(key)
-
     # ------------------------------------------------------------------ KVStore
     def delete(self, key: str) -> bool:
         out = self._call(lambda c: c.delete(self._rk(key)))
