@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -167,14 +168,19 @@ class BlendEngine:
                                  torch.stack([v[row, :, :t] for _, v in layers]))  # [L, H, T, D]
         return out  # type: ignore[return-value]
 
+    def cache_ids(self, token_ids: Sequence[int]) -> tuple[str, bool]:
+        """Make sure the alone-KV of these chunk tokens is stored: (key, was already cached)."""
+        key = self.key_of(token_ids)
+        if self.store.contains(key):
+            return key, True
+        self.store.put(key, self.precompute(token_ids))
+        return key, False
+
     def ensure_cached(self, passage: str) -> tuple[str, int, bool]:
         """Make sure a passage's KV is stored. Returns (key, n_tokens, was_already_cached)."""
         ids = self.passage_tokens(passage)
-        key = self.key_of(ids)
-        if self.store.contains(key):
-            return key, len(ids), True
-        self.store.put(key, self.precompute(ids))
-        return key, len(ids), False
+        key, cached = self.cache_ids(ids)
+        return key, len(ids), cached
 
     # ================================================================== prefill
     def _check_fits(self, n_tokens: int, extra: int) -> None:

@@ -147,9 +147,8 @@ def _kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> float:
 def _cache_segments(engine: BlendEngine, plan: BlendPlan) -> None:
     """Store the alone-KV of the system prefix and every passage, as the service has them after use."""
     for seg in engine.layout(plan).segments:
-        key = engine.key_of(seg.token_ids)
-        if seg.kind != "question" and not engine.store.contains(key):
-            engine.store.put(key, engine.precompute(seg.token_ids))
+        if seg.kind != "question":
+            engine.cache_ids(seg.token_ids)
 
 
 def measure(runner: ModelRunner, config: EngineConfig, probe=None) -> GateResult:

@@ -61,11 +61,7 @@ class Corpus:
 
     def cache(self, token_ids: list[int]) -> tuple[str, bool]:
         """Make sure the KV of these passage tokens is stored: (key, was already cached)."""
-        key = self.engine.key_of(token_ids)
-        if self.store.contains(key):
-            return key, True
-        self.store.put(key, self.engine.precompute(token_ids))
-        return key, False
+        return self.engine.cache_ids(token_ids)
 
     def drop_unused_kv(self, keys: Iterable[str]) -> None:
         """Delete the KV entries no passage references any more. Caller holds the lock."""
