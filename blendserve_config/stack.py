@@ -3,13 +3,13 @@ and the one first-start ingestion of the bundled sample corpus."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from blend_engine.cancel import Cancelled, cancel_scope
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
@@ -30,7 +30,6 @@ from retrieval.sync import IndexSync
 logger = logging.getLogger(__name__)
 
 DB_FILE = "passages.sqlite3"
-SAMPLE_BATCH = 10  # documents per ingest call of the sample corpus: a shutdown waits for one batch at most
 
 
 @dataclass
@@ -128,17 +127,11 @@ def _is_empty(stack: Stack) -> bool:
     return stack.pipeline.db.counts()["passages"] == 0
 
 
-def _added(a: IngestSummary | None, b: IngestSummary) -> IngestSummary:
-    """Two batches' summaries as one: counts and times add up, errors and document ids concatenate."""
-    if a is None:
-        return b
-    return IngestSummary(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(IngestSummary)})
-
-
 def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] = lambda: False,
                                  progress: bool = False) -> IngestSummary | None:
-    """Ingest Settings.sample_corpus when enabled and nothing is stored yet, in batches of SAMPLE_BATCH
-    documents, checking `should_stop` between batches. The summary of what was ingested; None when skipped."""
+    """Ingest Settings.sample_corpus when enabled and nothing is stored yet: one ingestion, published
+    batch by batch, that `should_stop` interrupts at its next checkpoint (between layers and batches;
+    what was published stays). The summary; None when skipped or interrupted."""
     s = stack.settings
     if not s.ingest_sample_on_start or s.sample_corpus is None or not _is_empty(stack):
         return None
@@ -147,16 +140,17 @@ def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] =
         logger.warning("sample corpus %s not found; starting with an empty corpus", path)
         return None
     docs = list(Reader().read([path]))
-    total, summary, t0 = len(docs), None, time.perf_counter()
-    logger.info("first start: ingesting %d sample documents from %s", total, path)
-    for start in range(0, total, SAMPLE_BATCH):
-        if should_stop():
-            logger.info("sample ingestion interrupted by shutdown at %d/%d", start, total)
-            break
-        batch = stack.pipeline.ingest(docs[start:start + SAMPLE_BATCH], progress=progress)
-        for err in batch.errors:
-            logger.warning("sample ingestion: %s", err)
-        summary = _added(summary, batch)
-        logger.info("sample ingestion %d/%d documents (%.1f s)", min(start + SAMPLE_BATCH, total), total,
-                    time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    logger.info("first start: ingesting %d sample documents from %s", len(docs), path)
+    try:
+        with cancel_scope(should_stop):
+            summary = stack.pipeline.ingest(docs, progress=progress)
+    except Cancelled:
+        logger.info("sample ingestion interrupted by shutdown after %.1f s (%d passages published)",
+                    time.perf_counter() - t0, stack.pipeline.db.counts()["passages"])
+        return None
+    for err in summary.errors:
+        logger.warning("sample ingestion: %s", err)
+    logger.info("sample ingestion: %d documents, %d passages in %.1f s", len(docs), summary.new_passages,
+                time.perf_counter() - t0)
     return summary

@@ -293,6 +293,34 @@ def test_concurrent_ingests_do_not_duplicate(stack):
     assert stack.retriever.search("Which way does river 7 flow?", k=1)[0].doc_id == "r7"
 
 
+def test_sample_ingestion_stops_at_shutdown_and_keeps_what_it_published(tmp_path, runner, embedder):
+    """Shutdown interrupts the first-start ingestion at its next checkpoint (between layers and
+    batches): the batches published before stay, nothing is left half-written, and the next start
+    does not ingest the sample again (the store is not empty)."""
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("\n".join(json.dumps({"title": f"River {i}", "text": f"River {i} flows north. " * 3,
+                                            "doc_id": f"r{i}", "source": "sample"}) for i in range(9)) + "\n")
+    s = make_stack(tmp_path, runner, embedder, sample_corpus=sample, ingest_batch_size=3)
+    published = []
+    real = s.pipeline.db.publish
+
+    def publish(*args, **kwargs):
+        published.append(real(*args, **kwargs))
+        return published[-1]
+
+    s.pipeline.db.publish = publish
+    try:
+        assert ingest_sample_on_first_start(s, should_stop=lambda: len(published) >= 1) is None
+        assert len(published) == 1  # stopped at the checkpoint after the first publish: no later batch
+        assert 0 < s.pipeline.db.counts()["passages"] == len(published[0][1]) < 9  # what it published stayed
+        assert s.pipeline.db.incomplete() == {}  # nothing left staged
+        report = s.pipeline.verify()
+        assert report.ok and report.incomplete == () and report.index_missing == report.index_extra == 0
+        assert ingest_sample_on_first_start(s) is None  # not empty: no second sample ingestion
+    finally:
+        s.close()
+
+
 def test_stack_reopens_persisted_corpus_and_ingests_sample_once(tmp_path, runner, embedder):
     sample = tmp_path / "sample.jsonl"
     sample.write_text("\n".join(json.dumps({"title": t, "text": x, "doc_id": t, "source": "sample"})
