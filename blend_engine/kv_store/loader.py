@@ -36,7 +36,6 @@ class LoadTrace:
 
     read_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
-    bytes_read: int = 0
     repaired: list[str] = field(default_factory=list)
 
 
@@ -81,7 +80,6 @@ class LayerStream:
             if got is None:  # missing or corrupt mid-stream: recompute from text, re-store, go on
                 self._fix(key)
                 got = self._fixed_layer(key, layer)
-            self.trace.bytes_read += got.nbytes if isinstance(got, QuantLayer) else got[0].nbytes * 2
             out.append(got)
         return out
 
