@@ -79,7 +79,8 @@ def test_decision_modes():
         decide("strict", None, EngineConfig(), None)
 
 
-QUERY = {"question": "Which river flows through Cairo?", "mode": "blend", "max_tokens": 2,
+# a fixed ratio: once its passages are cached, the controller may serve a tiny prompt by full prefill
+QUERY = {"question": "Which river flows through Cairo?", "mode": "blend", "max_tokens": 2, "recompute_ratio": 0.15,
          "documents": [{"title": "Nile", "text": "The Nile flows through Cairo into the Mediterranean Sea."},
                        {"title": "Seine", "text": "The Seine flows through Paris."}]}
 
