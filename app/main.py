@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+import logsafe
 from app.auth import BearerAuthMiddleware
 from app.errors import install_handlers
 from app.limits import BodySizeLimitMiddleware
@@ -32,7 +33,6 @@ from app.settings import ServiceSettings
 from app.startup import build_and_warm
 from app.state import AppState
 from app.worker import EngineWorker
-from blendserve_config import logsafe
 from blendserve_config.stack import Stack, build_stack
 
 __all__ = ["STATIC_DIR", "AppState", "StackFactory", "create_app"]

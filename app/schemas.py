@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from blendserve_config.logsafe import has_control
+from logsafe import has_control
 
 ModeName = Literal["blend", "full_prefill", "prefix_cache", "full_reuse"]
 

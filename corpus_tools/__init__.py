@@ -1,6 +1,7 @@
-"""Corpus tools: document readers, chunking, the ingestion pipeline and the batch CLI.
+"""Corpus tools: document readers, chunking and the ingestion pipeline (a library: it imports no settings).
 
-Settings and the `Stack` live in `blendserve_config`. Heavy modules load lazily.
+Settings and the `Stack` live in `blendserve_config`, above it; the batch CLI in `corpus_cli`, above that.
+Heavy modules load lazily.
 """
 
 from __future__ import annotations

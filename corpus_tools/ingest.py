@@ -40,10 +40,10 @@ from tqdm import tqdm
 
 from blend_engine.cancel import Cancelled, checkpoint
 from blend_engine.errors import InputError
-from blendserve_config.logsafe import has_control, printable
 from corpus_tools.chunking import chunk_text
 from corpus_tools.corpus import Corpus
 from corpus_tools.documents import Document, resolve_doc_id
+from logsafe import has_control, printable
 from retrieval.passages import PassageRow, passage_id, vec_id_of
 from retrieval.retriever import embed_text, stored_or_embedded
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from blendserve_config.logsafe import printable
 from corpus_tools.corpus import Corpus
+from logsafe import printable
 from retrieval.passages import PassageRow
 from retrieval.retriever import reconcile
 

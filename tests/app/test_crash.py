@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from corpus_tools.cli import main
+from corpus_cli.cli import main
 from tests.helpers import ROOT
 from tests.local_services import wait_url_ready
 

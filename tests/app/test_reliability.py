@@ -196,7 +196,7 @@ def test_doc_id_with_control_characters_is_a_422(client, doc_id):
 
 # ============================================================================ 10. log injection
 def test_logged_user_values_have_control_characters_escaped(client, caplog):
-    from blendserve_config.logsafe import printable
+    from logsafe import printable
 
     evil = "id\r\n\x1b[2Jforged line"
     assert printable(evil) == "id\\r\\n\\x1b[2Jforged line"

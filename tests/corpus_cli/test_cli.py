@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from corpus_tools.cli import main
+from corpus_cli.cli import main
 from tests.helpers import ROOT
 
 SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"

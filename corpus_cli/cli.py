@@ -1,4 +1,4 @@
-"""`python -m corpus_tools COMMAND`: ingest, stats, verify, delete, gc.
+"""`python -m corpus_tools COMMAND` (or `python -m corpus_cli`): ingest, stats, verify, delete, gc.
 
 Exit codes: 0 success; 1 finished but something failed (skipped input, broken entries, unknown
 document); 2 the run stopped (usage error, --strict input error, fatal error); 130 interrupted.
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from blendserve_config import logsafe
+import logsafe
 from blendserve_config.settings import Settings
 from corpus_tools.documents import InputError, Reader
 from corpus_tools.ingest import IngestSummary

@@ -1,0 +1,5 @@
+import sys
+
+from corpus_cli.cli import main
+
+sys.exit(main())
