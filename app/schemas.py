@@ -6,6 +6,7 @@ integer is still a valid float) and NaN / Infinity are refused."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from logsafe import has_control
 
 ModeName = Literal["blend", "full_prefill", "prefix_cache", "full_reuse"]
+RetrievalName = Literal["dense", "lexical", "hybrid"]
 
 
 _REQUEST = ConfigDict(strict=True, allow_inf_nan=False)
@@ -41,6 +43,30 @@ class InlineDocument(BaseModel):
     _text_not_blank = field_validator("text")(_not_blank)
 
 
+def _epoch_seconds(v: float | str | None) -> float | None:
+    """Seconds since the epoch, or an ISO 8601 date / date-time (UTC when it names no zone)."""
+    if v is None or isinstance(v, (int, float)):
+        return v
+    try:
+        when = datetime.fromisoformat(v.strip())
+    except ValueError:
+        raise ValueError("must be seconds since the epoch or an ISO 8601 date (2024-05-01, 2024-05-01T12:00:00Z)") from None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+class SearchFilters(BaseModel):
+    """Metadata filters on retrieval (every mode): all given ones must hold."""
+
+    model_config = ConfigDict(extra="forbid", **_REQUEST)
+
+    source: str | None = Field(None, description="the passage's source, exactly (e.g. `api`, `upload`, `hotpotqa`)")
+    doc_id_prefix: str | None = Field(None, min_length=1, description="document ids starting with this")
+    ingested_after: float | str | None = Field(None, description="ingested at or after (epoch seconds or ISO 8601)")
+    ingested_before: float | str | None = Field(None, description="ingested before (epoch seconds or ISO 8601)")
+
+    _times = field_validator("ingested_after", "ingested_before")(_epoch_seconds)
+
+
 class QueryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", **_REQUEST, json_schema_extra={"examples": [
         {"question": "Which city hosted the 1936 Summer Olympics?", "top_k": 5},
@@ -52,6 +78,8 @@ class QueryRequest(BaseModel):
         None, min_length=1, description="use exactly these passages, in this order, instead of retrieval"
     )
     mode: ModeName | None = Field(None, description="defaults to BLENDSERVE_DEFAULT_MODE (blend)")
+    retrieval: RetrievalName | None = Field(None, description="dense, lexical or hybrid; null = BLENDSERVE_RETRIEVAL")
+    filters: SearchFilters | None = Field(None, description="retrieve only passages matching these")
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="blend only; null = server default")
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
@@ -218,7 +246,7 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     """OpenAI's shape; unknown OpenAI fields are accepted and ignored. Blend extras may be sent
-    with the client's `extra_body`: top_k, documents, mode, recompute_ratio, explain."""
+    with the client's `extra_body`: top_k, documents, mode, retrieval, filters, recompute_ratio, explain."""
 
     model_config = ConfigDict(extra="ignore", **_REQUEST)
 
@@ -237,6 +265,8 @@ class ChatCompletionRequest(BaseModel):
     top_k: int = Field(5, ge=1)
     documents: list[InlineDocument] | None = Field(None, min_length=1)
     mode: ModeName | None = None
+    retrieval: RetrievalName | None = None
+    filters: SearchFilters | None = None
     recompute_ratio: float | None = Field(None, ge=0, le=1)
     explain: bool = Field(False, description="add `blend.explain` (see /v1/query)")
 

@@ -14,6 +14,7 @@ from app.worker import Cancelled, EngineWorker, Job
 from blend_engine.errors import InputError, StorageError
 from blend_engine.explain import Explanation
 from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
+from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class QuerySpec:
     system_prompt: str | None = None
     explain: bool = False
     explain_max_tokens: int = 4096
+    retrieval: str | None = None  # dense / lexical / hybrid; None = the retriever's default (settings)
+    filters: Filters = NO_FILTERS
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,9 @@ def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]
         out = tuple(PassageRef(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None)
                     for t, d in zip(texts, spec.documents))
         return texts, out
-    hits = stack.retriever.search(spec.question, spec.top_k)
+    hits = stack.retriever.search(spec.question, spec.top_k, mode=spec.retrieval, filters=spec.filters)
+    if not hits and not spec.filters.empty:
+        raise BadRequest("no passages match the filters (or none matched the question's words in lexical retrieval)")
     if not hits:
         raise BadRequest("no passages to answer from: the index is empty; ingest documents or pass `documents`")
     texts = [format_passage(h.text, h.title) for h in hits]

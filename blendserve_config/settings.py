@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     chunk_tokens: int = Field(256, ge=16, le=4096)
     top_k: int = Field(5, ge=1, le=50)
     placement: Literal["score", "best_last"] = "best_last"
+    retrieval: Literal["dense", "lexical", "hybrid"] = Field(
+        "hybrid", description="dense = embeddings (FAISS); lexical = full-text search in the passage store (SQLite "
+                              "FTS5 / PostgreSQL); hybrid = both, fused by reciprocal rank; a request may override it")
+    hybrid_candidates: int = Field(50, ge=1, le=1000, description="hits each list brings to the fusion (and the "
+                                                                   "reranker scores)")
+    reranker: Path | None = Field(None, description="a local sentence-transformers CrossEncoder folder that "
+                                                    "rescores the candidates; unset = no reranking")
     sample_corpus: Path | None = SAMPLE_CORPUS
     ingest_sample_on_start: bool = True
     ingest_batch_size: int = Field(32, ge=1, le=4096, description="passages per SQLite transaction / index save")
@@ -72,7 +79,15 @@ class Settings(BaseSettings):
     ivf_nprobe: int = Field(16, ge=1)
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
-    _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", mode="before")(empty_is_none)
+    _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", "reranker",
+                                     mode="before")(empty_is_none)
+
+    @field_validator("reranker")
+    @classmethod
+    def _local_folder(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.expanduser().is_dir():
+            raise ValueError(f"must be a local CrossEncoder model folder ({v} is not a folder; nothing is downloaded)")
+        return v
 
     @field_validator("database_url")
     @classmethod

@@ -99,6 +99,15 @@ def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> Ble
     return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))
 
 
+def build_reranker(settings: Settings):
+    """The CrossEncoder named by BLENDSERVE_RERANKER (a local folder), or None."""
+    if settings.reranker is None:
+        return None
+    from retrieval.rerank import Reranker
+
+    return Reranker(settings.reranker)
+
+
 def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder: Embedder | None = None,
                 store: KVStore | None = None) -> Stack:
     """Everything from settings; `runner`, `embedder` and `store` may be passed in (tests, reuse)."""
@@ -115,7 +124,8 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     logger.info("index: %d vectors (%s; loaded=%s, reconciled +%d -%d; passage store %s at generation %d)",
                 len(index), index.kind, info["loaded"], info["added"], info["removed"], db.describe(),
                 info["generation"])
-    retriever = Retriever(embedder, index, db, settings.placement)
+    retriever = Retriever(embedder, index, db, settings.placement, mode=settings.retrieval,
+                          candidates=settings.hybrid_candidates, reranker=build_reranker(settings))
     pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size,
                               settings.precompute_batch)
     sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s, start_info=info)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.schema import ROW_COLUMNS, SCHEMA_VERSION
 
 _SELECT = ", ".join(ROW_COLUMNS)  # a PassageRow's columns, in field order
@@ -103,6 +104,11 @@ class PassageStore(ABC):
 
     @abstractmethod
     def schema_version(self) -> int: ...
+
+    @abstractmethod
+    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """The k passages best matching any of `terms` (full-text search in the store): (vec_id, score),
+        best first, higher is better; [] when there are no terms."""
 
     def describe(self) -> str:
         """Where the store lives, without credentials (for logs and /readyz)."""
@@ -267,6 +273,23 @@ class PassageStore(ABC):
                                          part):
                 out[int(vid)] = vector_from(blob)
         return out
+
+    def matching(self, vec_ids: Sequence[int], filters: Filters) -> set[int]:
+        """The vec_ids among `vec_ids` whose passages pass the filters."""
+        where, args = filters.sql()
+        out: set[int] = set()
+        for part in _parts([int(v) for v in vec_ids]):
+            out.update(int(r[0]) for r in self._fetch(
+                f"SELECT p.vec_id FROM passages p WHERE p.vec_id IN ({_marks(part)}) AND {where}", (*part, *args)))
+        return out
+
+    def filtered_vectors(self, filters: Filters, limit: int) -> dict[int, np.ndarray]:
+        """Stored embeddings of the passages that pass the filters (at most `limit`), for an exact
+        dense search among them; rows without an embedding are left out."""
+        where, args = filters.sql()
+        rows = self._fetch(f"SELECT p.vec_id, p.embedding FROM passages p WHERE {where} AND p.embedding IS NOT NULL "
+                           "ORDER BY p.vec_id LIMIT ?", (*args, int(limit)))
+        return {int(v): vector_from(blob) for v, blob in rows}
 
     def document(self, doc_id: str) -> list[PassageRow]:
         return self._rows(f"SELECT {_SELECT} FROM passages WHERE doc_id = ? ORDER BY seq", (doc_id,))

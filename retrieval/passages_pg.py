@@ -21,8 +21,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.passage_store import PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
-from retrieval.schema import SCHEMA_VERSION, embedding_column, schema
+from retrieval.schema import SCHEMA_VERSION, TEXT_SEARCH_CONFIG, embedding_column, schema, search_schema
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +146,22 @@ class PgPassageStore(PassageStore):
             for stmt in schema("postgresql"):
                 conn.execute(stmt)
             conn.execute(f"ALTER TABLE passages ADD COLUMN IF NOT EXISTS {embedding_column('postgresql')}")
+            for stmt in search_schema("postgresql"):  # the generated column indexes existing rows as it is added
+                conn.execute(stmt)
             conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "
                          "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
         logger.info("passage store %s: schema version %d (was %d)", self._where, SCHEMA_VERSION, found)
+
+    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """Full-text search on the generated `search` column (GIN index), any of the terms, ranked by ts_rank.
+        The terms are letters and digits only (`lexical.query_terms`), so `|` between them is the only operator."""
+        if not terms or k <= 0:
+            return []
+        where, args = filters.sql()
+        rows = self._fetch(f"SELECT p.vec_id, ts_rank(p.search, q) AS score FROM passages p, "
+                           f"to_tsquery('{TEXT_SEARCH_CONFIG}', ?) q WHERE p.search @@ q AND {where} "
+                           "ORDER BY score DESC, p.vec_id LIMIT ?", (" | ".join(terms), *args, int(k)))
+        return [(int(v), float(score)) for v, score in rows]
 
     # ------------------------------------------------------------------ statements
     def _fetch(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:

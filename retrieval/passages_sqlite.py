@@ -12,8 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.passage_store import PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
-from retrieval.schema import SCHEMA_VERSION, embedding_column, schema
+from retrieval.schema import FTS_BACKFILL, FTS_TABLE, SCHEMA_VERSION, embedding_column, schema, search_schema
 
 
 class _SqliteRunner:
@@ -56,8 +57,10 @@ class PassageDB(PassageStore):
             cols = {r[1] for r in self._conn.execute("PRAGMA table_info(passages)")}
             if cols and "embedding" not in cols:  # version 1: the passages table without embeddings
                 self._conn.execute(f"ALTER TABLE passages ADD COLUMN {embedding_column('sqlite')}")
-            for stmt in schema("sqlite"):
+            for stmt in (*schema("sqlite"), *search_schema("sqlite")):
                 self._conn.execute(stmt)
+            if found:  # rows stored before the lexical index existed: index them (version <= 3)
+                self._conn.execute(FTS_BACKFILL)
             self._conn.execute("INSERT OR REPLACE INTO store_meta (key, value) VALUES ('schema_version', ?)",
                                (str(SCHEMA_VERSION),))
 
@@ -72,6 +75,17 @@ class PassageDB(PassageStore):
 
     def describe(self) -> str:
         return f"sqlite:{self.path}"
+
+    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """FTS5 with BM25 (title and text, porter stemming): any of the terms, each a quoted phrase."""
+        if not terms or k <= 0:
+            return []
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        where, args = filters.sql()
+        rows = self._fetch(f"SELECT p.vec_id, bm25({FTS_TABLE}) AS rank FROM {FTS_TABLE} JOIN passages p "
+                           f"ON p.vec_id = {FTS_TABLE}.rowid WHERE {FTS_TABLE} MATCH ? AND {where} "
+                           "ORDER BY rank, p.vec_id LIMIT ?", (match, *args, int(k)))
+        return [(int(v), -float(rank)) for v, rank in rows]  # bm25() is lower-is-better
 
     def close(self) -> None:
         with self._lock:

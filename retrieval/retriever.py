@@ -1,4 +1,5 @@
-"""Question -> passages: embed, search the FAISS index, fetch rows, order them for the prompt."""
+"""Question -> passages: dense (embed, search the FAISS index), lexical (full-text search in the passage
+store) or hybrid (both, fused by reciprocal rank), optionally reranked; fetch rows, order them for the prompt."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import numpy as np
 
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
+from retrieval.lexical import NO_FILTERS, RETRIEVAL_MODES, Filters, fuse, query_terms
 from retrieval.passages import PassageRow, PassageStore
 from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("score", "best_last")
+OVERFETCH = 10  # a filtered dense search asks FAISS for this many times the hits, then filters them
+EXACT_SCAN_MAX = 100_000  # ... and when too few pass, scores at most this many filtered passages exactly
 
 
 @dataclass(frozen=True)
@@ -46,29 +50,77 @@ def embed_text(row_title: str, row_text: str) -> str:
 
 
 class Retriever:
-    def __init__(self, embedder: Embedder, index: VectorIndex, db: PassageStore, placement: str = "best_last") -> None:
+    """`mode` (dense, lexical or hybrid) is the default a request may override; `candidates` is how many
+    hits each list contributes to the fusion (and the reranker sees); `reranker` rescores the fused list."""
+
+    def __init__(self, embedder: Embedder, index: VectorIndex, db: PassageStore, placement: str = "best_last",
+                 mode: str = "dense", candidates: int = 50, reranker=None) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
         self.embedder = embedder
         self.index = index
         self.db = db
         self.placement = placement
+        self.mode = check_mode(mode)
+        self.candidates = candidates
+        self.reranker = reranker
 
-    def search(self, question: str, k: int) -> list[RetrievedPassage]:
-        """Top-k passages with cosine scores, already in placement order."""
+    def search(self, question: str, k: int, mode: str | None = None,
+               filters: Filters = NO_FILTERS) -> list[RetrievedPassage]:
+        """Top-k passages (scores: cosine for dense, BM25 / ts_rank for lexical, the fused or reranked score
+        for hybrid), filtered by metadata, already in placement order."""
         if not question.strip():
             raise ValueError("question is empty")
         if k <= 0:
             return []
-        q = self.embedder.encode([question])  # [1, dim]
-        scores, ids = self.index.search(q, k)  # [1, k] each
-        pairs = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
-        rows = self.db.by_vec_ids([i for i, _ in pairs])
-        found = [_to_result(rows[i], s) for i, s in pairs if i in rows]
-        if len(found) < len(pairs):
+        mode = check_mode(mode or self.mode)
+        depth = max(k, self.candidates) if mode == "hybrid" or self.reranker is not None else k
+        if mode == "dense":
+            ranked = self.dense(question, depth, filters)
+        elif mode == "lexical":
+            ranked = self.db.lexical_search(query_terms(question), depth, filters)
+        else:
+            dense = self.dense(question, depth, filters)
+            lexical = self.db.lexical_search(query_terms(question), depth, filters)
+            ranked = fuse([[i for i, _ in dense], [i for i, _ in lexical]])[:depth]
+        rows = self.db.by_vec_ids([i for i, _ in ranked])
+        found = [_to_result(rows[i], s) for i, s in ranked if i in rows]
+        if len(found) < len(ranked):
             logger.warning("%d index entries have no passage row; run `corpus_tools verify --repair`",
-                           len(pairs) - len(found))
-        return place(found, self.placement)
+                           len(ranked) - len(found))
+        if self.reranker is not None:
+            found = self.reranker.rerank(question, found)
+        return place(found[:k], self.placement)
+
+    def dense(self, question: str, k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """(vec_id, cosine) of the k nearest passages that pass the filters, best first."""
+        q = self.embedder.encode([question])  # [1, dim]
+        if filters.empty:
+            return _hits(*self.index.search(q, k))
+        depth = min(k * OVERFETCH, max(len(self.index), 1))
+        hits = _hits(*self.index.search(q, depth))
+        keep = self.db.matching([i for i, _ in hits], filters)
+        hits = [(i, s) for i, s in hits if i in keep]
+        if len(hits) >= k or depth >= len(self.index):  # enough, or every passage was looked at
+            return hits[:k]
+        vectors = self.db.filtered_vectors(filters, EXACT_SCAN_MAX)  # too few passed: score the filtered set
+        if not vectors:
+            return []
+        ids = np.fromiter(vectors, dtype=np.int64, count=len(vectors))  # [N]
+        scores = np.stack(list(vectors.values())) @ q[0]  # [N]
+        order = np.argsort(-scores, kind="stable")[:k]
+        return [(int(ids[j]), float(scores[j])) for j in order]
+
+
+def check_mode(mode: str) -> str:
+    if mode not in RETRIEVAL_MODES:
+        raise ValueError(f"retrieval must be one of {RETRIEVAL_MODES}, not {mode!r}")
+    return mode
+
+
+def _hits(scores: np.ndarray, ids: np.ndarray) -> list[tuple[int, float]]:
+    """FAISS's [1, k] scores and ids as (vec_id, score), best first, empty slots (-1) dropped."""
+    return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
 
 
 def _to_result(row: PassageRow, score: float) -> RetrievedPassage:

@@ -1,13 +1,17 @@
 """The passage store's tables, defined once and rendered for SQLite and for PostgreSQL.
 
-Schema version 3 (1: passages only, no meta table; 2: + embedding column, change log,
-store_meta; 3: + staged):
+Schema version 4 (1: passages only, no meta table; 2: + embedding column, change log,
+store_meta; 3: + staged; 4: + lexical search of `passages`, `search_schema`):
 
 - `passages`: one row per visible passage; `vec_id` is its FAISS id, `embedding` its vector;
 - `staged`: the same columns, rows of documents being ingested (never read by retrieval; a
   document's vec_ids may repeat while it is re-ingested, so `vec_id` is not unique there);
 - `passage_changes`: the ingestion change log, numbered in commit order;
-- `store_meta`: key/value, holds `schema_version`.
+- `store_meta`: key/value, holds `schema_version`;
+- lexical search (version 4): SQLite, an FTS5 table `passages_fts` over `passages` (external content,
+  its rowid the passage's `vec_id`, kept current by triggers, backfilled by `rebuild` on migration);
+  PostgreSQL, a generated `search` tsvector column with a GIN index (filled by PostgreSQL for
+  existing rows when the column is added).
 
 A column names a kind (`text`, `int`, `id64`, `float`, `bytes`, `serial`); `TYPES` gives each
 kind's type in each dialect, so both stores create the same tables. The rendered text is the
@@ -19,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 Dialect = Literal["sqlite", "postgresql"]
 
@@ -115,3 +119,34 @@ def schema(dialect: Dialect) -> tuple[str, ...]:
 def embedding_column(dialect: Dialect) -> str:
     """`embedding <type>`: the column version 1 lacked (added by migration)."""
     return PASSAGES.column("embedding").sql(dialect)
+
+
+# Version 4: lexical search in the store itself, so replicas agree and no second index needs syncing.
+FTS_TABLE = "passages_fts"
+TEXT_SEARCH_CONFIG = "english"  # PostgreSQL's stemming and stopwords; SQLite: the porter stemmer
+_FTS_ROW = "(rowid, title, text) VALUES (new.vec_id, new.title, new.text)"
+_FTS_DELETE = f"({FTS_TABLE}, rowid, title, text) VALUES ('delete', old.vec_id, old.title, old.text)"
+SEARCH = {
+    "sqlite": (
+        f"CREATE VIRTUAL TABLE IF NOT EXISTS {FTS_TABLE} USING fts5(title, text, content='passages', "
+        "content_rowid='vec_id', tokenize='porter unicode61 remove_diacritics 2')",
+        f"CREATE TRIGGER IF NOT EXISTS passages_fts_insert AFTER INSERT ON passages BEGIN "
+        f"INSERT INTO {FTS_TABLE}{_FTS_ROW}; END",
+        f"CREATE TRIGGER IF NOT EXISTS passages_fts_delete AFTER DELETE ON passages BEGIN "
+        f"INSERT INTO {FTS_TABLE}{_FTS_DELETE}; END",
+        f"CREATE TRIGGER IF NOT EXISTS passages_fts_update AFTER UPDATE OF vec_id, title, text ON passages BEGIN "
+        f"INSERT INTO {FTS_TABLE}{_FTS_DELETE}; INSERT INTO {FTS_TABLE}{_FTS_ROW}; END",
+    ),
+    "postgresql": (
+        "ALTER TABLE passages ADD COLUMN IF NOT EXISTS search tsvector GENERATED ALWAYS AS "
+        f"(to_tsvector('{TEXT_SEARCH_CONFIG}'::regconfig, title || ' ' || text)) STORED",
+        "CREATE INDEX IF NOT EXISTS passages_search ON passages USING GIN (search)",
+    ),
+}
+# SQLite's FTS5 index of rows that were stored before it existed (a migration from version <= 3).
+FTS_BACKFILL = f"INSERT INTO {FTS_TABLE}({FTS_TABLE}) VALUES ('rebuild')"
+
+
+def search_schema(dialect: Dialect) -> tuple[str, ...]:
+    """The statements adding lexical search (version 4) to the tables of `schema(dialect)`; each if absent."""
+    return SEARCH[dialect]

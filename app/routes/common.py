@@ -8,6 +8,7 @@ from app.schemas import ChatCompletionRequest, QueryRequest
 from app.service import QuerySpec, SuppliedDocument
 from app.settings import ServiceSettings
 from blend_engine.types import GenerationConfig, Mode
+from retrieval.lexical import NO_FILTERS, Filters
 
 
 def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequest, *, question: str, max_tokens: int,
@@ -22,4 +23,5 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
         gen=GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop),
                              seed=seed),
         system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.explain_max_tokens,
+        retrieval=req.retrieval, filters=NO_FILTERS if req.filters is None else Filters(**req.filters.model_dump()),
     )

@@ -158,6 +158,29 @@ def test_query_with_retrieval(client, mode):
         assert stats["recomputed_tokens"] < stats["context_tokens"]
 
 
+@pytest.mark.parametrize("retrieval", ["dense", "lexical", "hybrid"])
+def test_query_retrieval_modes_and_filters(client, retrieval):
+    def titles(body: dict) -> list[str]:
+        return [p["title"] for p in body["passages"]]
+
+    base = {"question": "Which mountain is in the Himalayas?", "max_tokens": 2, "retrieval": retrieval}
+    r = client.post("/v1/query", json={**base, "top_k": 1})
+    assert r.status_code == 200, r.text
+    assert titles(r.json()) == ["Mount Everest"]
+    only_berlin = client.post("/v1/query", json={**base, "top_k": 3, "filters": {"doc_id_prefix": "ber"}})
+    if retrieval == "lexical":  # Berlin's passage shares no word with the question
+        assert only_berlin.status_code == 400 and "match" in only_berlin.json()["error"]["message"]
+    else:
+        assert titles(only_berlin.json()) == ["Berlin"]
+    later = client.post("/v1/query", json={**base, "filters": {"ingested_after": "2999-01-01"}})
+    assert later.status_code == 400 and "filters" in later.json()["error"]["message"]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": base["question"]}],
+                                                     "max_tokens": 2, "top_k": 1, "retrieval": retrieval,
+                                                     "filters": {"source": "api"}})
+    assert chat.status_code == 200, chat.text
+    assert [p["title"] for p in chat.json()["passages"]] == ["Mount Everest"]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_query_with_inline_documents(client, mode):
     engine = svc(client).stack.engine
@@ -493,6 +516,9 @@ def test_ingest_get_and_delete_a_document(client):
     ({"question": "q?", "top_k": True}, "top_k"),  # strict: no bool -> int, no str -> float coercion
     ({"question": "q?", "recompute_ratio": "0.3"}, "recompute_ratio"),
     ({"question": "q?", "max_tokens": 2.5}, "max_tokens"),
+    ({"question": "q?", "retrieval": "sparse"}, "retrieval"),
+    ({"question": "q?", "filters": {"ingested_after": "last tuesday"}}, "filters.ingested_after"),
+    ({"question": "q?", "filters": {"colour": "red"}}, "filters.colour"),
 ])
 def test_query_validation_errors_are_422_naming_the_field(client, payload, field):
     r = client.post("/v1/query", json=payload)
