@@ -10,6 +10,10 @@ Prints tables and writes JSON (benchmarks/results/engine/engine_bench.json by de
    greedy answer against full prefill's answer, and gold F1.
 3. Ablation of the selection policy (check layer, K/V/KV deviation, gradual filtering, sinks):
    mean first-token KL to full prefill and answer F1 against full prefill.
+`--group-words N` lays the quality and ablation parts' paragraphs out as ~N-word passages (the
+grouping of `benchmarks.run --group-words`).
+4. With `--lengths 0,200,400,600`: the length sweep of `benchmarks.lengths` (both dev sets, each
+   passage length, the issue-#28 selection options; worst case per option over the cells).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.data import MUSIQUE_FILE, Example, default_data_dir, passages_of, read_examples
+from benchmarks import lengths as length_sweep
+from benchmarks.data import HOTPOTQA_FILE, MUSIQUE_FILE, Example, default_data_dir, passages_of, read_examples
 from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
@@ -185,7 +190,7 @@ def _text(engine: BlendEngine, ids: tuple[int, ...], cap: int | None = None) -> 
 
 
 def bench_quality(engine: BlendEngine, rows: list[Example], policies: dict[str, tuple[str, float, SelectionPolicy | None]],
-                  max_tokens: int) -> dict:
+                  max_tokens: int, group_words: int | None = None) -> dict:
     """Per variant: mean F1 vs full prefill's answer (whole, and its first 8/16 tokens), gold F1, first-token KL.
 
     Greedy decoding is deterministic, so an answer's first n tokens are exactly what a run capped at
@@ -193,7 +198,7 @@ def bench_quality(engine: BlendEngine, rows: list[Example], policies: dict[str, 
     """
     per: dict[str, dict[str, list[float]]] = {}
     for i, row in enumerate(rows):
-        passages = passages_of(row)
+        passages = passages_of(row, group_words=group_words)
         for p in passages:
             engine.ensure_cached(p)
         golds = list(row.answers)
@@ -242,6 +247,42 @@ def _ratios(spec: str) -> list[float]:
     return ratios
 
 
+def _layout_name(group_words: int | None) -> str:
+    return f"paragraphs grouped into ~{group_words}-word passages" if group_words else "all paragraphs as passages"
+
+
+def _sweep_rows(args: argparse.Namespace) -> dict[str, list[Example]]:
+    """Per dataset, the questions of the chosen half (2 x --sweep-questions are read)."""
+    files = {"musique": MUSIQUE_FILE, "hotpotqa": HOTPOTQA_FILE}
+    n = args.sweep_questions
+    lo, hi = {"tune": (0, n), "report": (n, 2 * n), "both": (0, 2 * n)}[args.sweep_half]
+    out = {}
+    for name in filter(None, (d.strip() for d in args.sweep_datasets.split(","))):
+        if name not in files:
+            raise SystemExit(f"--sweep-datasets: unknown dataset {name!r}; expected musique, hotpotqa")
+        out[name] = load_questions(default_data_dir() / files[name], 2 * n)[lo:hi]
+    return out
+
+
+def _sweep_variants(spec: str) -> dict[str, length_sweep.Variant]:
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    chosen = {n: v for n, v in length_sweep.SWEEP.items() if not parts or any(p in n for p in parts)}
+    if not chosen:
+        raise SystemExit(f"no sweep variant matches {spec!r}; names: {', '.join(length_sweep.SWEEP)}")
+    return chosen
+
+
+def run_sweep(engine: BlendEngine, args: argparse.Namespace, rows: dict[str, list[Example]], lengths: list[int],
+              variants: dict[str, length_sweep.Variant]) -> dict:
+    """The length sweep (`benchmarks.lengths`): per-cell tables and each variant's worst cell."""
+    cells = length_sweep.sweep(engine, args.model, rows, lengths, variants, args.ref_cache)
+    summaries = [length_sweep.summarize(c) for c in cells]
+    worst = length_sweep.worst_case(summaries)
+    length_sweep.print_table(summaries, f"Length sweep, {args.sweep_half} half ({args.sweep_questions} questions a half)")
+    length_sweep.print_worst(worst)
+    return {"half": args.sweep_half, "questions_per_half": args.sweep_questions, "cells": summaries, "worst": worst}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and questions")
@@ -258,6 +299,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="1000,2000,4000", help="target context tokens of the speed part")
     ap.add_argument("--ratios", default="0.05,0.15,0.30", help="blend ratios of the quality part")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,quality,ablation")
+    ap.add_argument("--group-words", type=int, default=None,
+                    help="quality and ablation parts: group paragraphs into passages of ~N words")
+    ap.add_argument("--lengths", default="",
+                    help="length sweep: comma list of passage lengths in words (0 = one paragraph), e.g. 0,200,400,600")
+    ap.add_argument("--sweep-datasets", default="musique,hotpotqa", help="length sweep: datasets")
+    ap.add_argument("--sweep-questions", type=int, default=12, help="length sweep: questions per half")
+    ap.add_argument("--sweep-half", choices=("tune", "report", "both"), default="tune",
+                    help="length sweep: the first half (tune), the second (report) or both")
+    ap.add_argument("--sweep-variants", default="", help="length sweep: comma list of variant name parts (default all)")
+    ap.add_argument("--ref-cache", type=Path, default=Path.home() / ".cache/blendserve/length_sweep.json",
+                    help="length sweep: per-question references and results, re-used across runs")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -269,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     n_a, first = args.ablation_questions or (8 if args.quick else 12), args.ablation_offset
     args.data = args.data or default_data_dir() / MUSIQUE_FILE
     rows = load_questions(args.data, max(60, n_q, first + n_a))  # before the model: a bad file fails fast
+    sweep_lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    sweep_rows = _sweep_rows(args) if sweep_lengths else {}
+    sweep_variants = _sweep_variants(args.sweep_variants) if sweep_lengths else {}
     if not rows:
         raise SystemExit(f"{args.data} holds no questions")
     runner = ModelRunner.load(args.model)
@@ -285,15 +340,18 @@ def main(argv: list[str] | None = None) -> None:
     if "quality" not in skip:
         variants = {"full_reuse": ("full_reuse", None, None)}
         variants |= {f"blend@{r:.2f}": ("blend", r, None) for r in ratios}
-        result["quality"] = bench_quality(engine, rows[:n_q], variants, 32)
-        _print_quality(f"Answer quality on {n_q} {args.data.name} questions (all paragraphs as passages)", result["quality"])
+        result["quality"] = bench_quality(engine, rows[:n_q], variants, 32, args.group_words)
+        _print_quality(f"Answer quality on {n_q} {args.data.name} questions ({_layout_name(args.group_words)})",
+                       result["quality"])
     if "ablation" not in skip:
         variants = {"full_reuse": ("full_reuse", None, None)}
         variants |= {name: ("blend", 0.15, pol) for name, pol in pick_variants(args.ablation_variants).items()}
         result["ablation_questions"] = [first, first + n_a]
-        result["ablation"] = bench_quality(engine, rows[first:first + n_a], variants, 32)
+        result["ablation"] = bench_quality(engine, rows[first:first + n_a], variants, 32, args.group_words)
         _print_quality(f"Selection-policy ablation at ratio 0.15 ({args.data.name} questions {first}..{first + n_a - 1})",
                        result["ablation"])
+    if sweep_lengths:
+        result["length_sweep"] = run_sweep(engine, args, sweep_rows, sweep_lengths, sweep_variants)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -134,6 +134,14 @@ class RankSpace:
         self.n_query = last.end - last.offset  # the question: always recomputed, the last Q positions
         self.query = torch.arange(last.offset, last.end, device=device)  # [Q]
         self._base: dict[int, tuple[torch.Tensor, int, int]] = {}
+        P = len(self.passages)
+        pid = torch.full((self.n,), P, dtype=torch.long)  # [N]; P: in no cached passage
+        for i, (s, e) in enumerate(self.passages):
+            pid[s:e] = i
+        self.pid = pid.to(device)  # [N]
+        self.passage_len = torch.tensor([float(e - s) for s, e in self.passages], device=device)  # [P]
+        self._mass_sum: torch.Tensor | None = None  # query_mass "running": summed over selecting layers
+        self._mass_count = 0
 
     def base(self, sink_tokens: int) -> tuple[torch.Tensor, int, int]:
         """(score offset per position [N]: +inf forced, -inf never, 0 competing; #forced; #competing)."""
@@ -169,11 +177,16 @@ class RankSpace:
             old_v = V[:, :S] if current is None else V[:, current]  # [H, S, D]
             competing = rows_base == 0  # [S]; only these rows have cached K/V to compare with
             score = deviation(k, v, old_k, old_v, policy.metric, weight=competing)  # [S]
+            mass = None
+            if policy.query_weighted or policy.allocation == "attention":
+                mass = self._question_mass(q, k, K, current, policy.query_mass)  # [N]
             if policy.query_weighted:
-                mass = self._attention_mass(q, k, K, current)  # [N]
                 score = score * (mass if current is None else mass[current])  # [S]
             if self.probe is not None and current is None:  # rows are positions at the check layer
                 self.probe.record(self.compete, score[self.compete])  # [P] each, device tensors
+            if policy.allocation != "global":
+                rows_pid = self.pid if current is None else self.pid[current]  # [S]
+                score = shared_out(score, competing, rows_pid, self._quota(policy.allocation, mass))  # [S]
             # uncached rows' K/V were never filled (leftover memory: NaN, inf, anything): their
             # score is the base alone, so garbage can neither outrank nor poison the competitors
             score = torch.where(competing, score, rows_base)  # [S]
@@ -181,6 +194,23 @@ class RankSpace:
             score = rows_base  # [S]
         rows = torch.topk(score, take).indices.sort().values  # [S'] rows, sorted = positions sorted
         return (rows if current is None else current[rows]), rows
+
+    def _quota(self, allocation: str, mass: torch.Tensor | None) -> torch.Tensor:
+        """Each passage's share of the budget, unnormalised: its tokens, or the question's attention to it [P]."""
+        if allocation == "length":
+            return self.passage_len  # [P]
+        P = len(self.passages)
+        return torch.zeros(P + 1, device=mass.device).index_add_(0, self.pid, mass.float())[:P]  # [P]
+
+    def _question_mass(self, q, k, K, current: torch.Tensor | None, how: str) -> torch.Tensor:
+        """The question's attention per position at this layer ("layer"), or its mean over every
+        selecting layer so far ("running"): [N]."""
+        mass = self._attention_mass(q, k, K, current)  # [N]
+        if how == "layer":
+            return mass
+        self._mass_sum = mass if self._mass_sum is None else self._mass_sum + mass  # [N]
+        self._mass_count += 1
+        return self._mass_sum / self._mass_count  # [N]
 
     def _attention_mass(self, q, k, K, current: torch.Tensor | None) -> torch.Tensor:
         """Attention the question's queries pay each position, summed over heads and queries: [N].
@@ -202,6 +232,27 @@ class RankSpace:
         mask = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]  # [G*Q, N]
         logits = logits.masked_fill(~mask, float("-inf"))  # [H, G*Q, N]
         return torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [N]
+
+
+def shared_out(score: torch.Tensor, competing: torch.Tensor, pid: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """Scores [S] that make one global top-k honour per-passage shares.
+
+    A competing row of passage p whose score ranks r-th (0-based) within p gets -(r + 0.5) / quota[p]:
+    a top-k over these keeps about k x quota[p] / sum(quota) rows of each passage, best first within
+    it, and hands the share a passage cannot fill (fewer candidates) to the next best elsewhere.
+    pid [S]: each row's passage (len(quota) for rows in none); competing [S] bool; quota [P] > 0.
+    Other rows get -inf (the caller puts their own base back). Device ops only, no host sync.
+    """
+    S, P = score.shape[0], quota.shape[0]
+    pid = torch.where(competing, pid, P)  # [S]
+    order = torch.argsort(score.masked_fill(~competing, float("-inf")), descending=True, stable=True)  # [S]
+    order = order[torch.argsort(pid[order], stable=True)]  # [S] grouped by passage, best first within each
+    counts = torch.bincount(pid, minlength=P + 1)  # [P+1]
+    starts = torch.cumsum(counts, 0) - counts  # [P+1] first slot of each passage in `order`
+    rank = torch.empty_like(order)  # [S]
+    rank[order] = torch.arange(S, device=score.device) - starts[pid[order]]
+    share = torch.cat([quota.float().clamp_min(1e-12), quota.new_ones(1, dtype=torch.float32)])[pid]  # [S]
+    return torch.where(competing, -(rank.float() + 0.5) / share, float("-inf"))  # [S]
 
 
 def deviation(k_new, v_new, k_old, v_old, metric: str, weight: torch.Tensor | None = None) -> torch.Tensor:

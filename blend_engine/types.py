@@ -26,6 +26,9 @@ class Mode(str, Enum):
             raise ValueError(f"unknown mode {value!r}; expected one of {[m.value for m in cls]}") from None
 
 
+ALLOCATIONS = ("global", "length", "attention")
+
+
 @dataclass(frozen=True)
 class SelectionPolicy:
     """Which tokens are recomputed after the check layer.
@@ -42,6 +45,13 @@ class SelectionPolicy:
     - query_weighted: weight each token's deviation by the attention the question's tokens pay
       it at that layer, so stale tokens nobody reads are not recomputed (computed from the
       fresh queries of the question, which every layer recomputes anyway).
+    - query_mass: "layer" weights by the attention at the selecting layer alone; "running" by
+      its mean over every selecting layer so far (the check layer and the schedule's).
+    - allocation: how the recompute budget is shared between passages. "global": one top-k over
+      every passage token; "length": each passage keeps ratio x its own tokens; "attention": each
+      passage keeps a share of the budget proportional to the attention the question pays it
+      (at the selecting layer). Either way the total kept is the same as "global"'s; a passage
+      with fewer candidates than its share leaves the rest to the others.
     """
 
     check_layer: int = 1
@@ -51,10 +61,16 @@ class SelectionPolicy:
     sink_tokens: int = 0
     use_deviation: bool = True
     query_weighted: bool = False
+    query_mass: str = "layer"
+    allocation: str = "global"
 
     def __post_init__(self) -> None:
         if self.metric not in ("k", "v", "kv"):
             raise ValueError(f"metric must be 'k', 'v' or 'kv', not {self.metric!r}")
+        if self.query_mass not in ("layer", "running"):
+            raise ValueError(f"query_mass must be 'layer' or 'running', not {self.query_mass!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, not {self.allocation!r}")
         if self.check_layer < 0:
             raise ValueError("check_layer must be >= 0")
         layers = [lay for lay, _ in self.schedule]

@@ -1,0 +1,235 @@
+"""Blend fidelity across passage lengths (`python -m benchmarks.engine --lengths 0,200,400,600`).
+
+Every dev question's paragraphs are laid out as passages, one per paragraph (length 0) or grouped
+to ~N words (`data.passages_of`, the grouping `benchmarks.run --group-words` uses). Per question
+and length the references are computed once and cached on disk (`--ref-cache`), so variants added
+later re-use them:
+
+- full prefill: its greedy answer and first-token logits (the reference of everything);
+- full reuse: its first-token KL to full prefill (the denominator of the KL ratio);
+- full prefill with the passages reordered: its top-1 agreement with full prefill (the noise
+  floor of top-1: an exact prefill of the same passages in another order).
+
+Each variant (ratio, policy) is then scored per question: first-token KL and top-1 agreement
+with full prefill, token F1 of its answer against full prefill's, gold F1, recomputed share.
+The questions split into halves: the first half tunes, the second reports (`--half`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.data import Example, passages_of, shuffled
+from benchmarks.scoring import kl, max_over_golds, token_f1
+from blend_engine.engine import BlendEngine
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy
+
+logger = logging.getLogger(__name__)
+
+MAX_ANSWER_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A blend run: its ratio, policy (None: the engine's default) and optional ratio growth with
+    passage length: ratio x clamp(mean passage tokens / grow_ref, 1, grow_cap) ** grow_power."""
+
+    ratio: float
+    policy: SelectionPolicy | None = None
+    grow_ref: float = 0.0  # 0: fixed ratio
+    grow_power: float = 1.0
+    grow_cap: float = 1.0
+
+    def ratio_for(self, passage_tokens: list[int]) -> float:
+        if not self.grow_ref:
+            return self.ratio
+        scale = min(max(statistics.fmean(passage_tokens) / self.grow_ref, 1.0), self.grow_cap)
+        return min(1.0, self.ratio * scale ** self.grow_power)
+
+    def key(self) -> str:
+        """Identifies the variant's behaviour (not its display name) in the result cache."""
+        return hashlib.sha1(repr((self.ratio, self.policy or default_policy(), self.grow_ref, self.grow_power,
+                                  self.grow_cap)).encode()).hexdigest()[:16]
+
+
+def _d(**kw) -> SelectionPolicy:
+    """The default policy with some fields changed."""
+    base = default_policy()
+    return SelectionPolicy(**{f: kw.get(f, getattr(base, f)) for f in base.__dataclass_fields__})
+
+
+# The options of issue #28, each at ratio 0.15 unless named otherwise; the default at 0.15 and 0.30.
+SWEEP: dict[str, Variant] = {
+    "blend@0.15 default": Variant(0.15),
+    "blend@0.30 default": Variant(0.30),
+    "alloc by length": Variant(0.15, _d(allocation="length")),
+    "alloc by question attention": Variant(0.15, _d(allocation="attention")),
+    "sinks 4 (EPIC)": Variant(0.15, _d(sink_tokens=4)),
+    "sinks 16 (EPIC)": Variant(0.15, _d(sink_tokens=16)),
+    "check@2, 4x>2x>1.5x>1x by 5": Variant(0.15, _d(check_layer=2, schedule=((3, 2.0), (4, 1.5), (5, 1.0)))),
+    "check@1 4x, 2x@4, 1x@8": Variant(0.15, _d(schedule=((4, 2.0), (8, 1.0)))),
+    "query mass running over layers": Variant(0.15, _d(query_mass="running")),
+    "ratio grows with length (sqrt, from 128 tok, cap 4x)": Variant(0.15, grow_ref=128.0, grow_power=0.5, grow_cap=4.0),
+}
+
+
+@dataclass
+class Cell:
+    """One (dataset, length) cell's per-question records."""
+
+    dataset: str
+    group_words: int
+    refs: list[dict] = field(default_factory=list)
+    runs: dict[str, list[dict]] = field(default_factory=dict)
+
+
+class RefCache:
+    """Per-question references and variant results, kept on disk between runs (JSON + logits .pt)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.logits_path = path.with_suffix(".pt")
+        self.data: dict = json.loads(path.read_text()) if path.exists() else {}
+        self.logits: dict[str, torch.Tensor] = torch.load(self.logits_path) if self.logits_path.exists() else {}
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.path)
+        torch.save(self.logits, self.logits_path.with_suffix(".pt.tmp"))
+        self.logits_path.with_suffix(".pt.tmp").replace(self.logits_path)
+
+
+def _answer(engine: BlendEngine, plan: BlendPlan) -> tuple[str, torch.Tensor, int]:
+    """Greedy answer (to the first newline), first-token logits [V], recomputed tokens."""
+    gen = engine.generate(plan, GenerationConfig(max_tokens=MAX_ANSWER_TOKENS, stop=("\n",)))
+    for _ in gen:
+        pass
+    text = engine.runner.decode(list(gen.result.token_ids)).split("\n")[0].strip()
+    return text, gen.state.logits, gen.state.report.recomputed_tokens
+
+
+def _first_logits(engine: BlendEngine, plan: BlendPlan) -> torch.Tensor:
+    return engine.prefill(plan, max_new_tokens=1).logits  # [V]
+
+
+def reference(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...]) -> dict:
+    """Full prefill's answer and logits, full reuse's KL, the reordered prefill's top-1 (cached)."""
+    if key in cache.data and key in cache.logits:
+        return cache.data[key]["ref"]
+    text, logits, _ = _answer(engine, BlendPlan(passages, row.question, mode="full_prefill"))
+    reuse = _first_logits(engine, BlendPlan(passages, row.question, mode="full_reuse"))
+    reordered = _first_logits(engine, BlendPlan(shuffled(passages, row.id), row.question, mode="full_prefill"))
+    n_ctx = engine.layout(BlendPlan(passages, row.question)).n_tokens
+    ref = {"answer": text, "gold_f1": max_over_golds(token_f1, text, row.answers), "full_reuse_kl": kl(logits, reuse),
+           "reordered_top1": float(torch.argmax(reordered) == torch.argmax(logits)), "reordered_kl": kl(logits, reordered),
+           "context_tokens": n_ctx, "passages": len(passages),
+           "passage_tokens": [len(engine.passage_tokens(p)) for p in passages]}
+    cache.data[key] = {"ref": ref, "runs": {}}
+    cache.logits[key] = logits.float().cpu()
+    return ref
+
+
+def run_variant(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...],
+                variant: Variant) -> dict:
+    """One variant on one question, scored against the cached reference (cached too)."""
+    runs = cache.data[key]["runs"]
+    vkey = variant.key()
+    if vkey in runs:
+        return runs[vkey]
+    ref = cache.data[key]["ref"]
+    ratio = variant.ratio_for(ref["passage_tokens"])
+    plan = BlendPlan(passages, row.question, mode="blend", recompute_ratio=ratio, policy=variant.policy)
+    text, logits, recomputed = _answer(engine, plan)
+    full = cache.logits[key]
+    runs[vkey] = {"kl": kl(full, logits), "top1": float(torch.argmax(full) == torch.argmax(logits)),
+                  "f1_vs_full": token_f1(text, ref["answer"]), "gold_f1": max_over_golds(token_f1, text, row.answers),
+                  "recomputed": recomputed / ref["context_tokens"], "ratio": ratio}
+    return runs[vkey]
+
+
+def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], lengths: list[int],
+          variants: dict[str, Variant], cache_path: Path, progress: Callable[[str], None] = logger.info) -> list[Cell]:
+    """Every (dataset, length) cell over its questions: references, then each variant. Each dataset
+    has its own cache file (`cache_path` with the dataset's name appended), so runs over different
+    datasets can go side by side."""
+    cells = []
+    for name, rows in datasets.items():
+        cache = RefCache(cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}"))
+        for words in lengths:
+            cell = Cell(name, words)
+            for i, row in enumerate(rows):
+                passages = passages_of(row, group_words=words or None)
+                for p in passages:
+                    engine.ensure_cached(p)
+                key = f"{model}|{name}|{words}|{row.id}"
+                cell.refs.append(reference(engine, cache, key, row, passages))
+                for vname, variant in variants.items():
+                    cell.runs.setdefault(vname, []).append(run_variant(engine, cache, key, row, passages, variant))
+                cache.save()
+                progress(f"{name} ~{words or 'para'} words: question {i + 1}/{len(rows)} done")
+            cells.append(cell)
+    return cells
+
+
+def summarize(cell: Cell) -> dict:
+    """Per variant: KL ratio to full reuse (mean KL / full reuse's mean KL), mean KL, top-1 agreement,
+    F1 vs full prefill, gold F1, recomputed share; with the cell's references."""
+    reuse_kl = statistics.fmean(r["full_reuse_kl"] for r in cell.refs)
+    out = {"dataset": cell.dataset, "group_words": cell.group_words, "n": len(cell.refs),
+           "context_tokens": statistics.fmean(r["context_tokens"] for r in cell.refs),
+           "passage_tokens": statistics.fmean(t for r in cell.refs for t in r["passage_tokens"]),
+           "full_reuse_kl": reuse_kl, "full_prefill_gold_f1": statistics.fmean(r["gold_f1"] for r in cell.refs),
+           "reordered_top1": statistics.fmean(r["reordered_top1"] for r in cell.refs), "variants": {}}
+    for name, runs in cell.runs.items():
+        m = {k: statistics.fmean(r[k] for r in runs) for k in ("kl", "top1", "f1_vs_full", "gold_f1", "recomputed")}
+        m["kl_ratio"] = m["kl"] / reuse_kl if reuse_kl > 0 else 0.0
+        m["gold_f1_delta"] = m["gold_f1"] - out["full_prefill_gold_f1"]
+        out["variants"][name] = m
+    return out
+
+
+def print_table(summaries: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    for s in summaries:
+        print(f"\n{s['dataset']} {'~' + str(s['group_words']) + ' words' if s['group_words'] else 'one paragraph'}"
+              f" per passage: n={s['n']}, {s['context_tokens']:.0f} tokens, {s['passage_tokens']:.0f} per passage;"
+              f" full reuse KL {s['full_reuse_kl']:.3f}, reordered full prefill top-1 {s['reordered_top1']:.2f},"
+              f" full prefill gold F1 {s['full_prefill_gold_f1']:.3f}")
+        print(f"  {'variant':<54} {'KL ratio':>8} {'KL':>7} {'top1':>5} {'F1 vs full':>10} {'gold dF1':>8} {'recomp':>6}")
+        for name, m in s["variants"].items():
+            print(f"  {name:<54} {m['kl_ratio']:>7.3f}x {m['kl']:>7.4f} {m['top1']:>5.2f} {m['f1_vs_full']:>10.3f}"
+                  f" {m['gold_f1_delta']:>+8.3f} {m['recomputed']:>6.3f}")
+
+
+def worst_case(summaries: list[dict]) -> dict[str, dict]:
+    """Per variant, its worst cell: the highest KL ratio, the lowest top-1 minus the reordered
+    prefill's, the lowest gold F1 delta (over datasets and lengths)."""
+    out: dict[str, dict] = {}
+    for s in summaries:
+        for name, m in s["variants"].items():
+            w = out.setdefault(name, {"kl_ratio": 0.0, "top1_margin": 1.0, "gold_f1_delta": 1.0, "mean_kl_ratio": []})
+            w["kl_ratio"] = max(w["kl_ratio"], m["kl_ratio"])
+            w["top1_margin"] = min(w["top1_margin"], m["top1"] - s["reordered_top1"])
+            w["gold_f1_delta"] = min(w["gold_f1_delta"], m["gold_f1_delta"])
+            w["mean_kl_ratio"].append(m["kl_ratio"])
+    for w in out.values():
+        w["mean_kl_ratio"] = statistics.fmean(w["mean_kl_ratio"])
+    return out
+
+
+def print_worst(worst: dict[str, dict]) -> None:
+    print(f"\nWorst cell per variant\n  {'variant':<54} {'max KL ratio':>12} {'mean':>6} {'min top1-reord':>14}"
+          f" {'min gold dF1':>12}")
+    for name, w in sorted(worst.items(), key=lambda kv: kv[1]["kl_ratio"]):
+        print(f"  {name:<54} {w['kl_ratio']:>11.3f}x {w['mean_kl_ratio']:>5.3f}x {w['top1_margin']:>+14.2f}"
+              f" {w['gold_f1_delta']:>+12.3f}")
