@@ -330,7 +330,8 @@ def _poisoned_empty(fill: float):
     SelectionPolicy(metric="k", query_weighted=True),
     SelectionPolicy(metric="kv", query_weighted=True, check_multiplier=2.0, schedule=((2, 1.0),)),
     SelectionPolicy(metric="kv", sink_tokens=2, schedule=((2, 1.0),)),
-], ids=["kv", "k-weighted", "kv-weighted-schedule", "kv-sinks-schedule"])
+    SelectionPolicy(metric="k", query_weighted=True, allocation="attention", check_multiplier=2.0, schedule=((2, 1.0),)),
+], ids=["kv", "k-weighted", "kv-weighted-schedule", "kv-sinks-schedule", "k-weighted-by-attention"])
 def test_blend_does_not_read_unfilled_cache_rows(tokenizer, monkeypatch, policy):
     """Uncached tokens (a missed passage, the question) have no cached K/V at the check layer: what
     the freshly allocated cache holds there must not change the selection or the logits."""
