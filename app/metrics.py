@@ -137,6 +137,10 @@ class Metrics:
             self.fidelity_kl.labels("full_reuse").set(result.kl_full_reuse)
             self.fidelity_top1.labels("blend").set(result.top1_blend)
             self.fidelity_top1.labels("full_reuse").set(result.top1_full_reuse)
+            self.fidelity_kl.labels("blend_long").set(result.kl_blend_long)  # the long-passage probe
+            self.fidelity_kl.labels("full_reuse_long").set(result.kl_full_reuse_long)
+            self.fidelity_top1.labels("blend_long").set(result.top1_blend_long)
+            self.fidelity_top1.labels("full_reuse_long").set(result.top1_full_reuse_long)
 
     def bind_worker(self, worker) -> None:
         self.queue_depth.set_function(lambda: worker.depth)

@@ -5,7 +5,9 @@ answered in full_prefill, full_reuse and blend at the configured ratio on a priv
 store. For each probe the first-token distribution of full_reuse and blend is compared with full
 prefill's: KL(full || mode) and top-1 agreement, averaged over the probe. Blend passes when its KL
 is at most `MAX_KL_FRACTION` (a quarter) of full reuse's: the repair must remove most of the
-divergence that plain reuse leaves. The result is cached per model fingerprint (JSON under the
+divergence that plain reuse leaves. It must do so twice: on short passages (one sample document
+each) and on long ones (`LONG_PROBES`: ~200-470-word passages of several documents, the chunk
+sizes real corpora use, where blend's repair is weakest; issue #28). The result is cached per model fingerprint (JSON under the
 data dir), so a restart skips the measurement.
 
 Command line (exit 0 passed, 1 failed, 2 bad input)::
@@ -36,7 +38,7 @@ from blend_engine.types import BlendPlan, Mode
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: the long-passage probe
 MAX_KL_FRACTION = 0.25  # blend passes when KL(blend) <= this x KL(full_reuse); calibrated on SmolLM2 (docs/models.md)
 KL_FLOOR = 1e-6  # KLs below this count as exact (full reuse already exact: nothing to repair)
 GATE_MODES = ("enforce", "warn", "off")
@@ -74,6 +76,12 @@ class GateResult:
     probes: int
     key: str
     cached: bool = False
+    # the long-passage probe (`LONG_PROBES`), judged by the same fraction
+    kl_blend_long: float = 0.0
+    kl_full_reuse_long: float = 0.0
+    top1_blend_long: float = 0.0
+    top1_full_reuse_long: float = 0.0
+    probes_long: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,8 +90,10 @@ class GateResult:
         verdict = "passed" if self.passed else "FAILED"
         return (f"fidelity gate {verdict}: first-token KL blend {self.kl_blend:.4f} vs full reuse "
                 f"{self.kl_full_reuse:.4f} (limit {self.max_kl_fraction:g}x), top-1 agreement blend "
-                f"{self.top1_blend:.2f} / full reuse {self.top1_full_reuse:.2f}, ratio {self.ratio:g}, "
-                f"{self.probes} probes, {self.seconds:.1f} s{' (cached)' if self.cached else ''}")
+                f"{self.top1_blend:.2f} / full reuse {self.top1_full_reuse:.2f}; long passages: KL blend "
+                f"{self.kl_blend_long:.4f} vs full reuse {self.kl_full_reuse_long:.4f}, top-1 "
+                f"{self.top1_blend_long:.2f} / {self.top1_full_reuse_long:.2f}; ratio {self.ratio:g}, "
+                f"{self.probes} + {self.probes_long} probes, {self.seconds:.1f} s{' (cached)' if self.cached else ''}")
 
 
 @dataclass(frozen=True)
@@ -102,27 +112,53 @@ class GateDecision:
     def reason(self) -> str | None:
         if not self.fallback:
             return None
-        return (f"full_prefill: blend failed the fidelity gate (KL {self.result.kl_blend:.4f} > "
-                f"{self.result.max_kl_fraction:g} x full reuse {self.result.kl_full_reuse:.4f})")
+        r = self.result
+        return (f"full_prefill: blend failed the fidelity gate (KL {r.kl_blend:.4f} vs {r.max_kl_fraction:g} x "
+                f"full reuse {r.kl_full_reuse:.4f}; long passages KL {r.kl_blend_long:.4f} vs full reuse "
+                f"{r.kl_full_reuse_long:.4f})")
 
     def as_dict(self) -> dict:
         return {"gate": self.mode, "fallback": self.fallback, "reason": self.reason, "error": self.error,
                 "result": None if self.result is None else self.result.as_dict()}
 
+# Long passages: each passage is several sample documents (titles) joined as the grouping of
+# `benchmarks.data.group_paragraphs` joins them; the answer is never in the first passage.
+LONG_PROBES: tuple[tuple[tuple[tuple[str, ...], ...], str], ...] = (
+    ((("Dubai International Airport", "Gatwick Airport", "Coimbatore International Airport",
+       "Vancouver International Airport"),
+      ("Grantley Adams International Airport", "Croydon Airport", "Chennai International Airport", "Dublin Airport"),
+      ("Athens International Airport", "Heathrow Airport")),
+     "Which airport was the main airport for London before Northolt Aerodrome replaced it?"),
+    ((("Clun Castle", "Inch Castle", "Castillo de Tabernas", "Cairnburgh Castle", "Schauenberg"),
+      ("Wegelnburg", "Isabella Kelly", "Scharfenstein Castle (Kiedrich)", "Abergairn Castle", "Château de Longwy")),
+     "Near which town in Aberdeenshire is Abergairn Castle?"),
+)
+Probe = list[tuple[tuple[str, ...], str]]  # (passages, question) pairs
 
-def load_probe(path: Path = SAMPLE_CORPUS) -> list[tuple[tuple[str, ...], str]]:
-    """The probe's (passages, question) pairs with passage texts from the sample corpus file."""
-    wanted = {t for titles, _ in PROBES for t in titles}
+
+def _sample_texts(titles: set[str], path: Path) -> dict[str, str]:
     texts: dict[str, str] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
-            if rec.get("title") in wanted:
+            if rec.get("title") in titles:
                 texts.setdefault(rec["title"], rec["text"])
-    missing = wanted - texts.keys()
+    missing = titles - texts.keys()
     if missing:
         raise ValueError(f"fidelity probe: {path} lacks passages {sorted(missing)}")
+    return texts
+
+
+def load_probe(path: Path = SAMPLE_CORPUS) -> Probe:
+    """The short probe's (passages, question) pairs with passage texts from the sample corpus file."""
+    texts = _sample_texts({t for titles, _ in PROBES for t in titles}, path)
     return [(tuple(_passage(texts[t], t) for t in titles), q) for titles, q in PROBES]
+
+
+def load_long_probe(path: Path = SAMPLE_CORPUS) -> Probe:
+    """The long probe: each passage the listed documents joined by a blank line."""
+    texts = _sample_texts({t for groups, _ in LONG_PROBES for g in groups for t in g}, path)
+    return [(tuple("\n\n".join(_passage(texts[t], t) for t in g) for g in groups), q) for groups, q in LONG_PROBES]
 
 
 def _passage(text: str, title: str) -> str:
@@ -151,30 +187,45 @@ def _cache_segments(engine: BlendEngine, plan: BlendPlan) -> None:
             engine.cache_ids(seg.token_ids)
 
 
-def measure(runner: ModelRunner, config: EngineConfig, probe=None) -> GateResult:
-    """Run the probe on a private in-memory store (the service's store is never touched)."""
-    t0 = time.perf_counter()
-    probe = probe if probe is not None else load_probe()
-    engine = BlendEngine(runner, MemoryStore(1 << 30, kv_format=config.kv_format), config)
-    kls = {Mode.BLEND: [], Mode.FULL_REUSE: []}
-    agree = {Mode.BLEND: [], Mode.FULL_REUSE: []}
+def _probe_means(engine: BlendEngine, probe: Probe, ratio: float) -> dict[Mode, tuple[float, float]]:
+    """Per mode (blend, full_reuse): mean first-token KL to full prefill and top-1 agreement over a probe."""
+    kls: dict[Mode, list[float]] = {Mode.BLEND: [], Mode.FULL_REUSE: []}
+    agree: dict[Mode, list[float]] = {Mode.BLEND: [], Mode.FULL_REUSE: []}
     for passages, question in probe:
         _cache_segments(engine, BlendPlan(passages, question))
         ref = engine.prefill(BlendPlan(passages, question, mode=Mode.FULL_PREFILL)).logits.float()  # [V]
         ref_logp = torch.log_softmax(ref, dim=-1)
         for mode in kls:
-            ratio = config.default_ratio if mode is Mode.BLEND else None
-            got = engine.prefill(BlendPlan(passages, question, mode=mode, recompute_ratio=ratio)).logits.float()
+            r = ratio if mode is Mode.BLEND else None
+            got = engine.prefill(BlendPlan(passages, question, mode=mode, recompute_ratio=r)).logits.float()  # [V]
             kls[mode].append(_kl(ref_logp, torch.log_softmax(got, dim=-1)))
             agree[mode].append(float(int(got.argmax()) == int(ref.argmax())))
-    n = len(probe)
-    kl_b, kl_r = sum(kls[Mode.BLEND]) / n, sum(kls[Mode.FULL_REUSE]) / n
+    n = max(len(probe), 1)
+    return {mode: (sum(kls[mode]) / n, sum(agree[mode]) / n) for mode in kls}
+
+
+def _passes(kl_blend: float, kl_full_reuse: float) -> bool:
+    return kl_blend <= MAX_KL_FRACTION * kl_full_reuse + KL_FLOOR
+
+
+def measure(runner: ModelRunner, config: EngineConfig, probe: Probe | None = None,
+            long_probe: Probe | None = None) -> GateResult:
+    """Run the short and the long probe on a private in-memory store (the service's store is never touched)."""
+    t0 = time.perf_counter()
+    probe = probe if probe is not None else load_probe()
+    long_probe = long_probe if long_probe is not None else load_long_probe()
+    engine = BlendEngine(runner, MemoryStore(1 << 30, kv_format=config.kv_format), config)
+    short = _probe_means(engine, probe, config.default_ratio)
+    long = _probe_means(engine, long_probe, config.default_ratio)
+    (kl_b, top1_b), (kl_r, top1_r) = short[Mode.BLEND], short[Mode.FULL_REUSE]
+    (kl_bl, top1_bl), (kl_rl, top1_rl) = long[Mode.BLEND], long[Mode.FULL_REUSE]
     return GateResult(
-        kl_blend=kl_b, kl_full_reuse=kl_r,
-        top1_blend=sum(agree[Mode.BLEND]) / n, top1_full_reuse=sum(agree[Mode.FULL_REUSE]) / n,
+        kl_blend=kl_b, kl_full_reuse=kl_r, top1_blend=top1_b, top1_full_reuse=top1_r,
         ratio=config.default_ratio, max_kl_fraction=MAX_KL_FRACTION,
-        passed=kl_b <= MAX_KL_FRACTION * kl_r + KL_FLOOR,
-        seconds=time.perf_counter() - t0, probes=n, key=gate_key(runner, config),
+        passed=_passes(kl_b, kl_r) and (not long_probe or _passes(kl_bl, kl_rl)),
+        seconds=time.perf_counter() - t0, probes=len(probe), key=gate_key(runner, config),
+        kl_blend_long=kl_bl, kl_full_reuse_long=kl_rl, top1_blend_long=top1_bl, top1_full_reuse_long=top1_rl,
+        probes_long=len(long_probe),
     )
 
 

@@ -34,6 +34,9 @@ def test_gate_measures_on_a_tiny_model_and_caches_per_fingerprint(tiny_runner, t
     # ratio 1.0 on an exact store: blend is full prefill, full reuse is not
     assert first.kl_blend < 1e-6 and first.top1_blend == 1.0
     assert first.kl_full_reuse > 100 * max(first.kl_blend, 1e-9) and math.isfinite(first.kl_full_reuse)
+    assert first.probes_long == len(selfcheck.LONG_PROBES)  # and the long-passage probe, alike
+    assert first.kl_blend_long < 1e-6 and first.top1_blend_long == 1.0
+    assert first.kl_full_reuse_long > 100 * max(first.kl_blend_long, 1e-9) and math.isfinite(first.kl_full_reuse_long)
     assert first.passed
     assert cache_path(tmp_path, gate_key(tiny_runner, config)).is_file()
 
@@ -51,7 +54,27 @@ def test_full_reuse_of_the_real_model_diverges_and_blend_repairs(real_runner):
     result = selfcheck.measure(real_runner, EngineConfig())
     assert result.kl_full_reuse > 0.05
     assert result.kl_blend <= selfcheck.MAX_KL_FRACTION * result.kl_full_reuse
+    assert result.kl_full_reuse_long > 0.01  # fewer, longer passages: less for full reuse to miss
+    assert result.kl_blend_long <= selfcheck.MAX_KL_FRACTION * result.kl_full_reuse_long
     assert result.passed
+
+
+def test_long_probe_passages_are_long_and_the_answer_is_never_in_the_first():
+    for (passages, question), answer in zip(selfcheck.load_long_probe(), ("Croydon", "Ballater")):
+        assert len(passages) >= 2 and max(len(p.split()) for p in passages) >= 300, question
+        assert answer not in passages[0] and any(answer in p for p in passages[1:])
+
+
+def test_a_failed_long_probe_fails_the_gate_though_the_short_one_passes(tiny_runner, monkeypatch):
+    from blend_engine.types import Mode
+
+    good = {Mode.BLEND: (0.01, 1.0), Mode.FULL_REUSE: (0.2, 0.5)}  # 0.05x: passes
+    bad = {Mode.BLEND: (0.05, 0.5), Mode.FULL_REUSE: (0.1, 0.5)}  # 0.5x: fails
+    calls = iter([good, bad])
+    monkeypatch.setattr(selfcheck, "_probe_means", lambda *_a: next(calls))
+    result = selfcheck.measure(tiny_runner, EngineConfig(kv_format="fp32"), probe=[], long_probe=[(("x",), "q")])
+    assert not result.passed and result.kl_blend_long == 0.05 and result.kl_blend == 0.01
+    assert "long passages KL 0.0500" in GateDecision("enforce", result).reason
 
 
 def test_a_corrupt_cache_file_is_measured_again(tiny_runner, tmp_path):
