@@ -260,7 +260,7 @@ def _sweep_rows(args: argparse.Namespace) -> dict[str, list[Example]]:
     for name in filter(None, (d.strip() for d in args.sweep_datasets.split(","))):
         if name not in files:
             raise SystemExit(f"--sweep-datasets: unknown dataset {name!r}; expected musique, hotpotqa")
-        out[name] = load_questions(default_data_dir() / files[name], 2 * n)[lo:hi]
+        out[name] = load_questions(default_data_dir() / files[name], 2 * n)[lo:hi][:args.sweep_limit]
     return out
 
 
@@ -275,12 +275,14 @@ def _sweep_variants(spec: str) -> dict[str, length_sweep.Variant]:
 def run_sweep(engine: BlendEngine, args: argparse.Namespace, rows: dict[str, list[Example]], lengths: list[int],
               variants: dict[str, length_sweep.Variant]) -> dict:
     """The length sweep (`benchmarks.lengths`): per-cell tables and each variant's worst cell."""
-    cells = length_sweep.sweep(engine, args.model, rows, lengths, variants, args.ref_cache)
+    cells = length_sweep.sweep(engine, args.model, rows, lengths, variants, args.ref_cache,
+                               answers=not args.sweep_first_token)
     summaries = [length_sweep.summarize(c) for c in cells]
     worst = length_sweep.worst_case(summaries)
     length_sweep.print_table(summaries, f"Length sweep, {args.sweep_half} half ({args.sweep_questions} questions a half)")
     length_sweep.print_worst(worst)
-    return {"half": args.sweep_half, "questions_per_half": args.sweep_questions, "cells": summaries, "worst": worst}
+    return {"half": args.sweep_half, "questions_per_half": args.sweep_questions, "limit": args.sweep_limit,
+            "first_token_only": args.sweep_first_token, "cells": summaries, "worst": worst}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -307,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-questions", type=int, default=12, help="length sweep: questions per half")
     ap.add_argument("--sweep-half", choices=("tune", "report", "both"), default="tune",
                     help="length sweep: the first half (tune), the second (report) or both")
+    ap.add_argument("--sweep-limit", type=int, default=None, help="length sweep: only the first N questions of the half")
+    ap.add_argument("--sweep-first-token", action="store_true",
+                    help="length sweep: first-token scores only (KL, top-1; no answers, no reordered prefill)")
     ap.add_argument("--sweep-variants", default="", help="length sweep: comma list of variant name parts (default all)")
     ap.add_argument("--ref-cache", type=Path, default=Path.home() / ".cache/blendserve/length_sweep.json",
                     help="length sweep: per-question references and results, re-used across runs")

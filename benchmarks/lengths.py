@@ -74,7 +74,6 @@ SWEEP: dict[str, Variant] = {
     "alloc by question attention": Variant(0.15, _d(allocation="attention")),
     "sinks 8 (EPIC)": Variant(0.15, _d(sink_tokens=8)),
     "check@2, 4x>2x>1.5x>1x by 5": Variant(0.15, _d(check_layer=2, schedule=((3, 2.0), (4, 1.5), (5, 1.0)))),
-    "check@1 4x, 2x@4, 1x@8": Variant(0.15, _d(schedule=((4, 2.0), (8, 1.0)))),
     "query mass running over layers": Variant(0.15, _d(query_mass="running")),
     "ratio grows with length (sqrt, from 128 tok, cap 4x)": Variant(0.15, grow_ref=128.0, grow_power=0.5, grow_cap=4.0),
 }
@@ -121,46 +120,55 @@ def _first_logits(engine: BlendEngine, plan: BlendPlan) -> torch.Tensor:
     return engine.prefill(plan, max_new_tokens=1).logits  # [V]
 
 
-def reference(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...]) -> dict:
-    """Full prefill's answer and logits, full reuse's KL, the reordered prefill's top-1 (cached)."""
-    if key in cache.data and key in cache.logits:
-        return cache.data[key]["ref"]
-    text, logits, _ = _answer(engine, BlendPlan(passages, row.question, mode="full_prefill"))
-    reuse = _first_logits(engine, BlendPlan(passages, row.question, mode="full_reuse"))
-    reordered = _first_logits(engine, BlendPlan(shuffled(passages, row.id), row.question, mode="full_prefill"))
-    n_ctx = engine.layout(BlendPlan(passages, row.question)).n_tokens
-    ref = {"answer": text, "gold_f1": max_over_golds(token_f1, text, row.answers), "full_reuse_kl": kl(logits, reuse),
-           "reordered_top1": float(torch.argmax(reordered) == torch.argmax(logits)), "reordered_kl": kl(logits, reordered),
-           "context_tokens": n_ctx, "passages": len(passages),
-           "passage_tokens": [len(engine.passage_tokens(p)) for p in passages]}
-    cache.data[key] = {"ref": ref, "runs": {}}
-    cache.logits[key] = logits.float().cpu()
+def reference(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...],
+              reordered: bool) -> dict:
+    """Full prefill's answer and logits, full reuse's KL and (`reordered`) the reordered prefill's
+    top-1; each computed once and cached."""
+    if key not in cache.data or key not in cache.logits:
+        text, logits, _ = _answer(engine, BlendPlan(passages, row.question, mode="full_prefill"))
+        reuse = _first_logits(engine, BlendPlan(passages, row.question, mode="full_reuse"))
+        cache.data[key] = {"ref": {
+            "answer": text, "gold_f1": max_over_golds(token_f1, text, row.answers), "full_reuse_kl": kl(logits, reuse),
+            "context_tokens": engine.layout(BlendPlan(passages, row.question)).n_tokens, "passages": len(passages),
+            "passage_tokens": [len(engine.passage_tokens(p)) for p in passages]}, "runs": {}}
+        cache.logits[key] = logits.float().cpu()
+    ref = cache.data[key]["ref"]
+    if reordered and "reordered_top1" not in ref:
+        full = cache.logits[key]
+        other = _first_logits(engine, BlendPlan(shuffled(passages, row.id), row.question, mode="full_prefill"))
+        ref |= {"reordered_top1": float(torch.argmax(other) == torch.argmax(full)), "reordered_kl": kl(full, other)}
     return ref
 
 
 def run_variant(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...],
-                variant: Variant) -> dict:
-    """One variant on one question, scored against the cached reference (cached too)."""
+                variant: Variant, answers: bool) -> dict:
+    """One variant on one question, scored against the cached reference (cached too). Without
+    `answers` only the first token is computed (KL, top-1): no answer F1."""
     runs = cache.data[key]["runs"]
     vkey = variant.key()
-    if vkey in runs:
+    if vkey in runs and ("f1_vs_full" in runs[vkey] or not answers):
         return runs[vkey]
     ref = cache.data[key]["ref"]
     ratio = variant.ratio_for(ref["passage_tokens"])
     plan = BlendPlan(passages, row.question, mode="blend", recompute_ratio=ratio, policy=variant.policy)
-    text, logits, recomputed = _answer(engine, plan)
     full = cache.logits[key]
+    if answers:
+        text, logits, recomputed = _answer(engine, plan)
+        scores = {"f1_vs_full": token_f1(text, ref["answer"]), "gold_f1": max_over_golds(token_f1, text, row.answers)}
+    else:
+        state = engine.prefill(plan, max_new_tokens=1)
+        logits, recomputed, scores = state.logits, state.report.recomputed_tokens, {}
     runs[vkey] = {"kl": kl(full, logits), "top1": float(torch.argmax(full) == torch.argmax(logits)),
-                  "f1_vs_full": token_f1(text, ref["answer"]), "gold_f1": max_over_golds(token_f1, text, row.answers),
-                  "recomputed": recomputed / ref["context_tokens"], "ratio": ratio}
+                  "recomputed": recomputed / ref["context_tokens"], "ratio": ratio} | scores
     return runs[vkey]
 
 
 def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], lengths: list[int],
-          variants: dict[str, Variant], cache_path: Path, progress: Callable[[str], None] = logger.info) -> list[Cell]:
+          variants: dict[str, Variant], cache_path: Path, answers: bool = True,
+          progress: Callable[[str], None] = logger.info) -> list[Cell]:
     """Every (dataset, length) cell over its questions: references, then each variant. Each dataset
     has its own cache file (`cache_path` with the dataset's name appended), so runs over different
-    datasets can go side by side."""
+    datasets can go side by side. Without `answers`: first-token scores only, no reordered prefill."""
     cells = []
     for name, rows in datasets.items():
         cache = RefCache(cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}"))
@@ -171,64 +179,81 @@ def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], l
                 for p in passages:
                     engine.ensure_cached(p)
                 key = f"{model}|{name}|{words}|{row.id}"
-                cell.refs.append(reference(engine, cache, key, row, passages))
+                cell.refs.append(reference(engine, cache, key, row, passages, reordered=answers))
                 for vname, variant in variants.items():
-                    cell.runs.setdefault(vname, []).append(run_variant(engine, cache, key, row, passages, variant))
+                    cell.runs.setdefault(vname, []).append(run_variant(engine, cache, key, row, passages, variant, answers))
                 cache.save()
                 progress(f"{name} ~{words or 'para'} words: question {i + 1}/{len(rows)} done")
             cells.append(cell)
     return cells
 
 
+def _mean(records: list[dict], key: str) -> float | None:
+    """Mean of a score over records, None when some record lacks it (a first-token-only run)."""
+    values = [r.get(key) for r in records]
+    return None if any(v is None for v in values) else statistics.fmean(values)
+
+
 def summarize(cell: Cell) -> dict:
     """Per variant: KL ratio to full reuse (mean KL / full reuse's mean KL), mean KL, top-1 agreement,
-    F1 vs full prefill, gold F1, recomputed share; with the cell's references."""
+    F1 vs full prefill, gold F1 (and its difference to full prefill's), recomputed share; with the
+    cell's references. Scores a run did not compute are None."""
     reuse_kl = statistics.fmean(r["full_reuse_kl"] for r in cell.refs)
     out = {"dataset": cell.dataset, "group_words": cell.group_words, "n": len(cell.refs),
            "context_tokens": statistics.fmean(r["context_tokens"] for r in cell.refs),
+           "passages": statistics.fmean(r["passages"] for r in cell.refs),
            "passage_tokens": statistics.fmean(t for r in cell.refs for t in r["passage_tokens"]),
-           "full_reuse_kl": reuse_kl, "full_prefill_gold_f1": statistics.fmean(r["gold_f1"] for r in cell.refs),
-           "reordered_top1": statistics.fmean(r["reordered_top1"] for r in cell.refs), "variants": {}}
+           "full_reuse_kl": reuse_kl, "full_prefill_gold_f1": _mean(cell.refs, "gold_f1"),
+           "reordered_top1": _mean(cell.refs, "reordered_top1"), "reordered_kl": _mean(cell.refs, "reordered_kl"),
+           "variants": {}}
     for name, runs in cell.runs.items():
-        m = {k: statistics.fmean(r[k] for r in runs) for k in ("kl", "top1", "f1_vs_full", "gold_f1", "recomputed")}
+        m = {k: _mean(runs, k) for k in ("kl", "top1", "f1_vs_full", "gold_f1", "recomputed", "ratio")}
         m["kl_ratio"] = m["kl"] / reuse_kl if reuse_kl > 0 else 0.0
-        m["gold_f1_delta"] = m["gold_f1"] - out["full_prefill_gold_f1"]
+        m["gold_f1_delta"] = None if m["gold_f1"] is None else m["gold_f1"] - out["full_prefill_gold_f1"]
         out["variants"][name] = m
     return out
+
+
+def _f(value: float | None, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
 
 
 def print_table(summaries: list[dict], title: str) -> None:
     print(f"\n{title}")
     for s in summaries:
         print(f"\n{s['dataset']} {'~' + str(s['group_words']) + ' words' if s['group_words'] else 'one paragraph'}"
-              f" per passage: n={s['n']}, {s['context_tokens']:.0f} tokens, {s['passage_tokens']:.0f} per passage;"
-              f" full reuse KL {s['full_reuse_kl']:.3f}, reordered full prefill top-1 {s['reordered_top1']:.2f},"
-              f" full prefill gold F1 {s['full_prefill_gold_f1']:.3f}")
+              f" per passage: n={s['n']}, {s['context_tokens']:.0f} tokens, {s['passages']:.1f} passages of"
+              f" {s['passage_tokens']:.0f} tokens; full reuse KL {s['full_reuse_kl']:.3f}, reordered full prefill"
+              f" top-1 {_f(s['reordered_top1'], '.2f', 4)}, full prefill gold F1 {_f(s['full_prefill_gold_f1'], '.3f', 5)}")
         print(f"  {'variant':<54} {'KL ratio':>8} {'KL':>7} {'top1':>5} {'F1 vs full':>10} {'gold dF1':>8} {'recomp':>6}")
         for name, m in s["variants"].items():
-            print(f"  {name:<54} {m['kl_ratio']:>7.3f}x {m['kl']:>7.4f} {m['top1']:>5.2f} {m['f1_vs_full']:>10.3f}"
-                  f" {m['gold_f1_delta']:>+8.3f} {m['recomputed']:>6.3f}")
+            print(f"  {name:<54} {m['kl_ratio']:>7.3f}x {m['kl']:>7.4f} {m['top1']:>5.2f} {_f(m['f1_vs_full'], '.3f', 10)}"
+                  f" {_f(m['gold_f1_delta'], '+.3f', 8)} {m['recomputed']:>6.3f}")
 
 
 def worst_case(summaries: list[dict]) -> dict[str, dict]:
-    """Per variant, its worst cell: the highest KL ratio, the lowest top-1 minus the reordered
-    prefill's, the lowest gold F1 delta (over datasets and lengths)."""
+    """Per variant, its worst cell over datasets and lengths: the highest KL ratio, the lowest top-1
+    (and top-1 minus the reordered prefill's), the lowest gold F1 delta; and its mean KL ratio."""
     out: dict[str, dict] = {}
     for s in summaries:
         for name, m in s["variants"].items():
-            w = out.setdefault(name, {"kl_ratio": 0.0, "top1_margin": 1.0, "gold_f1_delta": 1.0, "mean_kl_ratio": []})
-            w["kl_ratio"] = max(w["kl_ratio"], m["kl_ratio"])
-            w["top1_margin"] = min(w["top1_margin"], m["top1"] - s["reordered_top1"])
-            w["gold_f1_delta"] = min(w["gold_f1_delta"], m["gold_f1_delta"])
-            w["mean_kl_ratio"].append(m["kl_ratio"])
+            out.setdefault(name, {"cells": []})["cells"].append((s, m))
     for w in out.values():
-        w["mean_kl_ratio"] = statistics.fmean(w["mean_kl_ratio"])
+        cells = w.pop("cells")
+        margins = [m["top1"] - s["reordered_top1"] for s, m in cells if s["reordered_top1"] is not None]
+        deltas = [m["gold_f1_delta"] for _, m in cells if m["gold_f1_delta"] is not None]
+        w |= {"kl_ratio": max(m["kl_ratio"] for _, m in cells),
+              "mean_kl_ratio": statistics.fmean(m["kl_ratio"] for _, m in cells),
+              "top1": min(m["top1"] for _, m in cells),
+              "top1_margin": min(margins) if len(margins) == len(cells) else None,
+              "gold_f1_delta": min(deltas) if len(deltas) == len(cells) else None,
+              "recomputed": max(m["recomputed"] for _, m in cells)}
     return out
 
 
 def print_worst(worst: dict[str, dict]) -> None:
-    print(f"\nWorst cell per variant\n  {'variant':<54} {'max KL ratio':>12} {'mean':>6} {'min top1-reord':>14}"
-          f" {'min gold dF1':>12}")
+    print(f"\nWorst cell per variant (over datasets and lengths)\n  {'variant':<54} {'max KL ratio':>12} {'mean':>6}"
+          f" {'min top1':>8} {'min top1-reord':>14} {'min gold dF1':>12} {'max recomp':>10}")
     for name, w in sorted(worst.items(), key=lambda kv: kv[1]["kl_ratio"]):
-        print(f"  {name:<54} {w['kl_ratio']:>11.3f}x {w['mean_kl_ratio']:>5.3f}x {w['top1_margin']:>+14.2f}"
-              f" {w['gold_f1_delta']:>+12.3f}")
+        print(f"  {name:<54} {w['kl_ratio']:>11.3f}x {w['mean_kl_ratio']:>5.3f}x {w['top1']:>8.2f}"
+              f" {_f(w['top1_margin'], '+.2f', 14)} {_f(w['gold_f1_delta'], '+.3f', 12)} {w['recomputed']:>10.3f}")
