@@ -1,0 +1,54 @@
+"""The engine benchmark's length sweep (`benchmarks.lengths`) on a tiny model: references cached
+per question, variants scored against them, the worst cell per variant."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import lengths
+from benchmarks.data import Example, Paragraph
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.kv_store import MemoryStore
+
+WORDS = "the river flows past an old mill where a miller ground grain for the village every autumn".split()
+
+
+def _example(i: int) -> Example:
+    paras = tuple(Paragraph(f"Title {i}.{j}", " ".join(WORDS[(i + j) % 5:] + WORDS[:(i + j) % 5]), j == 1)
+                  for j in range(4))
+    return Example("toy", f"q{i}", f"Where did the miller {i} grind grain?", ("the mill",), paras)
+
+
+def test_ratio_grows_with_passage_length_within_its_cap():
+    v = lengths.Variant(0.15, grow_ref=100.0, grow_power=0.5, grow_cap=4.0)
+    assert v.ratio_for([50, 80]) == 0.15
+    assert v.ratio_for([400]) == pytest.approx(0.30)
+    assert v.ratio_for([10_000]) == pytest.approx(0.30)  # capped at 4x the tokens: 2x the ratio
+    assert lengths.Variant(0.15).ratio_for([10_000]) == 0.15
+
+
+def test_sweep_scores_variants_against_cached_references(tiny_runner, tmp_path, monkeypatch):
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    rows = {"toy": [_example(0), _example(1)]}
+    variants = {"exact": lengths.Variant(1.0), "default": lengths.Variant(0.15)}
+    cells = lengths.sweep(engine, "tiny", rows, [0, 40], variants, tmp_path / "c.json", answers=True)
+    assert [(c.dataset, c.group_words) for c in cells] == [("toy", 0), ("toy", 40)]
+    summaries = [lengths.summarize(c) for c in cells]
+    one, grouped = summaries
+    assert one["passages"] == 4 and grouped["passages"] < 4  # ~40-word groups of ~16-word paragraphs
+    for s in summaries:
+        exact = s["variants"]["exact"]
+        assert exact["kl"] < 1e-6 and exact["top1"] == 1.0 and exact["f1_vs_full"] == 1.0
+        assert s["full_reuse_kl"] > 0 and s["reordered_top1"] is not None
+        assert s["variants"]["default"]["recomputed"] < exact["recomputed"]  # (the system prefix is never recomputed)
+    worst = lengths.worst_case(summaries)
+    assert worst["exact"]["kl_ratio"] < 1e-4 and worst["exact"]["top1_margin"] >= 0
+    assert worst["default"]["kl_ratio"] == max(s["variants"]["default"]["kl_ratio"] for s in summaries)
+
+    def no_prefill(*_a, **_k):
+        raise AssertionError("recomputed a cached reference or result")
+
+    monkeypatch.setattr(engine, "prefill", no_prefill)
+    monkeypatch.setattr(engine, "generate", no_prefill)
+    again = lengths.sweep(engine, "tiny", rows, [0, 40], variants, tmp_path / "c.json")
+    assert [lengths.summarize(c) for c in again] == summaries
