@@ -47,7 +47,7 @@ def present(outcome: QueryOutcome, tokenizer: Any, explain_max_tokens: int) -> A
 
 
 def passages_out(refs: Sequence[PassageRef]) -> list[PassageOut]:
-    return [PassageOut(id=p.id, title=p.title, score=p.score) for p in refs]
+    return [PassageOut(id=p.id, title=p.title, score=p.score, doc_id=p.doc_id, location=p.location) for p in refs]
 
 
 def query_response(outcome: QueryOutcome, explain: Explain | None = None) -> QueryResponse:

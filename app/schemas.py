@@ -94,6 +94,9 @@ class PassageOut(BaseModel):
     id: str
     title: str
     score: float | None = None
+    doc_id: str | None = Field(None, description="the retrieved passage's document (null for inline documents)")
+    location: str | None = Field(None, description="where in its document: `page 3` (PDF) or a heading path "
+                                                   "(`Guide > Install`; HTML, DOCX, uploads); empty when none")
 
 
 class Timings(BaseModel):

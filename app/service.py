@@ -107,6 +107,8 @@ class PassageRef:
     id: str
     title: str
     score: float | None = None
+    doc_id: str | None = None  # retrieved passages: their document, and where in it (page / heading path)
+    location: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]
     if not hits:
         raise BadRequest("no passages to answer from: the index is empty; ingest documents or pass `documents`")
     texts = [format_passage(h.text, h.title) for h in hits]
-    out = tuple(PassageRef(id=str(h.id), title=h.title or "", score=float(h.score)) for h in hits)
+    out = tuple(PassageRef(id=str(h.id), title=h.title or "", score=float(h.score), doc_id=h.doc_id,
+                           location=h.location) for h in hits)
     return texts, out
 
 

@@ -13,12 +13,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from corpus_tools.formats import BINARY_SUFFIXES, FormatError, Section, parse
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 JSON_SUFFIXES = {".json"}
-SUPPORTED = TEXT_SUFFIXES | JSONL_SUFFIXES | JSON_SUFFIXES
+SUPPORTED = TEXT_SUFFIXES | JSONL_SUFFIXES | JSON_SUFFIXES | BINARY_SUFFIXES
+SUPPORTED_NAMES = ".txt, .md, .jsonl, .json, .pdf, .html, .docx"
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,13 @@ class Document:
     title: str = ""
     doc_id: str | None = None
     source: str = "api"
+    sections: tuple[Section, ...] = ()  # parsed files: the text by page / heading path (chunked one by one)
+
+
+def document_from_file(data: bytes, suffix: str, name: str, doc_id: str, source: str) -> Document:
+    """A PDF, HTML or DOCX file's bytes as one document with its sections; FormatError says what is wrong."""
+    parsed = parse(data, suffix, name)
+    return Document(text=parsed.text, title=parsed.title, doc_id=doc_id, source=source, sections=parsed.sections)
 
 
 class InputError(Exception):
@@ -121,7 +131,7 @@ class Reader:
                 files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED
                                and not any(part.startswith(".") for part in p.relative_to(path).parts))
                 if not files:
-                    self._error(f"{path}: no supported files (.txt, .md, .jsonl, .json) in this folder")
+                    self._error(f"{path}: no supported files ({SUPPORTED_NAMES}) in this folder")
                 for f in files:
                     yield from self.read_file(f, f.relative_to(path).as_posix())
             elif path.exists():
@@ -132,7 +142,10 @@ class Reader:
     def read_file(self, path: Path, rel: str) -> Iterator[Document]:
         suffix = path.suffix.lower()
         if suffix not in SUPPORTED:
-            self._error(f"{path}: unsupported file type {suffix or '(none)'}; use .txt, .md, .jsonl or .json")
+            self._error(f"{path}: unsupported file type {suffix or '(none)'}; use {SUPPORTED_NAMES}")
+            return
+        if suffix in BINARY_SUFFIXES:
+            yield from self._parsed_file(path, rel, suffix)
             return
         try:
             content = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is dropped
@@ -149,6 +162,20 @@ class Reader:
             yield from self._jsonl(path, content)
         else:
             yield from self._json(path, content)
+
+    def _parsed_file(self, path: Path, rel: str, suffix: str) -> Iterator[Document]:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            self._error(f"{path}: unreadable: {exc}")
+            return
+        self.files += 1
+        try:
+            doc = document_from_file(data, suffix, path.stem, rel, f"file:{suffix.lstrip('.')}")
+        except FormatError as exc:
+            self._error(f"{path}: {exc}")
+            return
+        yield doc
 
     def _text_file(self, path: Path, rel: str, content: str) -> Iterator[Document]:
         title = path.stem

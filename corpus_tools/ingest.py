@@ -88,6 +88,7 @@ class _Candidate:
     text: str
     source: str
     token_ids: list[int]
+    location: str = ""
 
 
 @dataclass
@@ -159,9 +160,11 @@ class Ingestion:
                 seen[text] = self.corpus.passage_tokens(text, title)
             return seen[text]
 
+        parts = [(s.text, s.location) for s in doc.sections] or [(doc.text, "")]  # a passage stays in its section
+        pieces = [(text, ids, where) for body, where in parts for text, ids in chunk_text(body, tokens_of, self.chunk_tokens)]
         return [
-            _Candidate(passage_id(doc_id, title, text), doc_id, seq, title, text, doc.source, ids)
-            for seq, (text, ids) in enumerate(chunk_text(doc.text, tokens_of, self.chunk_tokens))
+            _Candidate(passage_id(doc_id, title, text), doc_id, seq, title, text, doc.source, ids, where)
+            for seq, (text, ids, where) in enumerate(pieces)
         ]
 
     def check_document(self, doc: Document, doc_id: str) -> tuple[str, str] | None:
@@ -341,7 +344,7 @@ class Ingestion:
         key = self.corpus.engine.key_of(cand.token_ids)
         if row is not None and row.kv_key == key and self.corpus.store.contains(key):
             tally.skipped += 1
-            return PassageRow(**{**row.__dict__, "seq": cand.seq})
+            return PassageRow(**{**row.__dict__, "seq": cand.seq, "location": cand.location})
         t = time.perf_counter()
         key, was_cached = self.corpus.cache(cand.token_ids)
         tally.kv_s += time.perf_counter() - t
@@ -350,6 +353,7 @@ class Ingestion:
             tally.kv_bytes += self.corpus.kv_nbytes(len(cand.token_ids))
         if row is not None and row.kv_key == key:
             tally.skipped += 1  # row present, KV was missing and is now back
-            return PassageRow(**{**row.__dict__, "seq": cand.seq})
+            return PassageRow(**{**row.__dict__, "seq": cand.seq, "location": cand.location})
         return PassageRow(id=cand.pid, vec_id=vec_id_of(cand.pid), doc_id=cand.doc_id, seq=cand.seq, title=cand.title,
-                          text=cand.text, source=cand.source, token_count=len(cand.token_ids), kv_key=key)
+                          text=cand.text, source=cand.source, token_count=len(cand.token_ids), kv_key=key,
+                          location=cand.location)

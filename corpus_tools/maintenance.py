@@ -51,7 +51,7 @@ class Maintenance:
         return {
             "doc_id": doc_id, "title": rows[0].title, "source": rows[0].source,
             "passages": [{"id": r.id, "title": r.title, "text": r.text, "token_count": r.token_count,
-                          "kv_key": r.kv_key} for r in rows],
+                          "kv_key": r.kv_key, "location": r.location} for r in rows],
         }
 
     def delete_document(self, doc_id: str) -> bool:

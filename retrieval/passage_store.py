@@ -33,6 +33,7 @@ class PassageRow:
     token_count: int
     kv_key: str
     ingested_at: float = 0.0
+    location: str = ""  # its page ("page 3") or heading path ("Guide > Install"); "" when none
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class PassageStore(ABC):
 
     @staticmethod
     def _values(r: PassageRow, now: float) -> tuple:
-        return tuple(getattr(r, c) for c in ROW_COLUMNS[:-1]) + (r.ingested_at or now,)
+        return tuple((r.ingested_at or now) if c == "ingested_at" else getattr(r, c) for c in ROW_COLUMNS)
 
     def _insert_values(self, r: PassageRow, now: float, vectors: Mapping[int, np.ndarray | None]) -> tuple:
         return self._values(r, now) + (self._blob(vectors.get(r.vec_id)),)

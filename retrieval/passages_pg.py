@@ -23,7 +23,14 @@ from psycopg.conninfo import conninfo_to_dict
 
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.passage_store import PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
-from retrieval.schema import SCHEMA_VERSION, TEXT_SEARCH_CONFIG, embedding_column, schema, search_schema
+from retrieval.schema import (
+    SCHEMA_VERSION,
+    TEXT_SEARCH_CONFIG,
+    added_columns,
+    embedding_column,
+    schema,
+    search_schema,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +153,8 @@ class PgPassageStore(PassageStore):
             for stmt in schema("postgresql"):
                 conn.execute(stmt)
             conn.execute(f"ALTER TABLE passages ADD COLUMN IF NOT EXISTS {embedding_column('postgresql')}")
+            for _, _, stmt in added_columns("postgresql"):
+                conn.execute(stmt.replace("ADD COLUMN", "ADD COLUMN IF NOT EXISTS", 1))
             for stmt in search_schema("postgresql"):  # the generated column indexes existing rows as it is added
                 conn.execute(stmt)
             conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "

@@ -14,7 +14,15 @@ from typing import Any
 
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.passage_store import PassageConflict, PassageStore, PassageStoreError, SchemaTooNew
-from retrieval.schema import FTS_BACKFILL, FTS_TABLE, SCHEMA_VERSION, embedding_column, schema, search_schema
+from retrieval.schema import (
+    FTS_BACKFILL,
+    FTS_TABLE,
+    SCHEMA_VERSION,
+    added_columns,
+    embedding_column,
+    schema,
+    search_schema,
+)
 
 
 class _SqliteRunner:
@@ -57,9 +65,14 @@ class PassageDB(PassageStore):
             cols = {r[1] for r in self._conn.execute("PRAGMA table_info(passages)")}
             if cols and "embedding" not in cols:  # version 1: the passages table without embeddings
                 self._conn.execute(f"ALTER TABLE passages ADD COLUMN {embedding_column('sqlite')}")
-            for stmt in (*schema("sqlite"), *search_schema("sqlite")):
+            for stmt in schema("sqlite"):
                 self._conn.execute(stmt)
-            if found:  # rows stored before the lexical index existed: index them (version <= 3)
+            for table, column, stmt in added_columns("sqlite"):  # SQLite has no ADD COLUMN IF NOT EXISTS
+                if column not in {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}:
+                    self._conn.execute(stmt)
+            for stmt in search_schema("sqlite"):
+                self._conn.execute(stmt)
+            if 0 < found < 4:  # rows stored before the lexical index existed: index them (version <= 3)
                 self._conn.execute(FTS_BACKFILL)
             self._conn.execute("INSERT OR REPLACE INTO store_meta (key, value) VALUES ('schema_version', ?)",
                                (str(SCHEMA_VERSION),))

@@ -29,6 +29,8 @@ class RetrievedPassage:
     title: str
     text: str
     score: float
+    source: str = ""
+    location: str = ""  # page or heading path ("" when none)
 
     @property
     def passage(self) -> str:
@@ -124,7 +126,8 @@ def _hits(scores: np.ndarray, ids: np.ndarray) -> list[tuple[int, float]]:
 
 
 def _to_result(row: PassageRow, score: float) -> RetrievedPassage:
-    return RetrievedPassage(id=row.id, doc_id=row.doc_id, title=row.title, text=row.text, score=score)
+    return RetrievedPassage(id=row.id, doc_id=row.doc_id, title=row.title, text=row.text, score=score,
+                            source=row.source, location=row.location)
 
 
 def open_index(folder: Path, db: PassageStore, embedder: Embedder, params: IndexParams,

@@ -1,7 +1,8 @@
 """The passage store's tables, defined once and rendered for SQLite and for PostgreSQL.
 
-Schema version 4 (1: passages only, no meta table; 2: + embedding column, change log,
-store_meta; 3: + staged; 4: + lexical search of `passages`, `search_schema`):
+Schema version 5 (1: passages only, no meta table; 2: + embedding column, change log,
+store_meta; 3: + staged; 4: + lexical search of `passages`, `search_schema`; 5: + `location`, a
+passage's page or heading path, on `passages` and `staged`, `ADDED_COLUMNS`):
 
 - `passages`: one row per visible passage; `vec_id` is its FAISS id, `embedding` its vector;
 - `staged`: the same columns, rows of documents being ingested (never read by retrieval; a
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 Dialect = Literal["sqlite", "postgresql"]
 
@@ -107,8 +108,12 @@ CHANGES = Table("passage_changes", (
 META = Table("store_meta", (Column("key", "text", "PRIMARY KEY"), Column("value", "text", NOT_NULL)), one_line=True)
 TABLES = (PASSAGES, CHANGES, META, STAGED)  # creation order
 
+# Columns added after version 3, to both passage tables, by `ALTER TABLE ... ADD COLUMN` (new and old stores alike).
+LOCATION = Column("location", "text", "NOT NULL DEFAULT ''")  # version 5: "page 3" or "Guide > Install"
+ADDED_COLUMNS = (LOCATION,)
+
 # A passage row's columns (`PassageRow`'s fields, in order): every column but the embedding.
-ROW_COLUMNS = tuple(n for n in PASSAGES.names if n != "embedding")
+ROW_COLUMNS = (*(n for n in PASSAGES.names if n != "embedding"), *(c.name for c in ADDED_COLUMNS))
 
 
 def schema(dialect: Dialect) -> tuple[str, ...]:
@@ -145,6 +150,12 @@ SEARCH = {
 }
 # SQLite's FTS5 index of rows that were stored before it existed (a migration from version <= 3).
 FTS_BACKFILL = f"INSERT INTO {FTS_TABLE}({FTS_TABLE}) VALUES ('rebuild')"
+
+
+def added_columns(dialect: Dialect) -> tuple[tuple[str, str, str], ...]:
+    """(table, column name, `ALTER TABLE ... ADD COLUMN ...`) for each column added since version 3."""
+    return tuple((t.name, c.name, f"ALTER TABLE {t.name} ADD COLUMN {c.sql(dialect)}")
+                 for t in (PASSAGES, STAGED) for c in ADDED_COLUMNS)
 
 
 def search_schema(dialect: Dialect) -> tuple[str, ...]:

@@ -343,7 +343,7 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
 
     body = client.post("/v1/query", json=query).json()
     assert list(body) == ["answer", "passages", "mode", "finish_reason", "timings", "stats", "explain"]
-    assert [list(p) for p in body["passages"]] == [["id", "title", "score"]] * 2
+    assert [list(p) for p in body["passages"]] == [["id", "title", "score", "doc_id", "location"]] * 2
     assert list(body["timings"]) == ["retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms", "queue_ms",
                                      "kv_store_ms"]
     assert list(body["stats"]) == ["context_tokens", "recomputed_tokens", "recompute_ratio", "cache_hits",

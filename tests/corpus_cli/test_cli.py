@@ -141,3 +141,26 @@ def test_sigkill_mid_ingestion_then_resume_equals_a_clean_run(env, tmp_path, cap
     assert _passage_ids(data) == _passage_ids(clean)
     rc, out, err = run_cli(capsys, "verify", "--no-progress")
     assert rc == 0 and "verify: OK" in out, err
+
+
+def test_pdf_html_docx_are_ingested_with_page_and_heading_path(env, tmp_path, capsys):
+    from retrieval.passages import PassageDB
+    from tests.files import HTML_PAGE, tiny_docx, tiny_pdf
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "towns.pdf").write_bytes(tiny_pdf(["Helsinki is the capital of Finland.", "Turku is older."]))
+    (folder / "scan.pdf").write_bytes(tiny_pdf(["", ""]))
+    (folder / "ferry.html").write_bytes(HTML_PAGE)
+    (folder / "birds.docx").write_bytes(tiny_docx([("h1", "Birds"), ("h2", "Owls"), ("p", "Owls hunt at night.")]))
+    rc, out, err = run_cli(capsys, "ingest", "--no-progress", str(folder))
+    assert rc == 1 and "scan.pdf: no text layer in any of its 2 pages (a scanned PDF?)" in err
+    db = PassageDB(Path(env["BLENDSERVE_DATA_DIR"]) / "passages.sqlite3")
+    try:
+        assert [(r.location, r.text) for r in db.document("towns.pdf")] == [
+            ("page 1", "Helsinki is the capital of Finland."), ("page 2", "Turku is older.")]
+        assert [r.location for r in db.document("ferry.html")] == ["Ferries", "Ferries > Tickets", "Ferries > Timetable"]
+        assert [(r.location, r.source) for r in db.document("birds.docx")] == [("Birds > Owls", "file:docx")]
+        assert db.document("scan.pdf") == []
+    finally:
+        db.close()

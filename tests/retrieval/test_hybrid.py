@@ -131,8 +131,9 @@ def test_a_version_3_store_is_migrated_and_its_passages_indexed(backend, tmp_pat
         _v3_store_with_rows(backend, where)
         db = PgPassageStore(where)
     try:
-        assert db.schema_version() == SCHEMA_VERSION == 4
+        assert db.schema_version() == SCHEMA_VERSION == 5
         assert db.counts()["passages"] == 2  # nothing lost
+        assert [r.location for r in db.document("old")] == ["", ""]  # version 5's column, empty for old rows
         assert docs(db, db.lexical_search(["kvarken"], 5)) == ["old"]
         more = rows_of("new", ["A Kvarken crossing written after the migration"])
         db.upsert(more)

@@ -15,7 +15,16 @@ import psycopg
 import pytest
 
 from retrieval.passages import SCHEMA_VERSION, PassageDB, PassageRow
-from retrieval.schema import PASSAGES, ROW_COLUMNS, STAGED, embedding_column, schema, search_schema
+from retrieval.schema import (
+    ADDED_COLUMNS,
+    PASSAGES,
+    ROW_COLUMNS,
+    STAGED,
+    added_columns,
+    embedding_column,
+    schema,
+    search_schema,
+)
 
 # Schema version 3 as the two stores executed it before the one definition (frozen reference data).
 V3 = json.loads((Path(__file__).parent / "schema_v3.json").read_text())
@@ -26,7 +35,7 @@ def _words(sql: str) -> str:
 
 
 def test_each_dialect_renders_the_version_3_text():
-    assert SCHEMA_VERSION == 4  # 4 = 3's tables + search_schema
+    assert SCHEMA_VERSION == 5  # 3's tables + search_schema (4) + added_columns (5)
     assert list(schema("sqlite")) == [s.strip() for s in V3["sqlite"]]
     assert [_words(s) for s in schema("postgresql")] == [_words(s) for s in V3["postgresql"]]
     assert [f"ALTER TABLE passages ADD COLUMN {embedding_column('sqlite')}"] == V3["sqlite_migration"]
@@ -36,7 +45,9 @@ def test_each_dialect_renders_the_version_3_text():
 
 def test_one_column_list_for_rows_passages_and_staged():
     assert ROW_COLUMNS == tuple(f.name for f in dataclasses.fields(PassageRow))
-    assert PASSAGES.names == STAGED.names == (*ROW_COLUMNS, "embedding")
+    added = tuple(c.name for c in ADDED_COLUMNS)
+    assert ROW_COLUMNS[-len(added):] == added == ("location",)
+    assert PASSAGES.names == STAGED.names == (*ROW_COLUMNS[:-len(added)], "embedding")
 
 
 def _sqlite_master(path) -> list[tuple]:
@@ -77,13 +88,14 @@ def test_postgresql_creates_the_version_3_schema_plus_search(pg_cluster):
 
     before = pg_cluster.create_database(f"v3{uuid.uuid4().hex[:10]}")
     with psycopg.connect(before, autocommit=True) as conn:
-        for stmt in (*V3["postgresql"], *V3["postgresql_migration"], *search_schema("postgresql")):
-            conn.execute(stmt)  # as PgPassageStore ran them (version 3), then version 4's additions
+        for stmt in (*V3["postgresql"], *V3["postgresql_migration"], *(a[2] for a in added_columns("postgresql")),
+                     *search_schema("postgresql")):
+            conn.execute(stmt)  # as PgPassageStore ran them (version 3), then versions 4 and 5's additions
     now = pg_cluster.create_database(f"v3{uuid.uuid4().hex[:10]}")
     PgPassageStore(now).close()
     catalog = _catalog(now)
-    # passages (+ its generated search column), staged, passage_changes, store_meta
-    assert len(catalog[0]) == 2 * len(PASSAGES.columns) + 1 + 6 + 2
+    # passages (+ location, its generated search column), staged (+ location), passage_changes, store_meta
+    assert len(catalog[0]) == 2 * (len(PASSAGES.columns) + len(ADDED_COLUMNS)) + 1 + 6 + 2
     assert catalog == _catalog(before)
 
 
