@@ -1,9 +1,12 @@
 """Moving cached layers from the host stores to the model's device, off the critical path.
 
-`LayerPacker` runs on the loader's reader thread (see `kv_store.loader`): it packs one layer of
-every cached chunk into one contiguous `[H, Tc, D]` block per K and V (a ring of host buffers,
-pinned on CUDA), and on CUDA starts the block's host-to-device copy on a dedicated copy stream,
-recording an event. The engine's thread only makes its compute stream wait for that event
+`LayerPacker` runs on the loader's reader thread (see `kv_store.loader`). It owns the staging
+ring the loader reads into (`packer.staging`, pinned on CUDA): one buffer per layer, one region
+per chunk, each chunk's layer blob (K and V, one slab) read straight into its region by the disk
+tier. On CUDA the whole slot then crosses in ONE host-to-device copy, a chunk the memory tier
+holds (pinned) in one copy straight from there, and the chunks' K and V are concatenated into
+`[H, Tc, D]` blocks once, on the device, all on the device's one copy stream (`copy_stream`),
+which records an event. The engine's thread only makes its compute stream wait for that event
 (`PackedLayer.wait`, no host sync), so the copy of layer i+1 overlaps the compute of layer i.
 
 On the CPU the same code packs into buffers of the compute dtype (the cast happens on the reader
@@ -17,17 +20,25 @@ fp32 with the codec's own formula, so the values equal the host decode's bit for
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv_store.codec import QuantLayer, dequantize_k, dequantize_v
+from blend_engine.kv_store.codec import ChunkMeta, QuantLayer, decode_raw, dequantize_k, dequantize_v
 from blend_engine.kv_store.loader import LayerKV
+from blend_engine.kv_store.staging import StagedLayer, StagingRing
 
 
 def cuda_ready(device: torch.device) -> bool:
     """A real CUDA device (not a stand-in such as `meta`) that streams and events can drive."""
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+@functools.cache
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one host-to-device copy stream of a CUDA device, shared by every request on it."""
+    return torch.cuda.Stream(device)
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,9 @@ class PackedLayer:
 class LayerPacker:
     """Packs each layer's chunks into one contiguous block and starts its copy to `device`.
 
-    `slots` host buffers are reused round-robin; the loader's read-ahead depth + 2 is enough
-    (one being consumed, `depth` queued, one being written). Not thread-safe: one reader thread.
+    `slots` host buffers (and staging slots) are reused round-robin; the loader's read-ahead
+    depth + 2 is enough (one being consumed, `depth` queued, one being written). Not thread-safe:
+    one reader thread.
     """
 
     def __init__(self, device: torch.device | str, compute_dtype: torch.dtype, slots: int = 2) -> None:
@@ -83,14 +95,19 @@ class LayerPacker:
         self.compute_dtype = compute_dtype
         self.moves_int8 = self.device.type != "cpu"  # the CPU decodes on the host (measured: as fast)
         self._cuda = cuda_ready(self.device)
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stream = copy_stream(self.device) if self._cuda else None
         self._slots = max(2, slots)
+        self.staging = StagingRing(self._slots, pinned=self._cuda, gather=self._cuda)  # what the loader reads into
         self._ring: list[tuple[torch.Tensor, ...]] = []
         self._events: list[object | None] = [None] * self._slots
         self._next = 0
         self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
 
-    def __call__(self, layer_kv: LayerKV) -> PackedLayer:
+    def __call__(self, layer_kv: LayerKV | StagedLayer) -> PackedLayer:
+        if isinstance(layer_kv, StagedLayer):
+            if self._cuda:
+                return self._upload(layer_kv)
+            layer_kv = layer_kv.decoded(quantized=self.moves_int8)  # views of the slot: packed (copied) below
         quant = [isinstance(x, QuantLayer) for x in layer_kv]
         if all(quant):
             return self._int8(layer_kv)
@@ -182,19 +199,43 @@ class LayerPacker:
         return self._ring[slot]
 
     def _copy_pinned(self, layer_kv: LayerKV) -> PackedLayer:
-        """Chunks already in pinned memory: copy each straight into its slice of a device block."""
-        H, _, D = layer_kv[0][0].shape
-        Tc = sum(kc.shape[1] for kc, _ in layer_kv)
-        dtype = layer_kv[0][0].dtype
+        """Chunks already in pinned memory: each K and V in one contiguous copy, concatenated once on the device."""
         with torch.cuda.stream(self._stream):
-            kd = torch.empty((H, Tc, D), dtype=dtype, device=self.device)  # [H, Tc, D]
-            vd = torch.empty((H, Tc, D), dtype=dtype, device=self.device)  # [H, Tc, D]
-            o = 0
-            for kc, vc in layer_kv:
-                t = kc.shape[1]
-                kd[:, o:o + t].copy_(kc, non_blocking=True)
-                vd[:, o:o + t].copy_(vc, non_blocking=True)
-                o += t
+            kd = torch.cat([kc.to(self.device, non_blocking=True) for kc, _ in layer_kv], dim=1)  # [H, Tc, D]
+            vd = torch.cat([vc.to(self.device, non_blocking=True) for _, vc in layer_kv], dim=1)  # [H, Tc, D]
             event = torch.cuda.Event()
             event.record(self._stream)
         return PackedLayer(kd, vd, event)
+
+    def _upload(self, staged: StagedLayer) -> PackedLayer:
+        """A staged layer to the device: one copy of the staging slot (the chunks read into it, and
+        those copied into it here), one per chunk held in a tier's pinned memory, then K and V
+        (int8: and scales) concatenated once, all on the copy stream."""
+        slot = staged.slot
+        at, direct, staged_end = staged.gather()  # pageable tier buffers copied into the slot
+        end = max(o + len(b) for o, b in zip(at, staged.blobs))
+        with torch.cuda.stream(self._stream):
+            block = torch.empty(end, dtype=torch.uint8, device=self.device)  # [bytes], laid out like the slot
+            if staged_end:
+                block[:staged_end].copy_(slot.buf[:staged_end], non_blocking=True)  # one DMA for the slot
+            for o, src in direct:
+                block[o:o + src.numel()].copy_(src, non_blocking=True)  # one DMA per pinned chunk
+            parts = [decode_raw(m, block[o:o + m.layer_nbytes], quantized=True) for m, o in zip(staged.metas, at)]
+            packed = self._concat(parts, staged.metas)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        slot.fence = event
+        packed.ready = event
+        return packed
+
+    def _concat(self, parts: list, metas: tuple[ChunkMeta, ...]) -> PackedLayer:
+        """Per-chunk device views -> one [H, Tc, D] block per K and V (int8: kq, vq, and the scales)."""
+        if not isinstance(parts[0], QuantLayer):
+            return PackedLayer(torch.cat([k for k, _ in parts], dim=1),  # [H, Tc, D]
+                               torch.cat([v for _, v in parts], dim=1))  # [H, Tc, D]
+        chunk = self._chunks(tuple(m.n_tokens for m in metas))  # [Tc]
+        scales = Int8Scales(torch.stack([q.ks for q in parts], dim=1),  # [H, C, D] fp16
+                            torch.cat([q.vs for q in parts], dim=1),  # [H, Tc] fp16
+                            chunk)
+        return PackedLayer(torch.cat([q.kq for q in parts], dim=1),  # [H, Tc, D] int8
+                           torch.cat([q.vq for q in parts], dim=1), scales=scales)

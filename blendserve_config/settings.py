@@ -31,7 +31,11 @@ class Settings(BaseSettings):
     kv_format: Literal["auto", "fp16", "bf16", "fp32", "int8"] = Field(
         "auto", description="stored KV precision; auto = bf16 for a bf16 model on CUDA, else fp16")
     memory_cache_mb: int = Field(1024, ge=0)
+    memory_cache_gb: float | None = Field(None, ge=0, description="memory tier budget in GB (2**30 bytes); when set "
+                                                                  "it overrides memory_cache_mb")
     disk_cache_mb: int = Field(20480, ge=0)
+    disk_direct_io: bool = Field(False, description="layer streams read the disk tier with O_DIRECT (for drives where "
+                                                    "the page cache only gets in the way)")
     prefix_cache_mb: int = Field(1024, ge=0, description="in-memory budget of prefix_cache mode's in-context "
                                                          "entries, per engine (LRU); 0 = never reuse a prefix")
     redis_url: str | None = None
@@ -79,7 +83,7 @@ class Settings(BaseSettings):
     ivf_nprobe: int = Field(16, ge=1)
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
-    _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", "reranker",
+    _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", "reranker", "memory_cache_gb",
                                      mode="before")(empty_is_none)
 
     @field_validator("reranker")
@@ -101,6 +105,13 @@ class Settings(BaseSettings):
         if self.ratio_floor > self.ratio_max:
             raise ValueError("ratio_floor must not exceed ratio_max")
         return self
+
+    @property
+    def memory_cache_bytes(self) -> int:
+        """The memory tier's budget: BLENDSERVE_MEMORY_CACHE_GB when set, else BLENDSERVE_MEMORY_CACHE_MB."""
+        if self.memory_cache_gb is not None:
+            return int(self.memory_cache_gb * (1 << 30))
+        return self.memory_cache_mb << 20
 
     @property
     def kv_dir(self) -> Path:

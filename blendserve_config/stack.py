@@ -71,9 +71,10 @@ def build_store_from(settings: Settings, fingerprint: str = "") -> KVStore:
     kwargs = {"fingerprint": fingerprint} if fingerprint else {}
     return build_store(
         kv_format=settings.kv_format,
-        memory_bytes=settings.memory_cache_mb << 20,
+        memory_bytes=settings.memory_cache_bytes,
         disk_dir=settings.kv_dir,
         disk_bytes=settings.disk_cache_mb << 20,
+        disk_direct_io=settings.disk_direct_io,
         redis_url=settings.redis_url,
         redis_timeout_s=settings.redis_timeout_s,
         **kwargs,

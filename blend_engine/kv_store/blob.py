@@ -4,6 +4,10 @@
 - get_blob(key, layer): (meta, that layer's verified blob) or None (miss, corrupt -> dropped);
 - put_blobs(key, meta, blobs): store every layer's blob; False when skipped.
 
+A layer stream calls get_blob inside `staging.reading_into(region, files)`: a tier that reads bytes
+from elsewhere (the disk) puts them into that staging region, through the stream's open files; a
+tier that holds them (memory) returns its own buffer.
+
 Tiers exchange blobs, never re-encode, so a promoted int8 chunk stays bit-identical.
 """
 
@@ -18,6 +22,7 @@ import torch
 
 from blend_engine.errors import CorruptChunk
 from blend_engine.kv_store.base import ChunkKV, KVStore, StoreStats
+from blend_engine.kv_store.chunkfile import OpenFiles
 from blend_engine.kv_store.codec import (
     ChunkMeta,
     QuantLayer,
@@ -35,6 +40,7 @@ Blob = bytearray
 class BlobStore(KVStore):
     _lock: AbstractContextManager  # every tier guards its stats with its lock
     _stats: StoreStats
+    direct_io: bool = False  # layer streams read this tier's files with O_DIRECT
 
     def __init__(self, name: str, kv_format: str, fingerprint: str = "") -> None:
         self.name = name
@@ -50,6 +56,13 @@ class BlobStore(KVStore):
 
     @abstractmethod
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool: ...
+
+    def prefetch(self, keys: Sequence[str], files: OpenFiles | None = None) -> None:
+        """Hint that these chunks will be read soon (through `files`, a stream's descriptors). Default: nothing."""
+
+    def open_files(self) -> OpenFiles:
+        """The descriptors one layer stream reads through; the caller closes them."""
+        return OpenFiles()
 
     def check_meta(self, meta: ChunkMeta) -> None:
         """Fail loudly when a caller hands this tier blobs of another format."""

@@ -5,7 +5,9 @@ File layout (little endian)::
     b"BLKV\\x01\\n\\0\\0" | u32 header length | header JSON (ChunkMeta + key) | zero pad to 4 KiB
     | layer 0 blob | layer 1 blob | ... (each `meta.layer_nbytes` long)
 
-so layer i is one positioned read at `data_offset + i * layer_nbytes`. Files are written to a
+so layer i is one positioned read at `data_offset + i * layer_nbytes`, straight into the caller's
+buffer (`read_into`; with O_DIRECT the aligned span around it). A request opens each file once
+(`OpenFiles`) and reads all its layers through that descriptor. Files are written to a
 temporary name in the same folder and renamed into place, so a reader (or a second writer of the
 same key, even in another process) only ever sees a complete file. A crash mid-write leaves at
 worst a stale temporary file or, without fsync, a damaged file, which the per-layer checksums in
@@ -14,15 +16,19 @@ the header catch.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import struct
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from blend_engine.kv_store.codec import ChunkMeta
 
+logger = logging.getLogger(__name__)
 MAGIC = b"BLKV\x01\n\x00\x00"
 _LEN = struct.Struct("<I")
 _ALIGN = 4096
@@ -79,17 +85,82 @@ def read_file_header(path: Path, key: str) -> tuple[ChunkMeta, int] | None:
 
 
 def read_at(path: Path, offset: int, n: int) -> bytearray | None:
-    """n bytes at offset; None when the file is gone, b"" on a short read (a truncated file)."""
-    blob = bytearray(n)
+    """n bytes at offset into a new buffer; None when the file is gone, b"" on a short read (a truncated file)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        got = os.preadv(fd, [blob], offset)
+        got = read_into(fd, offset, n, bytearray(n))
     finally:
         os.close(fd)
-    return blob if got == n else bytearray()
+    return bytearray() if got is None else got
+
+
+def read_into(fd: int, offset: int, n: int, into, direct: bool = False):
+    """One positioned read of n bytes at offset into `into` (writable, bytes-like); the n bytes read
+    (`into` itself, or a view of it), None on a short read. `direct`: fd was opened with O_DIRECT,
+    so the aligned span around the bytes is read (`into` must be aligned and hold it)."""
+    start = offset - offset % _ALIGN if direct else offset
+    span = -(-(offset + n - start) // _ALIGN) * _ALIGN if direct else n
+    got = os.preadv(fd, [memoryview(into)[:span]], start)
+    if got < offset + n - start:
+        return None
+    if not direct and span == len(into):
+        return into
+    return memoryview(into)[offset - start:offset - start + n]
+
+
+class OpenFiles:
+    """The chunk files one request reads, each opened once (O_DIRECT when asked and supported) and
+    closed with the request. Thread-safe: several reader threads share it."""
+
+    def __init__(self, direct: bool = False) -> None:
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._fds: dict[Path, tuple[int, bool]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: Path) -> tuple[int, bool] | None:
+        """(fd, opened with O_DIRECT) of the file; None when it does not exist."""
+        with self._lock:
+            if path in self._fds:
+                return self._fds[path]
+        got = self._open(path)
+        if got is None:
+            return None
+        with self._lock:
+            if path in self._fds:  # another reader opened it meanwhile
+                os.close(got[0])
+                return self._fds[path]
+            self._fds[path] = got
+        return got
+
+    def _open(self, path: Path) -> tuple[int, bool] | None:
+        try:
+            if self.direct:
+                try:
+                    return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    logger.warning("O_DIRECT is not supported for %s; reading through the page cache", path.parent)
+                    self.direct = False
+            return os.open(path, os.O_RDONLY), False
+        except FileNotFoundError:
+            return None
+
+    def forget(self, path: Path) -> None:
+        """Close a file (it was replaced or found bad): the next read opens it again."""
+        with self._lock:
+            got = self._fds.pop(path, None)
+        if got is not None:
+            os.close(got[0])
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd, _ in fds:
+            os.close(fd)
 
 
 def write_atomic(path: Path, header: bytes, blobs: Sequence[bytes | bytearray]) -> None:

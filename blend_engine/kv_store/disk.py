@@ -1,4 +1,4 @@
-"""Local disk tier: one file per chunk (`chunkfile`: layer-major, per-layer CRC32, atomic writes),
+"""Local disk tier: one file per chunk (`chunkfile`: layer-major, per-layer checksums, atomic writes),
 an SQLite index of sizes and last use (`chunk_index`), and the byte-budget LRU (`lru`) that the
 memory tier uses too.
 
@@ -7,11 +7,16 @@ another process) may have replaced the file; otherwise the chunk is dropped as c
 recomputed by the caller. A failed write (disk full, read-only, quota) frees room once and
 retries, then skips the store. A file another process wrote is adopted on first use. On start-up
 the index is reconciled with the files present (both ways) and stale temporary files are removed.
+
+Inside a layer stream (`staging.reading_into`) each layer blob is read straight into the stream's
+staging region, through a descriptor opened once per stream (`chunkfile.OpenFiles`, O_DIRECT when
+the store was built with `direct_io`), and verified there (XXH3, see `codec`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -21,9 +26,19 @@ from pathlib import Path
 from blend_engine.kv_store.base import StoreStats
 from blend_engine.kv_store.blob import Blob, BlobStore
 from blend_engine.kv_store.chunk_index import ChunkIndex
-from blend_engine.kv_store.chunkfile import Corrupt, advise_willneed, encode_header, read_at, read_file_header, write_atomic
-from blend_engine.kv_store.codec import ChunkMeta, checksum
+from blend_engine.kv_store.chunkfile import (
+    Corrupt,
+    OpenFiles,
+    advise_willneed,
+    encode_header,
+    read_at,
+    read_file_header,
+    read_into,
+    write_atomic,
+)
+from blend_engine.kv_store.codec import ChunkMeta
 from blend_engine.kv_store.lru import ByteLRU
+from blend_engine.kv_store.staging import read_target
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +53,10 @@ class _DiskEntry:
 
 class DiskStore(BlobStore):
     def __init__(self, root: Path | str, budget_bytes: int = 20 << 30, kv_format: str = "fp16",
-                 fingerprint: str = "", name: str = "disk") -> None:
+                 fingerprint: str = "", name: str = "disk", direct_io: bool = False) -> None:
         super().__init__(name, kv_format, fingerprint)
         self.root = Path(root)
+        self.direct_io = direct_io  # layer streams read with O_DIRECT (bypassing the page cache)
         self._chunks = self.root / "chunks"
         self._chunks.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -158,14 +174,18 @@ class DiskStore(BlobStore):
             return None if e is None else self._load_meta(key, e)
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
+        """The verified layer blob, read into this thread's staging region through the stream's open
+        files when in a stream (`staging.reading_into`), else into a new buffer; None on a miss or
+        a bad file (dropped)."""
+        into, files = read_target()
         t0 = time.perf_counter()
         for attempt in (0, 1):
             found = self._locate(key, layer, touch=attempt == 0)
             if found is None:
                 return None
             meta, offset = found
-            blob = read_at(self.path(key), offset, meta.layer_nbytes)
-            if blob is not None and checksum(blob) == meta.checksums[layer]:
+            blob = self._read(key, offset, meta.layer_nbytes, into, files, again=attempt > 0)
+            if blob is not None and meta.verify(layer, blob):
                 with self._lock:
                     self._stats.bytes_read += len(blob)
                     self._stats.read_seconds += time.perf_counter() - t0
@@ -173,6 +193,29 @@ class DiskStore(BlobStore):
             if not self._replaced(key, layer, meta, "missing" if blob is None else "checksum mismatch", attempt == 0):
                 return None
         return None
+
+    def _read(self, key: str, offset: int, n: int, into, files: OpenFiles | None, again: bool):
+        """n bytes of the key's file at offset: None when it is gone, b"" on a short read."""
+        path = self.path(key)
+        if into is None:
+            return read_at(path, offset, n)
+        own = files is None
+        files = files or OpenFiles()
+        try:
+            if again:
+                files.forget(path)  # the file may have been replaced since this request opened it
+            got = files.get(path)
+            if got is None:
+                return None
+            blob = read_into(got[0], offset, n, into, direct=got[1])
+            return bytearray() if blob is None else blob
+        finally:
+            if own:
+                files.close()
+
+    def open_files(self) -> OpenFiles:
+        """The descriptors one layer stream reads through (closed when it ends)."""
+        return OpenFiles(direct=self.direct_io)
 
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
         self.check_meta(meta)
@@ -231,13 +274,19 @@ class DiskStore(BlobStore):
             return existed
 
     # ------------------------------------------------------------------ KVStore
-    def prefetch(self, keys: Sequence[str]) -> None:
-        """Ask the kernel to start reading these files."""
+    def prefetch(self, keys: Sequence[str], files: OpenFiles | None = None) -> None:
+        """Ask the kernel to start reading these files (opened through `files`, a stream's own)."""
         for key in keys:
             try:
-                advise_willneed(self.path(key))
+                path = self.path(key)
             except ValueError:
                 continue
+            if files is None:
+                advise_willneed(path)
+                continue
+            got = files.get(path)
+            if got is not None and not got[1]:  # O_DIRECT reads skip the page cache
+                os.posix_fadvise(got[0], 0, 0, os.POSIX_FADV_WILLNEED)
 
     def delete(self, key: str) -> bool:
         with self._lock:

@@ -20,6 +20,7 @@ def build_store(
     memory_bytes: int = 1 << 30,
     disk_dir: Path | None = None,
     disk_bytes: int = 20 << 30,
+    disk_direct_io: bool = False,
     redis_url: str | None = None,
     redis_timeout_s: float = 0.5,
     fingerprint: str = "",
@@ -27,13 +28,16 @@ def build_store(
     """Memory tier on top of local disk (when disk_dir) on top of Redis (when redis_url).
 
     `fingerprint` (the engine's `store_fingerprint`) is written into disk and Redis entries;
-    entries of another fingerprint are misses. Empty: keys alone separate models.
+    entries of another fingerprint are misses. Empty: keys alone separate models. The memory tier
+    holds page-locked tensors where CUDA exists; `disk_direct_io` makes layer streams read the disk
+    tier with O_DIRECT.
     """
     tiers: list[BlobStore] = [MemoryStore(memory_bytes, kv_format=kv_format, fingerprint=fingerprint)]
     if disk_dir is not None:
         from blend_engine.kv_store.disk import DiskStore
 
-        tiers.append(DiskStore(Path(disk_dir), disk_bytes, kv_format=kv_format, fingerprint=fingerprint))
+        tiers.append(DiskStore(Path(disk_dir), disk_bytes, kv_format=kv_format, fingerprint=fingerprint,
+                               direct_io=disk_direct_io))
     if redis_url:
         from blend_engine.kv_store.redis_store import RedisStore
 

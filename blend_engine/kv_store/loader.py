@@ -8,26 +8,45 @@ for a consumer that moves them as int8 and dequantizes on its device.
 `PrefetchStream` reads layers i+1.. on a background thread while the engine computes layer i
 (bounded read-ahead); `LayerStream` reads synchronously. Either way a missing or corrupt chunk
 is recomputed through `repair(key)`, stored again, and counted.
+
+Staged reads: when the pack callable has a `staging` ring (`staging.StagingRing`, the engine's
+packer does) and the store is a `BlobStore`, each layer is read into the ring's next slot: every
+chunk's layer blob lands in its region by one read (the disk tier; `get_blob` inside
+`staging.reading_into`) or stays in the tier's own buffer (the memory tier), verified, and the
+item handed to `pack` is a `staging.StagedLayer`.
+The chunks of a layer are read by `READERS` pool threads at once (the reads and checksums release
+the GIL), through descriptors opened once per stream.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from blend_engine.kv_store.base import ChunkKV, KVStore
+from blend_engine.kv_store.blob import BlobStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
+from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
 
 logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]
 LayerKV = list[tuple[torch.Tensor, torch.Tensor] | QuantLayer]
 Pack = Callable[[LayerKV], object]
+READERS = 4  # chunk reads in flight per layer
+
+
+@functools.cache
+def reader_pool() -> ThreadPoolExecutor:
+    """The process's chunk readers, shared by every stream (threads start on first use)."""
+    return ThreadPoolExecutor(READERS, thread_name_prefix="kv-read")
 
 
 @dataclass
@@ -52,6 +71,10 @@ class LayerStream:
         self._repair = repair
         self._fixed: dict[str, ChunkKV | tuple[ChunkMeta, list[bytearray]]] = {}
         self.trace = LoadTrace()
+        ring = getattr(pack, "staging", None)
+        self._ring: StagingRing | None = ring if isinstance(store, BlobStore) and isinstance(ring, StagingRing) else None
+        self._files = store.open_files() if self._ring is not None else None
+        self._metas: list[ChunkMeta] | None = None
 
     def _fix(self, key: str) -> None:
         """Recompute a chunk from its text, store it again, and use it as the store would return it."""
@@ -73,7 +96,9 @@ class LayerStream:
             return self._store.get_layer_stored(key, layer)
         return self._store.get_layer(key, layer)
 
-    def _read(self, layer: int) -> LayerKV:
+    def _read(self, layer: int) -> LayerKV | StagedLayer:
+        if self._ring is not None:
+            return self._read_staged(layer)
         out: LayerKV = []
         for key in self._keys:
             got = self._fixed_layer(key, layer) if key in self._fixed else self._get(key, layer)
@@ -83,6 +108,58 @@ class LayerStream:
             out.append(got)
         return out
 
+    # ------------------------------------------------------------------ staged reads
+    def _read_staged(self, layer: int) -> StagedLayer:
+        """Every chunk's layer blob into its region of the next staging slot (or the tier's own
+        buffer), `READERS` at a time; a missing or corrupt chunk is repaired afterwards, here."""
+        if self._metas is None:
+            self._metas = [self._stored_meta(key) for key in self._keys]
+        slot = self._ring.next([m.layer_nbytes for m in self._metas])
+        n, k = len(self._keys), min(READERS, len(self._keys))
+        groups = [range(n * g // k, n * (g + 1) // k) for g in range(k)]
+        if len(groups) > 1:
+            parts = list(reader_pool().map(lambda g: self._read_group(layer, g, slot), groups))
+        else:
+            parts = [self._read_group(layer, g, slot) for g in groups]
+        got = [x for part in parts for x in part]
+        for i, key in enumerate(self._keys):
+            if got[i] is None:  # missing or corrupt mid-stream: recompute from text, re-store, go on
+                self._fix(key)
+                got[i] = self._fixed_blob(key, layer)
+        return StagedLayer(layer, tuple(m for m, _ in got), tuple(b for _, b in got), slot)
+
+    def _read_group(self, layer: int, chunks: range, slot: StagingSlot) -> list[tuple[ChunkMeta, object] | None]:
+        out: list[tuple[ChunkMeta, object] | None] = []
+        for i in chunks:
+            key = self._keys[i]
+            if key in self._fixed:
+                out.append(self._fixed_blob(key, layer))
+                continue
+            with reading_into(slot.region(i), self._files):
+                got = self._store.get_blob(key, layer)
+            if got is None or got[0].layer_nbytes != slot.sizes[i] or len(got[1]) != slot.sizes[i]:
+                out.append(None)
+                continue
+            out.append((got[0], slot.adopt(i, got[1])) if self._ring.gather else got)
+        return out
+
+    def _stored_meta(self, key: str) -> ChunkMeta:
+        """The chunk's meta (its layer size sizes the staging); a chunk already gone is repaired now."""
+        meta = self._store.meta(key)
+        if meta is None:
+            self._fix(key)
+            meta = self._fixed[key][0]
+        return meta
+
+    def _fixed_blob(self, key: str, layer: int) -> tuple[ChunkMeta, bytearray]:
+        meta, blobs = self._fixed[key]
+        return meta, blobs[layer]
+
+    def _close_files(self) -> None:
+        if self._files is not None:
+            self._files.close()
+
+    # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[LayerKV]:
         for layer in range(self._n_layers):
             t0 = time.perf_counter()
@@ -95,7 +172,7 @@ class LayerStream:
             yield item
 
     def close(self) -> None:
-        pass
+        self._close_files()
 
 
 class PrefetchStream(LayerStream):
@@ -115,7 +192,10 @@ class PrefetchStream(LayerStream):
 
     def _produce(self) -> None:
         try:
-            self._store.prefetch(self._keys)
+            if self._files is not None:
+                self._store.prefetch(self._keys, self._files)  # opens each file once, for the stream
+            else:
+                self._store.prefetch(self._keys)
             for layer in range(self._n_layers):
                 if self._stop.is_set():
                     return
@@ -151,6 +231,7 @@ class PrefetchStream(LayerStream):
             except queue.Empty:
                 break
         self._thread.join()
+        self._close_files()
 
 
 class LayerLoader:

@@ -22,7 +22,7 @@ import redis
 
 from blend_engine.kv_store.base import StoreStats
 from blend_engine.kv_store.blob import Blob, BlobStore
-from blend_engine.kv_store.codec import ChunkMeta, checksum
+from blend_engine.kv_store.codec import ChunkMeta
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,7 +121,7 @@ class RedisStore(BlobStore):
                 self._count("misses")
             return None
         blob = bytearray(got[1])
-        if len(blob) != meta.layer_nbytes or checksum(blob) != meta.checksums[layer]:
+        if not meta.verify(layer, blob):
             self._drop_corrupt(key, f"layer {layer} fails its checksum")
             return None
         with self._lock:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from blend_engine.kv_store.base import StoreStats
 from blend_engine.kv_store.blob import Blob, BlobStore
+from blend_engine.kv_store.chunkfile import OpenFiles
 from blend_engine.kv_store.codec import ChunkMeta
+from blend_engine.kv_store.staging import read_target
 
 logger = logging.getLogger(__name__)
 _SUMMED = ("corrupt", "errors", "evictions", "bytes_read", "read_seconds", "bytes_used", "bytes_budget", "entries")
@@ -55,15 +57,19 @@ class TieredStore(BlobStore):
         return None
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
+        staging = read_target()[0] is not None
         for i, tier in enumerate(self.tiers):
             got = tier.get_blob(key, layer)
             if got is not None:
-                if i > 0:
-                    self._collect(key, i, layer, *got)
+                if i > 0:  # a staging region is reused: promotion keeps a copy
+                    self._collect(key, i, layer, got[0], bytearray(got[1]) if staging else got[1])
                 self._count(layer, hit=True)
                 return got
         self._count(layer, hit=False)
         return None
+
+    def open_files(self) -> OpenFiles:
+        return OpenFiles(direct=any(t.direct_io for t in self.tiers))
 
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
         return self._put_into(self.tiers, key, meta, blobs)
@@ -124,9 +130,9 @@ class TieredStore(BlobStore):
                 self._stats.misses += 1
 
     # ------------------------------------------------------------------ KVStore
-    def prefetch(self, keys: Sequence[str]) -> None:
+    def prefetch(self, keys: Sequence[str], files: OpenFiles | None = None) -> None:
         for tier in self.tiers:
-            tier.prefetch(keys)
+            tier.prefetch(keys, files)
 
     def delete(self, key: str) -> bool:
         with self._lock:

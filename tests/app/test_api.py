@@ -103,6 +103,21 @@ def test_settings_fail_fast_naming_the_field(monkeypatch):
         Settings(_env_file=None)
 
 
+def test_memory_tier_budget_in_gb_overrides_the_mb_setting(tmp_path, monkeypatch):
+    from blendserve_config.stack import build_store_from
+
+    assert Settings(_env_file=None, memory_cache_mb=64).memory_cache_bytes == 64 << 20
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "1.5")
+    settings = Settings(_env_file=None, memory_cache_mb=64, data_dir=tmp_path, disk_direct_io=True, kv_format="fp16")
+    assert settings.memory_cache_bytes == 3 << 29
+    store = build_store_from(settings)
+    assert store.tier("memory").stats().bytes_budget == 3 << 29 and store.tier("disk").direct_io
+    store.close()
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "-1")
+    with pytest.raises(ValidationError, match="memory_cache_gb"):
+        Settings(_env_file=None)
+
+
 SERVICE_ONLY = ("host", "port", "api_key", "max_queue", "workers", "request_timeout_s", "max_body_bytes",
                 "max_question_chars", "max_documents", "max_document_chars", "max_title_chars", "max_new_tokens",
                 "max_top_k", "explain_max_tokens", "log_level")

@@ -1,0 +1,134 @@
+"""Staged layer streams: each chunk file opened once per stream, each layer blob read straight into
+its staging region and verified (XXH3; older CRC32 files stay readable), the memory tier's blobs
+handed over without a copy, the same values as a plain read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zlib
+
+import pytest
+import torch
+
+from blend_engine.kv_store import MemoryStore
+from blend_engine.kv_store.codec import ChunkMeta, decode_chunk, encode_chunk
+from blend_engine.kv_store.disk import DiskStore
+from blend_engine.kv_store.loader import LayerLoader
+from blend_engine.kv_store.staging import StagedLayer, StagingRing
+from blend_engine.kv_store.tiered import TieredStore
+from blend_engine.transfer import LayerPacker
+from tests.helpers import make_kv
+
+L = 4  # make_kv's layers
+
+
+class Sink:
+    """A pack callable with a staging ring: keeps a copy of each staged layer's blobs."""
+
+    def __init__(self, gather: bool = False) -> None:
+        self.staging = StagingRing(2, pinned=False, gather=gather)
+        self.layers: list[StagedLayer] = []
+        self.blobs: list[list[bytes]] = []
+
+    def __call__(self, staged: StagedLayer) -> None:
+        self.layers.append(staged)
+        self.blobs.append([bytes(b) for b in staged.blobs])
+
+
+def stream(store, keys, sink, depth=2, repair=None):
+    s = LayerLoader(store, depth).stream(keys, L, repair or (lambda k: pytest.fail(f"repair of {k}")), pack=sink)
+    try:
+        list(s)
+    finally:
+        s.close()
+    return s
+
+
+def crc32_meta(meta: ChunkMeta, blobs) -> ChunkMeta:
+    """The meta a chunk written before XXH3 had: CRC32 checksums and no `checksum` field in its JSON."""
+    d = json.loads(dataclasses.replace(meta, checksums=tuple(zlib.crc32(b) for b in blobs), checksum="crc32").to_json())
+    del d["checksum"]
+    return ChunkMeta.from_json(json.dumps(d))
+
+
+def test_new_chunks_use_xxh3_and_crc32_files_stay_readable_and_checked(tmp_path):
+    kv = make_kv(1)
+    meta, blobs = encode_chunk("fp16", kv)
+    assert meta.checksum == "xxh3_64"
+    old = crc32_meta(meta, blobs)
+    assert old.checksum == "crc32" and old.verify(2, blobs[2]) and not meta.verify(2, blobs[2][:-1] + b"\0")
+    store = DiskStore(tmp_path, 1 << 24)
+    assert store.put_blobs("old", old, blobs)
+    again = DiskStore(tmp_path, 1 << 24)  # the header is read back from the file
+    assert again.meta("old").checksum == "crc32"
+    assert torch.equal(again.get("old").k, decode_chunk(meta, blobs).k)
+    path = again.path("old")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10  # last layer
+    path.write_bytes(data)
+    sink = Sink()
+    s = stream(again, ["old"], sink, repair=lambda k: kv)
+    assert s.trace.repaired == ["old"] and again.stats().corrupt == 1
+    assert sink.blobs[0][0] == bytes(blobs[0])
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_stream_opens_each_file_once_and_reads_each_layer_into_its_staging_region(tmp_path, monkeypatch, direct_io):
+    store = DiskStore(tmp_path, 1 << 26, direct_io=direct_io)
+    keys = ["a", "b", "c"]
+    chunks = {k: encode_chunk("fp16", make_kv(i, T=9 + i)) for i, k in enumerate(keys)}
+    for k, (meta, blobs) in chunks.items():
+        store.put_blobs(k, meta, blobs)
+    opened, reads = [], []
+    real_open, real_preadv = os.open, os.preadv
+    monkeypatch.setattr(os, "open", lambda p, *a, **kw: opened.append(str(p)) or real_open(p, *a, **kw))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(bufs[0]) or real_preadv(fd, bufs, off))
+    sink = Sink()
+    stream(store, keys, sink)
+    assert sorted(p for p in opened if p.endswith(".kv")) == sorted(str(store.path(k)) for k in keys)  # once each
+    assert len(reads) == L * len(keys)  # one read per chunk and layer, into the slot's regions
+    for layer, staged in enumerate(sink.layers):
+        for i, k in enumerate(keys):
+            assert sink.blobs[layer][i] == bytes(chunks[k][1][layer])
+            assert staged.slot.offset_of(staged.blobs[i]) is not None  # it lies in the staging slot
+    assert store.stats().hits == len(keys) and store.stats().bytes_read == sum(m.nbytes for m, _ in chunks.values())
+
+
+def test_memory_tier_blobs_are_views_of_one_tensor_per_chunk_handed_over_without_a_copy():
+    store = MemoryStore(1 << 24, pinned=False)
+    assert not store.pinned or torch.cuda.is_available()
+    meta, blobs = encode_chunk("fp16", make_kv(2))
+    source = [bytearray(b) for b in blobs]
+    store.put_blobs("a", meta, source)
+    source[1][0] ^= 0xFF  # the store copied: changing the caller's blob changes nothing stored
+    assert bytes(store.get_blob("a", 1)[1]) == bytes(blobs[1])
+    sink = Sink()
+    stream(store, ["a"], sink)
+    assert all(layer.slot.offset_of(layer.blobs[0]) is None for layer in sink.layers)  # the tier's own buffer
+    gathered = Sink(gather=True)  # a consumer that wants one contiguous slot: copied in by the readers
+    stream(store, ["a"], gathered)
+    assert all(layer.slot.offset_of(layer.blobs[0]) is not None for layer in gathered.layers)
+    assert gathered.blobs == sink.blobs == [[bytes(b)] for b in blobs]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+def test_packed_staged_layers_equal_the_unstaged_pack(tmp_path, fmt):
+    """Memory over disk, one chunk in each tier: the packer's staged path gives the same [H, Tc, D]
+    blocks as packing the decoded layers, on the CPU."""
+    disk = DiskStore(tmp_path, 1 << 26, kv_format=fmt)
+    store = TieredStore([MemoryStore(1 << 26, kv_format=fmt), disk])
+    store.put("m", make_kv(1, T=7))
+    disk.put("d", make_kv(2, T=5))
+    keys = ["m", "d"]
+    staged = LayerLoader(store, 1).stream(keys, L, lambda k: pytest.fail(k), pack=LayerPacker("cpu", torch.float32))
+    plain = LayerLoader(store, 0).stream(keys, L, lambda k: pytest.fail(k), pack=None)
+    try:
+        for packed, layer_kv in zip(staged, plain):
+            k, v = packed.wait()  # [H, Tc, D] each
+            assert torch.equal(k, torch.cat([kc.float() for kc, _ in layer_kv], dim=1))
+            assert torch.equal(v, torch.cat([vc.float() for _, vc in layer_kv], dim=1))
+    finally:
+        staged.close()
+        plain.close()
