@@ -20,6 +20,7 @@ fp32 with the codec's own formula, so the values equal the host decode's bit for
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -214,7 +215,7 @@ class LayerPacker:
         slot = staged.slot
         at, direct, staged_end = staged.gather()  # pageable tier buffers copied into the slot
         end = max(o + len(b) for o, b in zip(at, staged.blobs))
-        with torch.cuda.stream(self._stream):
+        with self._on_copy_stream():
             block = torch.empty(end, dtype=torch.uint8, device=self.device)  # [bytes], laid out like the slot
             if staged_end:
                 block[:staged_end].copy_(slot.buf[:staged_end], non_blocking=True)  # one DMA for the slot
@@ -222,11 +223,19 @@ class LayerPacker:
                 block[o:o + src.numel()].copy_(src, non_blocking=True)  # one DMA per pinned chunk
             parts = [decode_raw(m, block[o:o + m.layer_nbytes], quantized=True) for m, o in zip(staged.metas, at)]
             packed = self._concat(parts, staged.metas)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        slot.fence = event
-        packed.ready = event
+            packed.ready = slot.fence = self._record()
         return packed
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+
+    def _record(self) -> object | None:
+        """An event on the copy stream after what was queued on it (None off CUDA: copies are done)."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
 
     def _concat(self, parts: list, metas: tuple[ChunkMeta, ...]) -> PackedLayer:
         """Per-chunk device views -> one [H, Tc, D] block per K and V (int8: kq, vq, and the scales)."""

@@ -122,7 +122,7 @@ def test_packed_staged_layers_equal_the_unstaged_pack(tmp_path, fmt):
     store.put("m", make_kv(1, T=7))
     disk.put("d", make_kv(2, T=5))
     keys = ["m", "d"]
-    staged = LayerLoader(store, 1).stream(keys, L, lambda k: pytest.fail(k), pack=LayerPacker("cpu", torch.float32))
+    staged = LayerLoader(store, 1).stream(keys, L, lambda k: pytest.fail(k), pack=LayerPacker("cpu", torch.float32, slots=3))
     plain = LayerLoader(store, 0).stream(keys, L, lambda k: pytest.fail(k), pack=None)
     try:
         for packed, layer_kv in zip(staged, plain):
@@ -132,3 +132,39 @@ def test_packed_staged_layers_equal_the_unstaged_pack(tmp_path, fmt):
     finally:
         staged.close()
         plain.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+def test_the_device_upload_of_a_staged_layer_equals_the_host_decode(tmp_path, fmt):
+    """The CUDA path (`LayerPacker._upload`: one copy of the staging slot, per-chunk views of it
+    concatenated, int8 scales stacked), run on the CPU: a chunk from RAM, one read from disk and
+    one repaired mid-stream give the host decode's values bit for bit."""
+
+    class Uploader(LayerPacker):
+        def __call__(self, layer):
+            return self._upload(layer)
+
+    disk = DiskStore(tmp_path, 1 << 26, kv_format=fmt)
+    store = TieredStore([MemoryStore(1 << 26, kv_format=fmt), disk])
+    kvs = {"m": make_kv(1, T=7), "d": make_kv(2, T=5), "r": make_kv(3, T=3)}
+    store.put("m", kvs["m"])
+    for k in ("d", "r"):
+        disk.put(k, kvs[k])
+    path = disk.path("r")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # the last layer of "r" fails its checksum: repaired
+    path.write_bytes(data)
+    packer = Uploader("cpu", torch.float32, slots=4)
+    packer.staging.gather = True  # as on CUDA: the readers copy pageable tier buffers into the slot
+    keys = list(kvs)
+    s = LayerLoader(store, 2).stream(keys, L, lambda k: kvs[k], pack=packer)
+    expected = {k: decode_chunk(*encode_chunk(fmt, kv)) for k, kv in kvs.items()}
+    try:
+        for layer, packed in enumerate(s):
+            k, v = packed.wait()  # [H, Tc, D] each
+            assert (packed.scales is not None) == (fmt == "int8")
+            assert torch.equal(k.float(), torch.cat([expected[x].k[layer].float() for x in keys], dim=1))
+            assert torch.equal(v.float(), torch.cat([expected[x].v[layer].float() for x in keys], dim=1))
+    finally:
+        s.close()
+    assert s.trace.repaired == ["r"]
