@@ -11,26 +11,27 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 class BodySizeLimitMiddleware:
     """Refuses bodies above `max_bytes`: by Content-Length up front, else while streaming in."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_bytes = max_bytes
+        self.per_path = per_path or {}  # a route with its own limit (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope.get("path", ""), self.default_bytes)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None:
             try:
-                too_big = int(declared) > self.max_bytes
+                too_big = int(declared) > limit
             except ValueError:
                 too_big = False
             if too_big:
-                await self._reject(send, int(declared))
+                await self._reject(send, int(declared), limit)
                 return
         seen = 0
-        limit = self.max_bytes
 
         async def limited_receive() -> Message:
             nonlocal seen
@@ -43,8 +44,9 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, limited_receive, send)
 
-    async def _reject(self, send: Send, size: int) -> None:
-        msg = f"request body of {size} bytes exceeds the limit of {self.max_bytes} bytes"
+    @staticmethod
+    async def _reject(send: Send, size: int, limit: int) -> None:
+        msg = f"request body of {size} bytes exceeds the limit of {limit} bytes"
         body = json.dumps({"detail": msg, "error": {"message": msg, "type": "invalid_request_error",
                                                     "code": "body_too_large"}}).encode()
         await send({

@@ -28,6 +28,7 @@ from app.errors import install_handlers
 from app.limits import BodySizeLimitMiddleware
 from app.metrics import Metrics
 from app.routes import ROUTERS
+from app.routes.jobs import UPLOAD_PATH
 from app.routes.page import STATIC_DIR
 from app.settings import ServiceSettings
 from app.startup import build_and_warm
@@ -58,6 +59,8 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
             svc.closing.set()
             svc.ready = False
             await run_in_threadpool(svc.worker.close)
+            if svc.jobs is not None:  # the current file stops at its next checkpoint; the job resumes next start
+                await run_in_threadpool(svc.jobs.close)
             stack, svc.stack = svc.stack, None
             if stack is not None:
                 await run_in_threadpool(stack.close)
@@ -89,5 +92,6 @@ def create_app(settings: ServiceSettings | None = None, stack_factory: StackFact
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     # outermost first: size limit, then auth (both pure ASGI, streaming untouched)
     app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       per_path={UPLOAD_PATH: settings.max_upload_body_bytes})
     return app

@@ -319,4 +319,39 @@ class Readiness(BaseModel):
     store: dict[str, Any] | None = None
     sync: dict[str, Any] | None = None  # the index against the passage store's change log (generation, lag)
     fidelity: dict[str, Any] | None = None
+    ingestion: dict[str, Any] | None = None  # the first-start sample job's progress (status, documents, processed)
     error: str | None = None
+
+
+# ====================================================================== upload jobs
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+FileState = Literal["queued", "parsing", "ingesting", "done", "failed", "cancelled"]
+
+
+class JobFileOut(BaseModel):
+    name: str
+    size: int
+    state: FileState
+    documents: int = Field(description="documents the file holds (known once parsed)")
+    processed: int = Field(description="documents read by ingestion so far (published batch by batch)")
+    passages: int = Field(description="passages of the file (done)")
+    new_passages: int = Field(description="passages that were not stored before (embedded and indexed)")
+    kv_computed: int = Field(description="passages whose KV this job computed and stored")
+    error: str = Field(description="why the file failed, or warnings about parts of it")
+
+
+class JobOut(BaseModel):
+    id: str
+    kind: Literal["upload", "sample"]
+    status: JobStatus
+    created_at: float
+    updated_at: float
+    error: str
+    documents: int
+    processed: int
+    counts: dict[str, int] = Field(description="files by state: queued, done, failed, cancelled")
+    files: list[JobFileOut]
+
+
+class JobsOut(BaseModel):
+    jobs: list[JobOut]

@@ -31,11 +31,18 @@ class ServiceSettings(Settings):
     max_document_chars: int = Field(100_000, ge=1)
     max_title_chars: int = Field(300, ge=1, description="document titles above this get 422 (a title is repeated "
                                                         "in every passage of its document)")
+    max_upload_mb: int = Field(50, ge=1, le=4096, description="largest file POST /v1/documents/upload takes (413)")
+    max_upload_files: int = Field(20, ge=1, le=1000, description="files per upload request")
     max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
     max_top_k: int = Field(50, ge=1)
     explain_max_tokens: int = Field(4096, ge=1, description="tokens explained per request (explain=true); "
                                                             "the rest are counted but not listed")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @property
+    def max_upload_body_bytes(self) -> int:
+        """The upload route's body limit: every file at its limit, plus room for the multipart framing."""
+        return self.max_upload_files * (self.max_upload_mb << 20) + (1 << 20)
 
     _empty_key_is_none = field_validator("api_key", mode="before")(empty_is_none)
 

@@ -1,5 +1,7 @@
-"""Start-up work done on a thread started by the lifespan: build the stack and, on the first start
-(no passage ingested yet), ingest the bundled sample corpus. /readyz turns true afterwards."""
+"""Start-up work done on a thread started by the lifespan: build the stack, run the fidelity gate, start
+the ingestion job runner (resuming unfinished jobs); /readyz turns true then. On the first start (no
+passage ingested yet) the bundled sample corpus is then ingested as a background job: questions are
+answered meanwhile from what is indexed so far, and /readyz reports the job's progress (`ingestion`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from blend_engine.selfcheck import GateDecision, decide
-from blendserve_config.stack import ingest_sample_on_first_start
+from blendserve_config.stack import sample_to_ingest
+from corpus_tools.jobs import JobFile, JobRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,16 @@ def run_fidelity_gate(stack, metrics) -> GateDecision:
     return decision
 
 
+def submit_sample(stack, runner: JobRunner) -> str | None:
+    """First start (nothing stored, no sample job on record): the sample corpus as a background job. Its id."""
+    path = sample_to_ingest(stack)
+    if path is None or runner.store.latest("sample") is not None:
+        return None
+    job = runner.submit("sample", [JobFile(path.name, str(path), path.stat().st_size)])
+    logger.info("first start: ingesting the sample corpus %s in the background (job %s)", path, job.id)
+    return job.id
+
+
 def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
     """Runs on the start-up thread. Never raises: failures are logged and shown by /readyz."""
     settings = svc.settings
@@ -43,11 +56,11 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         if svc.closing.is_set():
             return
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
-        ingest_sample_on_first_start(stack, svc.closing.is_set)
-        if svc.closing.is_set():
-            return
-        svc.ready = True
+        svc.jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set)
+        svc.jobs.start()  # jobs a previous process left unfinished resume
+        svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
+        submit_sample(stack, svc.jobs)
     except Exception as exc:  # noqa: BLE001 - reported by /readyz, the process stays up for /healthz
         svc.error = f"{type(exc).__name__}: {exc}"
         logger.exception("start-up failed")

@@ -14,6 +14,7 @@ from app.service import NotReady, QueryOutcome
 from app.settings import ServiceSettings
 from app.worker import EngineWorker
 from blendserve_config.stack import Stack
+from corpus_tools.jobs import JobRunner
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class AppState:
         self.metrics = metrics
         self.worker: EngineWorker | None = None
         self.stack: Stack | None = None
+        self.jobs: JobRunner | None = None  # background ingestion (uploads, the first-start sample corpus)
         self.ready = False
         self.error: str | None = None
         self.closing = threading.Event()
@@ -36,6 +38,12 @@ class AppState:
         if not self.ready or self.stack is None or self.worker is None:
             raise NotReady("the model, index and KV store are still loading")
         return self.stack
+
+    def require_jobs(self) -> JobRunner:
+        self.require_stack()
+        if self.jobs is None:
+            raise NotReady("the ingestion job runner is starting")
+        return self.jobs
 
     def observe(self, endpoint: str, outcome: QueryOutcome) -> None:
         """A finished query: its metrics and one log line."""

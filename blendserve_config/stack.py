@@ -138,17 +138,26 @@ def _is_empty(stack: Stack) -> bool:
     return stack.pipeline.db.counts()["passages"] == 0
 
 
-def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] = lambda: False,
-                                 progress: bool = False) -> IngestSummary | None:
-    """Ingest Settings.sample_corpus when enabled and nothing is stored yet: one ingestion, published
-    batch by batch, that `should_stop` interrupts at its next checkpoint (between layers and batches;
-    what was published stays). The summary; None when skipped or interrupted."""
+def sample_to_ingest(stack: Stack) -> Path | None:
+    """Settings.sample_corpus when enabled, present, and nothing is stored yet (the first start); else None."""
     s = stack.settings
     if not s.ingest_sample_on_start or s.sample_corpus is None or not _is_empty(stack):
         return None
     path = Path(s.sample_corpus)
     if not path.is_file():
         logger.warning("sample corpus %s not found; starting with an empty corpus", path)
+        return None
+    return path
+
+
+def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] = lambda: False,
+                                 progress: bool = False) -> IngestSummary | None:
+    """Ingest Settings.sample_corpus when enabled and nothing is stored yet: one ingestion, published
+    batch by batch, that `should_stop` interrupts at its next checkpoint (between layers and batches;
+    what was published stays). The summary; None when skipped or interrupted. (The service runs the
+    same ingestion as a background job instead, `app.startup.submit_sample`.)"""
+    path = sample_to_ingest(stack)
+    if path is None:
         return None
     docs = list(Reader().read([path]))
     t0 = time.perf_counter()

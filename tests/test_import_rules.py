@@ -34,7 +34,7 @@ FORBIDDEN = {
 # imports) is the one file of a package allowed to reach the CLI above it.
 ENTRY_SHIMS = {"corpus_tools/__main__.py": {"corpus_cli"}}
 # The service may call the ingestion pipeline (and hand it documents); nothing else from the CLI package.
-APP_MAY_USE_FROM_CORPUS_TOOLS = {"corpus_tools.pipeline", "corpus_tools.documents"}
+APP_MAY_USE_FROM_CORPUS_TOOLS = {"corpus_tools.pipeline", "corpus_tools.documents", "corpus_tools.jobs"}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

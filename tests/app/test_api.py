@@ -120,7 +120,7 @@ def test_memory_tier_budget_in_gb_overrides_the_mb_setting(tmp_path, monkeypatch
 
 SERVICE_ONLY = ("host", "port", "api_key", "max_queue", "workers", "request_timeout_s", "max_body_bytes",
                 "max_question_chars", "max_documents", "max_document_chars", "max_title_chars", "max_new_tokens",
-                "max_top_k", "explain_max_tokens", "log_level")
+                "max_top_k", "explain_max_tokens", "log_level", "max_upload_mb", "max_upload_files")
 
 
 def test_service_settings_extend_the_shared_ones_under_the_same_names(tmp_path, monkeypatch):
@@ -697,14 +697,17 @@ def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_fact
     sample.write_text("\n".join(json.dumps({"title": f"T{i}", "text": f"Sample fact number {i}."})
                                 for i in range(3)) + "\n")
     settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample)
-    caplog.set_level("INFO", logger="blendserve_config.stack")
-    with TestClient(create_app(settings, tiny_stack_factory)) as c:
-        assert wait_ready(c)["index"]["documents"] == 3
-    assert "ingesting 3 sample documents" in caplog.text
+    caplog.set_level("INFO", logger="app.startup")
+    with TestClient(create_app(settings, tiny_stack_factory)) as c:  # a background job (tests/app/test_jobs.py)
+        deadline = time.monotonic() + 60
+        while (ready := wait_ready(c))["ingestion"]["status"] != "done" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready["index"]["documents"] == 3
+    assert "ingesting the sample corpus" in caplog.text
     caplog.clear()
     with TestClient(create_app(settings, tiny_stack_factory)) as c:
         assert wait_ready(c)["index"]["documents"] == 3
-    assert "sample documents" not in caplog.text
+    assert "sample corpus" not in caplog.text
 
 
 def test_top_k_limit_ignored_when_documents_are_given(tmp_path, tiny_stack_factory):
