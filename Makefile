@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-engine bench-store bench-ingest bench-peer-install bench-peer clean
+.PHONY: install run test lint bench bench-engine bench-store bench-ingest bench-loader gpu-prepare bench-peer-install bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,13 @@ bench-store: $(STAMP)
 
 bench-ingest: $(STAMP)
 	$(PY) -m benchmarks.ingest
+
+bench-loader: $(STAMP)
+	$(PY) -m benchmarks.loader
+
+# the GPU check's carry folder (.gpucarry/smollm2, ~58 MB, git-ignored): see benchmarks/README.md "GPU check"
+gpu-prepare: $(STAMP)
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh --prepare
 
 # llama.cpp peer (optional, not needed by CI): llama-cpp-cffi's prebuilt CPU llama.cpp, see benchmarks/README.md
 LLAMA_CPP_CFFI := llama-cpp-cffi==0.4.42

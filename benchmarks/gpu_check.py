@@ -3,12 +3,14 @@
     python -m benchmarks.gpu_check OUT_DIR [--smollm .gpucarry/smollm2] [--smoke]
 
 (1) correctness on CUDA with SmolLM2-135M (3-bit packed to travel, see `gpu_pack`): blend at
-    ratio 1.0 equals full prefill (same argmax, first-token KL < 1e-3 in bf16), and full_reuse /
+    ratio 1.0 equals full prefill (the same next token unless full prefill's top two are a near-tie
+    that kernel rounding may flip, `top1_agrees`; first-token KL < 1e-3 in bf16), and full_reuse /
     blend@0.15 run from the memory and the disk tier;
 (2) time to first token at 4K / 8K / 16K tokens on a randomly initialised Llama-3.1-8B-shaped
     model (32 layers, 32/8 heads, head dim 128, hidden 4096, FFN 14336, bf16; random weights are
     honest for timing, never for quality): full_prefill, full_reuse and blend@0.15 with the KV in
-    pinned RAM, on local disk (page cache warm) and already on the GPU, blend@auto (the
+    pinned RAM, on local disk (page cache warm) and already on the GPU, in the service's own memory
+    tier (pinned) and its tiered store read from disk (memory tier empty), blend@auto (the
     controller) from disk, beside transformers' own forward (sdpa) as the peer; at 8K also blend@0.15
     with FlexAttention and with int8 KV; the selected rows' attention kernels alone (`gpu_timing`);
 (3) ingestion's KV precompute in 256-token passages per second, one at a time vs batched;
@@ -69,12 +71,24 @@ def check_correctness(setup: Setup, smollm: Path | None, tmp: Path) -> dict:
             one = engine.prefill(BlendPlan(tuple(passages), question, mode="blend", recompute_ratio=1.0)).logits
             reuse = engine.prefill(BlendPlan(tuple(passages), question, mode="full_reuse")).logits
             blend = engine.prefill(BlendPlan(tuple(passages), question, mode="blend", recompute_ratio=0.15)).logits
+            top2 = full.float().topk(2).values
             rows.append({"tier": tier, "question": question, "same_argmax": bool(full.argmax() == one.argmax()),
+                         "top1_agrees": top1_agrees(full, one), "top2_gap": float(top2[0] - top2[1]),
                          "kl_ratio1": kl(full, one), "kl_full_reuse": kl(full, reuse),
                          "kl_blend015": kl(full, blend)})
-    ok = all(r["same_argmax"] and r["kl_ratio1"] < 1e-3 for r in rows)
+    ok = all(r["top1_agrees"] and r["kl_ratio1"] < 1e-3 for r in rows)
     return {"model": runner.name, "dtype": str(runner.dtype), "kv_format": fmt, "rows": rows, "pass": ok}
 
+
+
+def top1_agrees(full: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether `other` picks full prefill's next token, or one full prefill scores within rounding of
+    its best: the gap is at most two units in the last place of the logits' dtype at that magnitude
+    (two attention kernels may flip a near-tie; a real disagreement is far larger)."""
+    pick = int(other.argmax())
+    best = float(full.max())
+    tol = 2 * torch.finfo(full.dtype).eps * max(abs(best), 1.0)
+    return pick == int(full.argmax()) or best - float(full[pick]) <= tol
 
 
 def run(out: Path, smoke: bool, smollm: Path | None, lengths: list[int], reps: int) -> dict:
@@ -114,9 +128,11 @@ def run(out: Path, smoke: bool, smollm: Path | None, lengths: list[int], reps: i
                                                 "pass": False}
         save()
         logger.info("correctness: %s (%.0f s)", result["correctness"]["pass"], time.perf_counter() - t0)
-        runner = random_runner(setup, _tokenizer(smollm))
-        result["timing_model"] = runner.name + f", {runner.dtype}"
+        runner = part("timing model", lambda: random_runner(setup, _tokenizer(smollm)))
         result["ttft"] = {"rows": []}
+        if runner is None:  # recorded under errors; nothing below can run without it
+            return result
+        result["timing_model"] = runner.name + f", {runner.dtype}"
         for n in lengths:
             variants = n == lengths[len(lengths) // 2]  # flex and int8 at the middle length (8K): time is short
             row = part(f"ttft {n}", lambda n=n, v=variants: time_ttft(setup, runner, n, tmp, reps, v))

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the engine (issue 14); see benchmarks/README.md "GPU check".
 #
-#   bash benchmarks/gpu_check.sh --prepare          # here, once: pack SmolLM2 into .gpucarry/smollm2 (~58 MB)
-#   bash benchmarks/gpu_check.sh [OUT_DIR]          # on the CUDA machine: writes gpu_check.{json,md,log}
-#   bash benchmarks/gpu_check.sh --smoke [OUT_DIR]  # on a CPU: tiny shapes, one length, end to end
+#   bash benchmarks/gpu_check.sh --prepare          # here, once (make gpu-prepare): pack SmolLM2 into .gpucarry/smollm2
+#   bash benchmarks/gpu_check.sh [OUT_DIR] [--lengths 4096,8192] [--reps 3]   # on the CUDA machine
+#   bash benchmarks/gpu_check.sh --smoke [OUT_DIR] [--reps N]                 # on a CPU: tiny shapes, end to end
 #
-# OUT_DIR defaults to $OUT (the device tool's folder), else benchmarks/results/gpu.
+# OUT_DIR defaults to $OUT (the device tool's folder), else benchmarks/results/gpu. Options after it
+# (--lengths, --reps) go to benchmarks/gpu_check.py as they are.
 # Needs only python3 with torch, transformers and safetensors; no network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,12 +16,15 @@ case "${1:-}" in
   --prepare)
     exec "$PY" -m benchmarks.gpu_pack .gpucarry/smollm2 ;;
   --smoke)
-    out="${2:-${OUT:-/tmp/gpu_check_smoke}}"
+    shift
+    out="${OUT:-/tmp/gpu_check_smoke}"
+    if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then out="$1"; shift; fi
     mkdir -p "$out"
-    "$PY" -m benchmarks.gpu_check "$out" --smoke 2>&1 | tee "$out/gpu_check.log"
+    "$PY" -m benchmarks.gpu_check "$out" --smoke "$@" 2>&1 | tee "$out/gpu_check.log"
     exit "${PIPESTATUS[0]}" ;;
 esac
-out="${1:-${OUT:-benchmarks/results/gpu}}"
+out="${OUT:-benchmarks/results/gpu}"
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then out="$1"; shift; fi
 mkdir -p "$out"
 if [ ! -f .gpucarry/smollm2/packed3.safetensors ]; then
   echo "missing .gpucarry/smollm2: run 'bash benchmarks/gpu_check.sh --prepare' first and carry .gpucarry" >&2
@@ -29,5 +33,5 @@ fi
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia_smi.csv" 2>&1 || true
 # 8 minutes at most on an H200: the check itself is sized for ~3-4; the timeout keeps what was written
-timeout 470 "$PY" -m benchmarks.gpu_check "$out" --smollm .gpucarry/smollm2 2>&1 | tee "$out/gpu_check.log"
+timeout 470 "$PY" -m benchmarks.gpu_check "$out" --smollm .gpucarry/smollm2 "$@" 2>&1 | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

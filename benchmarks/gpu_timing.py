@@ -27,6 +27,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import KVStore, MemoryStore
 from blend_engine.kv_store.controller import BandwidthController
 from blend_engine.kv_store.disk import DiskStore
+from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan
@@ -54,6 +55,11 @@ def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, v
         "pinned RAM": HeldStore("pinned", lambda t: t.to("cpu", dt).pin_memory() if pin else t.to("cpu", dt)),
         "local disk": DiskStore(tmp / f"disk{n}", 64 << 30, kv_format=fmt),
         "GPU": HeldStore("gpu", lambda t: t.to(setup.device, dt)),
+        # the service's own stores: its memory tier (pinned on CUDA), and memory over disk with an empty
+        # memory tier (budget 0), so every layer comes from the disk tier through the tiered store
+        "service RAM": MemoryStore(64 << 30, kv_format=fmt),
+        "service tiered disk": build_store(kv_format=fmt, memory_bytes=0, disk_dir=tmp / f"tiered{n}",
+                                           disk_bytes=64 << 30),
     }
     base = BlendEngine(runner, stores["GPU"], EngineConfig(kv_format=fmt))
     passages = make_passages(base, n - 64, seed=n)

@@ -8,13 +8,16 @@ them (a 4K-token context), fp16 and int8. Per format:
   flight, each chunk's layer read straight into its staging region and verified) against a raw
   sequential read of the same files into one preallocated buffer, both from the page cache;
 - disk, cold: the same with the files' pages dropped before every run (`posix_fadvise
-  DONTNEED`, and `drop_caches` when run as root);
+  DONTNEED` on them; with `--drop-caches`, as root, the whole page cache too);
 - disk, O_DIRECT: the tier with `direct_io` against a raw O_DIRECT read of the same files;
 - memory: the memory tier's stream with every blob copied into its staging region by the reader
   threads (the host side of a device upload from pageable memory; a CUDA host's pinned tier needs
   no host copy at all) against one thread's plain memcpy of as many bytes.
 
-    python -m benchmarks.loader [--chunks 16] [--reps 3] [--formats fp16,int8] [--dir DIR]   (make bench-loader)
+    python -m benchmarks.loader [--chunks 16] [--reps 5] [--formats fp16,int8] [--dir DIR] [--drop-caches]   (make bench-loader)
+
+Reference and tier are measured alternately, `reps` pairs; the ratio is the median of the
+per-pair ratios (the machine's load drifts between runs; it is printed too).
 
 Results: benchmarks/results/loader/results.json and a table on stdout (docs/results.md, "Loader").
 """
@@ -114,15 +117,17 @@ def memcpy_rate(src: np.ndarray, layer_bytes: int) -> float:
     return src.size / (time.perf_counter() - t0) / 1e9
 
 
-def drop_cache(files: list[Path]) -> str:
-    """Evict the files' pages: drop_caches as root, posix_fadvise(DONTNEED) always. What was used."""
+def drop_cache(files: list[Path], system: bool = False) -> str:
+    """Evict the files' pages with posix_fadvise(DONTNEED) (their pages are clean: written and
+    synced), and with `system` the whole page cache too (drop_caches, root only). What was used."""
     how = "fadvise"
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        how = "drop_caches+fadvise"
-    except OSError:
-        pass
+    if system:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            how = "drop_caches+fadvise"
+        except OSError:
+            pass
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -132,16 +137,23 @@ def drop_cache(files: list[Path]) -> str:
     return how
 
 
-def median(fn: Callable[[], float], reps: int, before: Callable[[], object] | None = None) -> float:
-    rates = []
+def paired(raw: Callable[[], float], tier: Callable[[], float], reps: int,
+           before: Callable[[], object] | None = None) -> dict:
+    """Reference and tier measured alternately `reps` times (a shared machine's load drifts): the
+    median of each rate and of the per-pair ratios tier / reference."""
+    pairs = []
     for _ in range(reps):
-        if before is not None:
-            before()
-        rates.append(fn())
-    return statistics.median(rates)
+        pair = []
+        for fn in (raw, tier):
+            if before is not None:
+                before()
+            pair.append(fn())
+        pairs.append(pair)
+    return {"raw": statistics.median(r for r, _ in pairs), "tier": statistics.median(t for _, t in pairs),
+            "ratio": statistics.median(t / r for r, t in pairs), "pairs": pairs}
 
 
-def measure_format(fmt: str, chunks: list[ChunkKV], root: Path, reps: int) -> dict:
+def measure_format(fmt: str, chunks: list[ChunkKV], root: Path, reps: int, system_drop: bool = False) -> dict:
     disk = DiskStore(root / fmt, 1 << 40, kv_format=fmt)
     keys = [f"{fmt}{i:04d}" for i in range(len(chunks))]
     for key, kv in zip(keys, chunks):
@@ -155,24 +167,19 @@ def measure_format(fmt: str, chunks: list[ChunkKV], root: Path, reps: int) -> di
     out = {"format": fmt, "chunks": len(chunks), "bytes": meta.nbytes * len(chunks),
            "layer_bytes_per_chunk": meta.layer_nbytes}
     raw_rate(files), stream_rate(disk, keys, gather=False)  # warm the page cache and the readers
-    out["disk_warm"] = {"raw": median(lambda: raw_rate(files), reps),
-                        "tier": median(lambda: stream_rate(disk, keys, gather=False), reps)}
-    cold = {"raw": median(lambda: raw_rate(files), reps, lambda: drop_cache(files)),
-            "tier": median(lambda: stream_rate(disk, keys, gather=False), reps, lambda: drop_cache(files))}
-    out["disk_cold"] = {**cold, "dropped_with": drop_cache(files)}
+    out["disk_warm"] = paired(lambda: raw_rate(files), lambda: stream_rate(disk, keys, gather=False), reps)
+    out["disk_cold"] = paired(lambda: raw_rate(files), lambda: stream_rate(disk, keys, gather=False), reps,
+                              lambda: drop_cache(files, system_drop))
+    out["disk_cold"]["dropped_with"] = drop_cache(files, system_drop)
     try:
-        out["disk_direct"] = {"raw": median(lambda: raw_rate(files, direct=True), reps),
-                              "tier": median(lambda: stream_rate(direct, keys, gather=False), reps)}
+        out["disk_direct"] = paired(lambda: raw_rate(files, direct=True),
+                                    lambda: stream_rate(direct, keys, gather=False), reps)
     except OSError as exc:  # a file system without O_DIRECT
         out["disk_direct"] = {"error": str(exc)}
-    stream_rate(memory, keys, gather=True)
     src = np.random.default_rng(0).integers(0, 255, meta.nbytes * len(keys), dtype=np.uint8)
-    out["memory"] = {"raw": median(lambda: memcpy_rate(src, meta.layer_nbytes * len(keys)), reps),
-                     "tier": median(lambda: stream_rate(memory, keys, gather=True), reps)}
-    for row in ("disk_warm", "disk_cold", "disk_direct", "memory"):
-        r = out[row]
-        if "tier" in r:
-            r["ratio"] = r["tier"] / r["raw"]
+    stream_rate(memory, keys, gather=True)
+    out["memory"] = paired(lambda: memcpy_rate(src, meta.layer_nbytes * len(keys)),
+                           lambda: stream_rate(memory, keys, gather=True), reps)
     return out
 
 
@@ -190,26 +197,29 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(n_chunks: int = 16, reps: int = 3, formats: tuple[str, ...] = ("fp16", "int8"), workdir: Path | None = None) -> dict:
+def run(n_chunks: int = 16, reps: int = 5, formats: tuple[str, ...] = ("fp16", "int8"), workdir: Path | None = None,
+        system_drop: bool = False) -> dict:
+    load_before = os.getloadavg()
     chunks = make_chunks(n_chunks)
     root = Path(tempfile.mkdtemp(prefix="bench-loader-", dir=workdir))
     try:
-        results = [measure_format(fmt, chunks, root, reps) for fmt in formats]
+        results = [measure_format(fmt, chunks, root, reps, system_drop) for fmt in formats]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"shape": SHAPE, "readers": READERS, "read_ahead": DEPTH, "reps": reps, "cpus": os.cpu_count(),
-            "load_before": os.getloadavg(), "results": results}
+            "load_before": load_before, "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--formats", default="fp16,int8")
     ap.add_argument("--dir", type=Path, default=None, help="where the chunk files go (default: the temp dir)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--drop-caches", action="store_true", help="cold runs also drop the whole page cache (root)")
     args = ap.parse_args(argv)
-    result = run(args.chunks, args.reps, tuple(args.formats.split(",")), args.dir)
+    result = run(args.chunks, args.reps, tuple(args.formats.split(",")), args.dir, args.drop_caches)
     result["load_after"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=2))

@@ -57,6 +57,10 @@ class BlobStore(KVStore):
     @abstractmethod
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool: ...
 
+    def can_hold(self, nbytes: int) -> bool:
+        """Whether a chunk of this many bytes fits the tier's budget at all (evicting others). Default: yes."""
+        return True
+
     def prefetch(self, keys: Sequence[str], files: OpenFiles | None = None) -> None:
         """Hint that these chunks will be read soon (through `files`, a stream's descriptors). Default: nothing."""
 

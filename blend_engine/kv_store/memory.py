@@ -51,6 +51,9 @@ class MemoryStore(BlobStore):
         self._stats = StoreStats(name=name, bytes_budget=budget_bytes)
         self._items: ByteLRU[_Entry] = ByteLRU(budget_bytes, self._stats)
 
+    def can_hold(self, nbytes: int) -> bool:
+        return self._items.fits(nbytes)
+
     def meta(self, key: str) -> ChunkMeta | None:
         with self._lock:
             e = self._items.get(key)

@@ -61,8 +61,8 @@ class TieredStore(BlobStore):
         for i, tier in enumerate(self.tiers):
             got = tier.get_blob(key, layer)
             if got is not None:
-                if i > 0:  # a staging region is reused: promotion keeps a copy
-                    self._collect(key, i, layer, got[0], bytearray(got[1]) if staging else got[1])
+                if i > 0 and any(t.can_hold(got[0].nbytes) for t in self.tiers[:i]):  # else promotion cannot succeed
+                    self._collect(key, i, layer, got[0], bytearray(got[1]) if staging else got[1])  # slots are reused
                 self._count(layer, hit=True)
                 return got
         self._count(layer, hit=False)

@@ -88,3 +88,58 @@ def test_columns_only_some_rows_have_are_shown_with_a_dash_elsewhere():
     assert "blend@0.15 flex pinned RAM" in header and "blend@0.15 int8 RAM" in header
     assert "| 4096 | 100.0 | 110.0 | 30.0 | 29.0 | 100.0 | - | - |" in text
     assert "blend flex / default attention 0.83 (first flex prefill, compile included: 31.0 s)" in text
+
+
+def test_top1_agreement_tolerates_only_a_near_tie_of_full_prefill():
+    from benchmarks.gpu_check import top1_agrees
+
+    full = torch.tensor([1.0, 20.0, 19.95, 3.0], dtype=torch.bfloat16)  # top two within bf16 rounding at 20
+    assert top1_agrees(full, full.clone())
+    assert top1_agrees(full, torch.tensor([1.0, 19.9, 20.0, 3.0], dtype=torch.bfloat16))  # flipped near-tie
+    assert not top1_agrees(full, torch.tensor([1.0, 19.0, 18.0, 21.0], dtype=torch.bfloat16))  # a real disagreement
+    apart = torch.tensor([1.0, 20.0, 17.0, 3.0], dtype=torch.bfloat16)
+    assert not top1_agrees(apart, torch.tensor([1.0, 17.0, 20.0, 3.0], dtype=torch.bfloat16))
+
+
+def test_a_failing_timing_model_is_recorded_after_correctness(tmp_path, monkeypatch):
+    import json
+
+    import benchmarks.gpu_check as gc
+
+    def broken(*_a, **_k):
+        raise RuntimeError("CUDA error: out of memory (simulated)")
+
+    correct = {"model": "m", "dtype": "bf16", "kv_format": "bf16", "rows": [], "pass": True}
+    monkeypatch.setattr(gc, "check_correctness", lambda *_a: correct)
+    monkeypatch.setattr(gc, "_tokenizer", broken)  # fails inside the guarded part
+    result = gc.run(tmp_path, smoke=True, smollm=None, lengths=[512], reps=1)
+    assert set(result["errors"]) == {"timing model"} and result["correctness"]["pass"]
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["correctness"]["pass"] and "out of memory" in saved["errors"]["timing model"]
+
+
+def test_report_shows_the_service_stores_against_the_gpu():
+    env = {"device_name": "X", "torch": "t", "transformers": "t"}
+    row = {"tokens": 8192, "hf_forward_ms": 100.0, "full_prefill_ms": 110.0, "blend@0.15 pinned RAM_ms": 30.0,
+           "blend@0.15 GPU_ms": 25.0, "blend@0.15 service RAM_ms": 27.5, "blend@0.15 service tiered disk_ms": 32.5,
+           "blend@auto local disk_ms": 100.0, "auto_served_by": "blend", "auto_ratio": 0.2}
+    text = markdown({"environment": env, "reps": 3, "correctness": {"model": "m", "dtype": "bf16", "kv_format": "bf16",
+                     "rows": [], "pass": True}, "timing_model": "8b", "ttft": {"rows": [row]}})
+    assert "blend service RAM / GPU 1.10 (speedup 4.00x)" in text and "blend service disk / GPU 1.30" in text
+
+
+def test_the_wrapper_passes_lengths_and_reps_through(tmp_path):
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--smoke", str(out), "--lengths", "1024",
+                           "--reps", "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "argv").read_text().split() == ["-m", "benchmarks.gpu_check", str(out), "--smoke",
+                                                       "--lengths", "1024", "--reps", "2"]

@@ -168,3 +168,18 @@ def test_the_device_upload_of_a_staged_layer_equals_the_host_decode(tmp_path, fm
     finally:
         s.close()
     assert s.trace.repaired == ["r"]
+
+
+def test_a_stream_from_disk_promotes_into_memory_only_where_the_chunk_fits(tmp_path):
+    kv = make_kv(4)
+    for budget, promoted in ((1 << 24, True), (0, False)):
+        memory = MemoryStore(budget)
+        disk = DiskStore(tmp_path / str(budget), 1 << 24)
+        disk.put("a", kv)
+        store = TieredStore([memory, disk])
+        sink = Sink()
+        stream(store, ["a"], sink)
+        assert memory.contains("a") == promoted and store.stats().extra["promotions"] == int(promoted)
+        assert memory.stats().skipped_puts == 0  # an empty memory tier is not offered what cannot fit
+        if promoted:  # copied out of the reused staging slots: the promoted chunk is the stored one
+            assert torch.equal(memory.get("a").k, decode_chunk(*encode_chunk("fp16", kv)).k)
