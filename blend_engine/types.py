@@ -107,10 +107,26 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
-class BlendPlan:
-    """What to prefill: `| sys | passage_1 .. passage_k | question |` and how.
+class Turn:
+    """An earlier message of a conversation: role "user" or "assistant", and its text."""
 
-    recompute_ratio None means: let the engine's controller (or its default) choose.
+    role: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ("user", "assistant"):
+            raise InputError(f"a conversation turn's role must be 'user' or 'assistant', not {self.role!r}")
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise InputError("a conversation turn needs text")
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """What to prefill: `| sys | passage_1 .. passage_k | turn_1 .. turn_m | question |` and how.
+
+    recompute_ratio None means: let the engine's controller (or its default) choose. `turns` are the
+    conversation's earlier messages, oldest first (the question is the latest user message);
+    `numbered` puts a `[n]` marker before passage n so that the model can cite it (`layout`).
     """
 
     passages: tuple[str, ...]
@@ -120,10 +136,13 @@ class BlendPlan:
     system_prompt: str | None = None
     policy: SelectionPolicy | None = None
     explain: bool = False  # record per-token choices (`BlendResult.explanation`); off costs nothing
+    turns: tuple[Turn, ...] = ()
+    numbered: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "passages", tuple(self.passages))
+        object.__setattr__(self, "turns", tuple(self.turns))
         if not self.passages:
             raise InputError("a blend plan needs at least one passage")
         if any(not isinstance(p, str) or not p.strip() for p in self.passages):
