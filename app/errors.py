@@ -94,7 +94,8 @@ async def _service(request: Request, exc: ServiceError) -> JSONResponse:
         metrics.storage_errors.inc()
         logger.error("%s %s: %s", request.method, endpoint_of(request), exc.message, exc_info=exc.__cause__)
     metrics.requests.labels(endpoint_of(request), str(exc.status_code)).inc()
-    return error_response(exc.status_code, exc.message, exc.code, headers=exc.headers)
+    return error_response(exc.status_code, exc.message, exc.code, param=getattr(exc, "param", None),
+                          headers=exc.headers)
 
 
 async def _full(request: Request, exc: QueueFull) -> JSONResponse:

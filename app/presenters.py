@@ -16,13 +16,17 @@ from app.schemas import (
     ChatChoice,
     ChatChoiceMessage,
     ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
     Explain,
     PassageExplain,
     PassageOut,
+    PromptTokensDetails,
     QueryExplainedResponse,
     QueryResponse,
     QueryStats,
     QuestionExplain,
+    SourceOut,
     SystemExplain,
     Timings,
     Usage,
@@ -50,6 +54,12 @@ def passages_out(refs: Sequence[PassageRef]) -> list[PassageOut]:
     return [PassageOut(id=p.id, title=p.title, score=p.score, doc_id=p.doc_id, location=p.location) for p in refs]
 
 
+def sources_out(refs: Sequence[PassageRef]) -> list[SourceOut]:
+    """The passages as citable sources: number n is the `[n]` before the passage in the prompt."""
+    return [SourceOut(index=n, id=p.id, doc_id=p.doc_id, title=p.title, passage=p.seq, score=p.score)
+            for n, p in enumerate(refs, 1)]
+
+
 def query_response(outcome: QueryOutcome, explain: Explain | None = None) -> QueryResponse:
     """The `/v1/query` body (`QueryExplainedResponse` when the request asked for explain)."""
     r = outcome.report
@@ -58,6 +68,7 @@ def query_response(outcome: QueryOutcome, explain: Explain | None = None) -> Que
         **extra,
         answer=outcome.answer,
         passages=passages_out(outcome.passages),
+        sources=sources_out(outcome.passages),
         mode=r.mode,
         finish_reason=outcome.finish_reason,
         timings=Timings(
@@ -87,6 +98,8 @@ def explain_response(tokenizer: Any, ex: Explanation, passages: Sequence[Passage
     (passages then the question, in prompt order); counts always cover every token."""
     sys_seg, *middle, q_seg = ex.segments
     budget = max_tokens
+    summaries = {kind: [SystemExplain(n_tokens=len(s.token_ids), recomputed_tokens=s.recomputed_tokens, cache=s.cache,
+                                      tier=s.tier) for s in middle if s.kind == kind] for kind in ("marker", "turn")}
 
     def take(seg: SegmentExplanation) -> int:
         nonlocal budget
@@ -95,7 +108,7 @@ def explain_response(tokenizer: Any, ex: Explanation, passages: Sequence[Passage
         return n
 
     out = []
-    for i, (seg, meta) in enumerate(zip(middle, passages)):
+    for i, (seg, meta) in enumerate(zip([s for s in middle if s.kind == "passage"], passages)):
         n = take(seg)
         out.append(PassageExplain(
             index=i, id=meta.id, title=meta.title, n_tokens=len(seg.token_ids),
@@ -114,29 +127,46 @@ def explain_response(tokenizer: Any, ex: Explanation, passages: Sequence[Passage
         passage_recomputed_tokens=sum(p.recomputed_tokens for p in out),
         system=SystemExplain(n_tokens=len(sys_seg.token_ids), recomputed_tokens=sys_seg.recomputed_tokens,
                              cache=sys_seg.cache, tier=sys_seg.tier),
-        passages=out, question=question,
+        passages=out, question=question, markers=summaries["marker"], turns=summaries["turn"],
     )
 
 
-# ====================================================================== OpenAI chat
+# ====================================================================== OpenAI chat and completions
 def usage(outcome: QueryOutcome) -> Usage:
-    prompt = outcome.report.context_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=outcome.completion_tokens,
-                 total_tokens=prompt + outcome.completion_tokens)
+    """Prompt tokens, completion tokens of every choice, and the prompt tokens whose KV came from
+    the cache (not in the final recomputed set: `context_tokens - recomputed_tokens`)."""
+    r = outcome.report
+    completion = sum(c.completion_tokens for c in outcome.choices) if outcome.choices else outcome.completion_tokens
+    return Usage(prompt_tokens=r.context_tokens, completion_tokens=completion,
+                 total_tokens=r.context_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=r.context_tokens - r.recomputed_tokens))
 
 
-def blend_extra(body: QueryResponse) -> dict:
-    """Chat's `blend` field: the `/v1/query` body's mode, timings, stats and explain."""
-    extra = {"mode": body.mode, "timings": body.timings.model_dump(), "stats": body.stats.model_dump()}
+def blend_extra(answered: Answered) -> dict:
+    """Chat's `blend` field: the `/v1/query` body's mode, timings, stats and explain, and what
+    retrieval searched for and how many earlier messages the prompt kept."""
+    body, outcome = answered.body, answered.outcome
+    extra = {"mode": body.mode, "timings": body.timings.model_dump(), "stats": body.stats.model_dump(),
+             "search": outcome.search, "turns": outcome.turns}
     if isinstance(body, QueryExplainedResponse):
         extra["explain"] = body.explain.model_dump()
     return extra
 
 
-def chat_response(answered: Answered, completion_id: str, created: int, model: str) -> ChatCompletionResponse:
+def openai_extras(answered: Answered) -> dict:
+    """Blendserve's fields on an OpenAI response (and on the last stream chunk)."""
+    return {"passages": answered.body.passages, "sources": answered.body.sources,
+            "notes": list(answered.outcome.notes), "blend": blend_extra(answered)}
+
+
+def chat_response(answered: Answered, head: dict) -> ChatCompletionResponse:
     outcome = answered.outcome
-    return ChatCompletionResponse(
-        id=completion_id, created=created, model=model,
-        choices=[ChatChoice(message=ChatChoiceMessage(content=outcome.answer), finish_reason=outcome.finish_reason)],
-        usage=usage(outcome), passages=answered.body.passages, blend=blend_extra(answered.body),
-    )
+    choices = [ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason)
+               for c in outcome.choices]
+    return ChatCompletionResponse(**head, choices=choices, usage=usage(outcome), **openai_extras(answered))
+
+
+def completion_response(answered: Answered, head: dict) -> CompletionResponse:
+    outcome = answered.outcome
+    choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in outcome.choices]
+    return CompletionResponse(**head, choices=choices, usage=usage(outcome), **openai_extras(answered))

@@ -86,6 +86,10 @@ class QueryRequest(BaseModel):
     stream: bool = False
     explain: bool = Field(False, description="add `explain`: per passage token, recomputed or not, its check-layer "
                                              "score, and the passage's cache hit/miss and tier (see docs/api.md)")
+    logprobs: bool = Field(False, description="add `logprobs`: each answer token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the k most likely tokens too")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="KV cache namespace: only requests with the same salt share cached KV")
 
     _question_not_blank = field_validator("question")(_not_blank)
 
@@ -97,6 +101,34 @@ class PassageOut(BaseModel):
     doc_id: str | None = Field(None, description="the retrieved passage's document (null for inline documents)")
     location: str | None = Field(None, description="where in its document: `page 3` (PDF) or a heading path "
                                                    "(`Guide > Install`; HTML, DOCX, uploads); empty when none")
+
+
+class SourceOut(BaseModel):
+    """A passage the answer was given, numbered as in the prompt: the model cites it as `[index]`."""
+
+    index: int = Field(description="the passage's number in the prompt, from 1 (cited as [index])")
+    id: str = Field(description="the passage id (a supplied document's KV key)")
+    doc_id: str | None = Field(description="its document; null for a supplied document")
+    title: str
+    passage: int = Field(description="its index in its document (a supplied document: its index in `documents`)")
+    score: float | None = Field(description="retrieval score; null for a supplied document")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's chat `logprobs`: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+    refusal: None = None
 
 
 class Timings(BaseModel):
@@ -127,6 +159,8 @@ class QueryResponse(BaseModel):
     finish_reason: str
     timings: Timings
     stats: QueryStats
+    sources: list[SourceOut] = []
+    logprobs: ChoiceLogprobs | None = None
 
 
 CacheStatus = Literal["hit", "miss", "off"]
@@ -171,8 +205,8 @@ class QuestionExplain(BaseModel):
 
 
 class Explain(BaseModel):
-    """`system.recomputed_tokens + passage_recomputed_tokens + question.recomputed_tokens ==
-    stats.recomputed_tokens`, cut or not."""
+    """`system.recomputed_tokens + passage_recomputed_tokens + question.recomputed_tokens` plus the
+    markers' and turns' `recomputed_tokens` `== stats.recomputed_tokens`, cut or not."""
 
     check_layer: int | None = Field(description="blend's check layer; null in modes that rank nothing")
     metric: str = Field(description="what a score is, e.g. 'k deviation x question attention'")
@@ -183,6 +217,8 @@ class Explain(BaseModel):
     system: SystemExplain
     passages: list[PassageExplain]
     question: QuestionExplain
+    markers: list[SystemExplain] = Field([], description="the `[n]` before passage n, in prompt order")
+    turns: list[SystemExplain] = Field([], description="a conversation's earlier messages, in prompt order")
 
 
 class QueryExplainedResponse(QueryResponse):
@@ -226,7 +262,7 @@ class IngestResponse(BaseModel):
     index_seconds: float = 0.0
 
 
-# ====================================================================== OpenAI chat
+# ====================================================================== OpenAI chat and completions
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", **_REQUEST)
 
@@ -242,29 +278,31 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _REQUEST
+    model_config = ConfigDict(extra="ignore", **_REQUEST)
 
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's shape; unknown OpenAI fields are accepted and ignored. Blend extras may be sent
-    with the client's `extra_body`: top_k, documents, mode, retrieval, filters, recompute_ratio, explain."""
+class _OpenAIRequest(BaseModel):
+    """What chat and completions share. OpenAI fields this server cannot honour are declared so that
+    `app.openai_fields.refuse_unsupported` can answer them with a 400 naming the field (unless the
+    value changes nothing, such as `tools: []`); fields nobody declared are a 400 too (OpenAI's
+    "unrecognized request argument"), except the informational ones listed there."""
 
-    model_config = ConfigDict(extra="ignore", **_REQUEST)
+    model_config = ConfigDict(extra="allow", **_REQUEST)
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
-    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=8, description="completions to sample (1-8)")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings; generation stops before any of them")
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # blend extras
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="KV cache namespace: only requests with the same salt share cached KV")
+    # blend extras (`extra_body` in the openai client)
     top_k: int = Field(5, ge=1)
     documents: list[InlineDocument] | None = Field(None, min_length=1)
     mode: ModeName | None = None
@@ -272,6 +310,46 @@ class ChatCompletionRequest(BaseModel):
     filters: SearchFilters | None = None
     recompute_ratio: float | None = Field(None, ge=0, le=1)
     explain: bool = Field(False, description="add `blend.explain` (see /v1/query)")
+    # declared to be refused unless neutral (app.openai_fields)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not x for x in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """OpenAI's chat request. Blend extras may be sent with the client's `extra_body`: top_k,
+    documents, mode, retrieval, filters, recompute_ratio, explain, cache_salt."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (wins when both are set)")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    """OpenAI's (legacy) completions request: `prompt` is answered as a question, with retrieval."""
+
+    prompt: str | list[str] = Field(description="the question (a list: exactly one string)")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of each token and of the k "
+                                                                "most likely alternatives")
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatChoiceMessage(BaseModel):
@@ -283,13 +361,18 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatChoiceMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the cache, not recomputed")
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatCompletionResponse(BaseModel):
@@ -300,6 +383,37 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     passages: list[PassageOut]
+    sources: list[SourceOut]
+    notes: list[str] = Field([], description="what the server changed to answer, e.g. a trimmed conversation")
+    blend: dict[str, Any]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    passages: list[PassageOut]
+    sources: list[SourceOut]
+    notes: list[str] = []
     blend: dict[str, Any]
 
 

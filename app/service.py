@@ -7,13 +7,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from app.conversation import exchanges_to_drop
 from app.worker import Cancelled, EngineWorker, Job
 from blend_engine.errors import InputError, StorageError
 from blend_engine.explain import Explanation
-from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode
+from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode, Turn
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
 
@@ -33,6 +34,12 @@ class ServiceError(Exception):
 class BadRequest(ServiceError):
     status_code = 400
     code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
 
 
 class Busy(ServiceError):
@@ -97,18 +104,44 @@ class QuerySpec:
     explain_max_tokens: int = 4096
     retrieval: str | None = None  # dense / lexical / hybrid; None = the retriever's default (settings)
     filters: Filters = NO_FILTERS
+    turns: tuple[Turn, ...] = ()  # a conversation's earlier messages, oldest first
+    search: str | None = None  # what retrieval searches for (None: the question)
+    numbered: bool = True  # `[n]` before passage n, so that answers can cite it
+    n: int = 1  # completions sampled for the one prompt
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
+    cache_salt: str | None = None  # the request's KV namespace (with the API key's, `tenancy`)
 
 
 @dataclass(frozen=True)
 class PassageRef:
     """A passage an answer was built from, in prompt order: the store's passage id (a supplied
-    document's KV key), its title ("" when none) and its retrieval score (None when supplied)."""
+    document's KV key), its title ("" when none), its retrieval score (None when supplied), its
+    document and its index in it (`seq`; a supplied document: None and its index in `documents`)."""
 
     id: str
     title: str
     score: float | None = None
     doc_id: str | None = None  # retrieved passages: their document, and where in it (page / heading path)
     location: str | None = None
+    seq: int = 0  # the passage's index in its document (a supplied one: in `documents`)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sampled completion of the prompt."""
+
+    index: int
+    text: str
+    finish_reason: str
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """A piece of one choice's text, as it is decoded."""
+
+    index: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -127,6 +160,10 @@ class QueryOutcome:
     store_ms: float
     explanation: Explanation | None = None  # the engine's, when the request asked for explain
     fallback: str | None = None  # why a blend request was answered another way (fidelity gate)
+    choices: tuple[Choice, ...] = ()  # every completion (n of them); the first is `answer`
+    search: str = ""  # what retrieval searched for
+    turns: int = 0  # earlier conversation messages in the prompt
+    notes: tuple[str, ...] = ()  # what the service changed to answer (a trimmed conversation)
 
 
 # ====================================================================== worker-thread code
@@ -134,18 +171,39 @@ def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]
     engine = stack.engine
     if spec.documents is not None:
         texts = [format_passage(d.text, d.title) for d in spec.documents]
-        out = tuple(PassageRef(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None)
-                    for t, d in zip(texts, spec.documents))
+        out = tuple(PassageRef(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None, seq=i)
+                    for i, (t, d) in enumerate(zip(texts, spec.documents)))
         return texts, out
-    hits = stack.retriever.search(spec.question, spec.top_k, mode=spec.retrieval, filters=spec.filters)
+    hits = stack.retriever.search(spec.search or spec.question, spec.top_k, mode=spec.retrieval, filters=spec.filters)
     if not hits and not spec.filters.empty:
         raise BadRequest("no passages match the filters (or none matched the question's words in lexical retrieval)")
     if not hits:
         raise BadRequest("no passages to answer from: the index is empty; ingest documents or pass `documents`")
     texts = [format_passage(h.text, h.title) for h in hits]
     out = tuple(PassageRef(id=str(h.id), title=h.title or "", score=float(h.score), doc_id=h.doc_id,
-                           location=h.location) for h in hits)
+                           location=h.location, seq=h.seq) for h in hits)
     return texts, out
+
+
+def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, tuple[str, ...]]:
+    """Drop the oldest exchanges of a conversation that does not fit the model context, with a note.
+
+    Each turn is a segment tokenized alone, so dropping the first d turns frees exactly their tokens."""
+    if not plan.turns:
+        return plan, ()
+    layout = engine.layout(plan)
+    limit = engine.runner.shape.max_positions
+    sizes = [len(s.token_ids) for s in layout.segments if s.kind == "turn"]
+    if len(sizes) != len(plan.turns):  # a layout without the conversation: nothing to trim
+        return plan, ()
+    drop = exchanges_to_drop(sizes, [t.role for t in plan.turns], layout.n_tokens + max_new_tokens - limit)
+    if not drop:
+        return plan, ()
+    note = (f"conversation trimmed: the {drop} oldest of {len(plan.turns)} earlier messages were left out "
+            f"({sum(sizes[:drop])} tokens) to fit the model context of {limit} tokens with "
+            f"{max_new_tokens} new tokens")
+    logger.info(note)
+    return replace(plan, turns=plan.turns[drop:]), (note,)
 
 
 def _gated_mode(stack, mode: Mode) -> tuple[Mode, str | None]:
@@ -156,8 +214,31 @@ def _gated_mode(stack, mode: Mode) -> tuple[Mode, str | None]:
     return mode, None
 
 
-def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | None = None) -> QueryOutcome:
-    """Retrieve (unless documents are given), blend and generate. Runs on a worker thread.
+def _choice_config(gen: GenerationConfig, index: int) -> GenerationConfig:
+    """Choice `index`'s sampling: with a seed, seed + index (reproducible, yet n different samples)."""
+    return gen if index == 0 or gen.seed is None else replace(gen, seed=gen.seed + index)
+
+
+def _generate(engine, plan: BlendPlan, gen: GenerationConfig, index: int, job: Job,
+              emit: Callable[[StreamDelta], None] | None):
+    generation = engine.generate(plan, _choice_config(gen, index))
+    it = iter(generation)
+    try:
+        for text in it:
+            if job.cancelled:
+                raise Cancelled("request cancelled while generating")
+            if emit is not None:
+                emit(StreamDelta(index, text))
+    finally:
+        it.close()
+    if generation.result is None:
+        raise Cancelled("generation did not finish")
+    return generation.result
+
+
+def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> QueryOutcome:
+    """Retrieve (unless documents are given), blend and generate `spec.n` completions. Runs on a
+    worker thread.
 
     Stops between tokens once the job is cancelled (timeout, client gone); the engine then skips
     storing the passages that missed, so a failed request leaves the store as it was.
@@ -168,24 +249,16 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         retrieval_ms = (time.perf_counter() - t0) * 1e3
         mode, fallback = _gated_mode(stack, spec.mode)
         plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
-                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain)
-        generation = stack.engine.generate(plan, spec.gen)
-        it = iter(generation)
-        try:
-            for delta in it:
-                if job.cancelled:
-                    raise Cancelled("request cancelled while generating")
-                if emit is not None:
-                    emit(delta)
-        finally:
-            it.close()
+                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain,
+                         turns=spec.turns, numbered=spec.numbered)
+        plan, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
+        results = [_generate(stack.engine, plan, spec.gen, i, job, emit) for i in range(spec.n)]
     except InputError as exc:  # the engine's and the plan's input errors (context overflow, ...)
         raise BadRequest(str(exc)) from exc
     except StorageError as exc:  # not the caller's fault: a logged, counted 5xx
         raise storage_fault(exc) from exc
-    result = generation.result
-    if result is None:
-        raise Cancelled("generation did not finish")
+    result = results[0]
+    choices = tuple(Choice(i, r.text, r.finish_reason, len(r.token_ids)) for i, r in enumerate(results))
     return QueryOutcome(
         answer=result.text,
         passages=passages,
@@ -194,11 +267,15 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | No
         completion_tokens=len(result.token_ids),
         retrieval_ms=retrieval_ms,
         ttft_ms=retrieval_ms + result.ttft_ms,
-        total_ms=retrieval_ms + result.total_ms,
+        total_ms=retrieval_ms + sum(r.total_ms + r.store_ms for r in results) - results[-1].store_ms,
         queue_ms=job.queue_ms,
-        store_ms=result.store_ms,
+        store_ms=results[-1].store_ms,
         explanation=result.explanation,
         fallback=fallback,
+        choices=choices,
+        search=spec.search or spec.question,
+        turns=len(plan.turns),
+        notes=notes,
     )
 
 
@@ -213,7 +290,7 @@ class StreamHandle:
     (400, 504) can still become a plain HTTP error; `rest()` yields the remaining deltas.
     """
 
-    def __init__(self, worker: EngineWorker, fn: Callable[[Job, Callable[[str], None]], Any], timeout_s: float,
+    def __init__(self, worker: EngineWorker, fn: Callable[[Job, Callable[[StreamDelta], None]], Any], timeout_s: float,
                  name: str = "stream") -> None:
         self._loop = asyncio.get_running_loop()
         self._items: asyncio.Queue = asyncio.Queue()
@@ -238,12 +315,12 @@ class StreamHandle:
             self.job.cancel()
             raise RequestTimeout(f"request exceeded the timeout of {self.timeout_s:g} s") from None
 
-    async def first(self) -> str | None:
+    async def first(self) -> StreamDelta | None:
         """The first delta, or None when the job ended without one (then `result()` is ready)."""
         item = await self._next()
         return None if item is _DONE else item
 
-    async def rest(self) -> AsyncIterator[str]:
+    async def rest(self) -> AsyncIterator[StreamDelta]:
         while True:
             item = await self._next()
             if item is _DONE:

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from app.errors import error_body, error_kind
 from app.presenters import Answered, present
-from app.service import QuerySpec, ServiceError, StreamHandle, run_job, run_query
+from app.service import QuerySpec, ServiceError, StreamDelta, StreamHandle, run_job, run_query
 from app.state import AppState
 from app.worker import Cancelled, Job
 
@@ -37,7 +37,7 @@ def sse(data: Any, event: str | None = None) -> str:
 def stream_error(exc: BaseException) -> dict:
     """The error envelope for a failure after the headers were sent."""
     if isinstance(exc, ServiceError):
-        return error_body(exc.message, exc.code, error_kind(exc.status_code))
+        return error_body(exc.message, exc.code, error_kind(exc.status_code), getattr(exc, "param", None))
     if isinstance(exc, Cancelled):
         return error_body(str(exc), "cancelled", "server_error")
     logger.exception("streaming request failed", exc_info=exc)
@@ -49,14 +49,14 @@ class Frames(Protocol):
 
     def opening(self) -> Iterable[str]: ...
 
-    def delta(self, text: str) -> str: ...
+    def delta(self, delta: StreamDelta) -> str: ...
 
     def closing(self, answered: Answered) -> Iterable[str]: ...
 
     def error(self, body: dict) -> str: ...
 
 
-def answer(stack, spec: QuerySpec, job: Job, emit: Callable[[str], None] | None = None) -> Answered:
+def answer(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> Answered:
     """The worker job of both query endpoints: run the query, then build its HTTP body."""
     return present(run_query(stack, spec, job, emit), stack.engine.runner.tokenizer, spec.explain_max_tokens)
 

@@ -31,6 +31,7 @@ class RetrievedPassage:
     score: float
     source: str = ""
     location: str = ""  # page or heading path ("" when none)
+    seq: int = 0  # the passage's index in its document
 
     @property
     def passage(self) -> str:
@@ -127,7 +128,7 @@ def _hits(scores: np.ndarray, ids: np.ndarray) -> list[tuple[int, float]]:
 
 def _to_result(row: PassageRow, score: float) -> RetrievedPassage:
     return RetrievedPassage(id=row.id, doc_id=row.doc_id, title=row.title, text=row.text, score=score,
-                            source=row.source, location=row.location)
+                            source=row.source, location=row.location, seq=row.seq)
 
 
 def open_index(folder: Path, db: PassageStore, embedder: Embedder, params: IndexParams,

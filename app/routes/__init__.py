@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from app.routes import chat, documents, jobs, ops, page, query
+from app.routes import chat, completions, documents, jobs, ops, page, query
 
-ROUTERS = (page.router, ops.health, query.router, chat.router, jobs.router, documents.router, ops.router)
+ROUTERS = (page.router, ops.health, query.router, chat.router, completions.router, jobs.router, documents.router,
+           ops.router)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterable, Iterator
 
 from fastapi import APIRouter
 
-from app.presenters import Answered, blend_extra, chat_response, usage
-from app.routes.common import build_spec
+from app.conversation import ConversationError, from_messages
+from app.openai_fields import message_texts, refuse_unsupported
+from app.presenters import Answered, chat_response, openai_extras, usage
+from app.routes.common import Head, openai_spec
 from app.schemas import ChatCompletionRequest, ChatCompletionResponse
-from app.service import QuerySpec
+from app.service import QuerySpec, StreamDelta
 from app.settings import ServiceSettings
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
@@ -22,26 +22,30 @@ ENDPOINT = "/v1/chat/completions"
 
 
 class ChatFrames:
-    """OpenAI `chat.completion.chunk` frames: the role, one per delta, the finish (with Blendserve's
-    `passages` and `blend`), the usage when asked for, then `[DONE]`; an error as a bare envelope."""
+    """OpenAI `chat.completion.chunk` frames: per choice its role, one per delta, its finish; the
+    last finish carries Blendserve's `passages`, `sources`, `notes` and `blend`; the usage when asked
+    for, then `[DONE]`; an error as a bare envelope."""
 
-    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
-        self.head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    def __init__(self, head: Head, n: int, include_usage: bool) -> None:
+        self.head = head.fields("chat.completion.chunk")
+        self.n = n
         self.include_usage = include_usage
 
-    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
-        return sse({**self.head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-                    **extra})
+    def _chunk(self, index: int, delta: dict, finish: str | None = None, **extra) -> str:
+        return sse({**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
+                                              "logprobs": None}], **extra})
 
     def opening(self) -> Iterable[str]:
-        return (self._chunk({"role": "assistant", "content": ""}),)
+        return tuple(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n))
 
-    def delta(self, text: str) -> str:
-        return self._chunk({"content": text})
+    def delta(self, delta: StreamDelta) -> str:
+        return self._chunk(delta.index, {"content": delta.text})
 
     def closing(self, answered: Answered) -> Iterator[str]:
-        yield self._chunk({}, answered.outcome.finish_reason, passages=answered.body.passages,
-                          blend=blend_extra(answered.body))
+        choices = answered.outcome.choices
+        for c in choices[:-1]:
+            yield self._chunk(c.index, {}, c.finish_reason)
+        yield self._chunk(choices[-1].index, {}, choices[-1].finish_reason, **openai_extras(answered))
         if self.include_usage:
             yield sse({**self.head, "choices": [], "usage": usage(answered.outcome)})
         yield sse("[DONE]")
@@ -51,18 +55,20 @@ class ChatFrames:
 
 
 def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest) -> QuerySpec:
-    """The last user message is the question; system and developer messages make the system prompt."""
-    users = [i for i, m in enumerate(req.messages) if m.role == "user"]
-    if not users or not req.messages[users[-1]].text().strip():
-        raise field_error(("messages",), "needs a user message with text to answer")
-    question = req.messages[users[-1]].text()
-    system = "\n\n".join(m.text() for m in req.messages if m.role in ("system", "developer") and m.text().strip())
-    max_tokens = req.max_completion_tokens or req.max_tokens or min(256, s.max_new_tokens)
-    check_limits(s, question=question, top_k=req.top_k, max_tokens=max_tokens, documents=req.documents,
-                 question_loc=("messages", users[-1], "content"))
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    return build_spec(s, req, question=question, max_tokens=max_tokens, temperature=req.temperature or 0.0,
-                      top_p=req.top_p or 1.0, stop=stop, seed=req.seed, system_prompt=system or None)
+    """The latest user message is the question, the earlier ones its conversation (`app.conversation`);
+    system and developer messages make the system prompt."""
+    refuse_unsupported(req)
+    try:
+        conv = from_messages(message_texts(req.messages))
+    except ConversationError as exc:
+        raise field_error(exc.loc, str(exc)) from None
+    check_limits(s, question=conv.question, top_k=req.top_k, max_tokens=1, documents=req.documents,
+                 question_loc=("messages", conv.question_index, "content"))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise field_error(("top_logprobs",), "needs logprobs: true", req.top_logprobs)
+    return openai_spec(s, req, question=conv.question, max_tokens=req.max_completion_tokens or req.max_tokens,
+                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, system_prompt=conv.system,
+                       turns=conv.turns, search=conv.search)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -70,14 +76,12 @@ def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest) -> QuerySpec:
 async def chat_completions(req: ChatCompletionRequest, svc: State):
     reject_surrogates(req)  # every field, `model` included, before anything is generated
     spec = _chat_spec(svc.settings, req)
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = req.model or svc.settings.model
+    head = Head.new("chatcmpl", req.model or svc.settings.model)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_query(svc, spec, ENDPOINT, ChatFrames(completion_id, created, model, include_usage))
+        return await stream_query(svc, spec, ENDPOINT, ChatFrames(head, spec.n, include_usage))
     answered = await run_to_completion(svc, spec, "chat", ENDPOINT)
-    return chat_response(answered, completion_id, created, model)
+    return chat_response(answered, head.fields("chat.completion"))
 
 
 @router.get("/v1/models")

@@ -9,9 +9,10 @@ from fastapi import APIRouter
 from app.presenters import Answered
 from app.routes.common import build_spec
 from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
+from app.service import StreamDelta
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
-from app.validation import check_limits, reject_surrogates
+from app.validation import check_limits, field_error, reject_surrogates
 
 router = APIRouter(tags=["query"])
 ENDPOINT = "/v1/query"
@@ -23,8 +24,8 @@ class QueryFrames:
     def opening(self) -> Iterable[str]:
         return ()
 
-    def delta(self, text: str) -> str:
-        return sse({"text": text}, "delta")
+    def delta(self, delta: StreamDelta) -> str:
+        return sse({"text": delta.text}, "delta")
 
     def closing(self, answered: Answered) -> Iterable[str]:
         return (sse(answered.body, "done"),)
@@ -40,7 +41,11 @@ async def query(req: QueryRequest, svc: State):
     reject_surrogates(req)
     s = svc.settings
     check_limits(s, question=req.question, top_k=req.top_k, max_tokens=req.max_tokens, documents=req.documents)
-    spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise field_error(("top_logprobs",), "needs logprobs: true", req.top_logprobs)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature,
+                      logprobs=logprobs)
     if req.stream:
         return await stream_query(svc, spec, ENDPOINT, QueryFrames())
     answered = await run_to_completion(svc, spec, "query", ENDPOINT)

@@ -357,7 +357,8 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
         return {k: v for k, v in body.items() if k != "timings"}
 
     body = client.post("/v1/query", json=query).json()
-    assert list(body) == ["answer", "passages", "mode", "finish_reason", "timings", "stats", "explain"]
+    assert list(body) == ["answer", "passages", "mode", "finish_reason", "timings", "stats", "sources", "logprobs",
+                          "explain"]
     assert [list(p) for p in body["passages"]] == [["id", "title", "score", "doc_id", "location"]] * 2
     assert list(body["timings"]) == ["retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms", "queue_ms",
                                      "kv_store_ms"]
@@ -365,7 +366,7 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
                                    "cache_misses", "ratio_source", "completion_tokens", "fallback"]
     ex = body["explain"]
     assert list(ex) == ["check_layer", "metric", "max_tokens", "explained_tokens", "truncated",
-                        "passage_recomputed_tokens", "system", "passages", "question"]
+                        "passage_recomputed_tokens", "system", "passages", "question", "markers", "turns"]
     assert list(ex["system"]) == ["n_tokens", "recomputed_tokens", "cache", "tier"]
     assert [list(p) for p in ex["passages"]] == [["index", "id", "title", "n_tokens", "recomputed_tokens", "cache",
                                                   "tier", "tokens", "recomputed", "scores", "truncated"]] * 2
@@ -374,17 +375,22 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
     assert untimed(done) == untimed(body) and list(done) == list(body)
 
     got = client.post("/v1/chat/completions", json=chat).json()
-    assert list(got) == ["id", "object", "created", "model", "choices", "usage", "passages", "blend"]
-    assert got["passages"] == body["passages"] and list(got["blend"]) == ["mode", "timings", "stats", "explain"]
-    assert untimed(got["blend"]) == {"mode": body["mode"], "stats": body["stats"], "explain": body["explain"]}
+    assert list(got) == ["id", "object", "created", "model", "choices", "usage", "passages", "sources", "notes",
+                         "blend"]
+    assert got["passages"] == body["passages"] and got["sources"] == body["sources"]
+    assert list(got["blend"]) == ["mode", "timings", "stats", "search", "turns", "explain"]
+    assert untimed(got["blend"]) == {"mode": body["mode"], "stats": body["stats"], "explain": body["explain"],
+                                     "search": question, "turns": 0}
     assert list(got["blend"]["timings"]) == list(body["timings"])
     stats = body["stats"]
     assert got["usage"] == {"prompt_tokens": stats["context_tokens"], "completion_tokens": stats["completion_tokens"],
-                            "total_tokens": stats["context_tokens"] + stats["completion_tokens"]}
+                            "total_tokens": stats["context_tokens"] + stats["completion_tokens"],
+                            "prompt_tokens_details": {"cached_tokens": stats["context_tokens"]
+                                                      - stats["recomputed_tokens"]}}
     r = client.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}})
     frames = [json.loads(d) for _, d in sse_events(r.text) if d != "[DONE]"]
     final, last = frames[-2], frames[-1]
-    assert list(final) == ["id", "object", "created", "model", "choices", "passages", "blend"]
+    assert list(final) == ["id", "object", "created", "model", "choices", "passages", "sources", "notes", "blend"]
     assert final["passages"] == got["passages"] and untimed(final["blend"]) == untimed(got["blend"])
     assert list(last) == ["id", "object", "created", "model", "choices", "usage"] and last["usage"] == got["usage"]
 
@@ -462,7 +468,7 @@ def test_chat_with_inline_documents_and_system_message(client):
 @pytest.mark.parametrize(("payload", "field"), [
     ({"messages": [{"role": "system", "content": "hi"}]}, "messages"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "q?"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "q?"}], "n": 9}, "n"),
     ({"messages": [{"role": "user", "content": "q?"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "q?"}], "temperature": 5}, "temperature"),
     ({"messages": [{"role": "robot", "content": "q?"}]}, "role"),
