@@ -43,6 +43,9 @@ def passage_text(passage: str) -> str:
     return passage.strip() + PASSAGE_SEPARATOR
 
 
+PRECOMPUTED_MARKERS = 10  # markers stored at ingestion like the system prefix (top_k 5 by default); others on first use
+
+
 def marker_text(n: int) -> str:
     """The marker placed before the n-th passage (1-based) of a numbered prompt."""
     return f"[{n}]\n"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from blend_engine.engine import BlendEngine
 from blend_engine.kv_store.codec import layer_nbytes
+from blend_engine.layout import PRECOMPUTED_MARKERS, marker_text
 from blend_engine.types import BlendPlan
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
@@ -58,6 +59,12 @@ class Corpus:
         """Key and ids of the default system prefix (cached alone at position 0, like a passage)."""
         sys_seg = self.engine.layout(BlendPlan(passages=("x",), question="x")).segments[0]
         return self.engine.key_of(sys_seg.token_ids), list(sys_seg.token_ids)
+
+    def fixed_chunks(self) -> list[tuple[str, list[int]]]:
+        """Keys and ids of the chunks prompts share whatever they ask: the default system prefix and
+        the markers `[1]` .. `[PRECOMPUTED_MARKERS]` that number passages (`layout.marker_text`)."""
+        markers = [self.engine.runner.encode(marker_text(n)) for n in range(1, PRECOMPUTED_MARKERS + 1)]
+        return [self.system_key()] + [(self.engine.key_of(ids), ids) for ids in markers]
 
     def cache(self, token_ids: list[int]) -> tuple[str, bool]:
         """Make sure the KV of these passage tokens is stored: (key, was already cached)."""

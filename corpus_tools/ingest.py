@@ -144,12 +144,15 @@ class Ingestion:
         self.precompute_batch = precompute_batch
 
     def ensure_system_prefix(self) -> bool:
-        """Precompute the system prefix so the first query misses nothing. True when computed now."""
-        key, ids = self.corpus.system_key()
+        """Precompute the system prefix and the passage markers (`Corpus.fixed_chunks`) so the first
+        query misses nothing. True when the system prefix was computed now."""
         store = self.corpus.store
-        if store.contains(key):
-            return False
-        return bool(store.put(key, self.corpus.engine.precompute(ids)))
+        (sys_key, sys_ids), *markers = self.corpus.fixed_chunks()
+        missing = [(key, ids) for key, ids in markers if not store.contains(key)]
+        if missing:  # one forward for all of them: a few tokens each
+            for (key, _), kv in zip(missing, self.corpus.engine.precompute_many([i for _, i in missing], len(missing))):
+                store.put(key, kv)
+        return not self.corpus.cache(sys_ids)[1]
 
     def _chunks(self, doc: Document, doc_id: str) -> list[_Candidate]:
         title = doc.title.strip()

@@ -143,10 +143,11 @@ class Maintenance:
 
     # ------------------------------------------------------------------ gc
     def gc(self) -> dict:
-        """Drop KV entries that no passage (nor the system prefix) references, where tiers can list keys."""
+        """Drop KV entries that no passage (nor the system prefix, nor a passage marker) references, where
+        tiers can list keys. A conversation's turns are dropped too: a later turn recomputes them."""
         c = self.corpus
         with c.lock:
-            keep = c.db.kv_keys() | {c.system_key()[0]}
+            keep = c.db.kv_keys() | {key for key, _ in c.fixed_chunks()}
             listable, unlisted = _listable_tiers(c.store)
             if not listable:
                 return {"supported": False, "referenced": len(keep), "dropped": 0, "unlisted_tiers": unlisted,

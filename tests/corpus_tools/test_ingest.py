@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blend_engine.cancel import Cancelled, cancel_scope
-from blend_engine.layout import passage_text
+from blend_engine.layout import PRECOMPUTED_MARKERS, passage_text
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 from blendserve_config.settings import Settings
@@ -347,8 +347,9 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
     (fp16; right-padded batches of the model's own forward), the same summary counts."""
     docs = [Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log"),
             Document(text=VOLCANO, title="Etna", doc_id="etna"), Document(text=ED, title="Ed", doc_id="ed")]
-    out, forwards = {}, []
+    out = {}
     for n in (1, 4):
+        forwards = []
         s = make_stack(tmp_path / str(n), runner, embedder, precompute_batch=n, ingest_batch_size=8)
         real = s.engine.precompute_many
         monkeypatch.setattr(s.engine, "precompute_many", lambda lists, batch_size, real=real:
@@ -362,6 +363,8 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
             s.close()
     (one, keys, kv1), (many, keys4, kv4) = out[1], out[4]
     assert keys == keys4 and len(keys) > 4  # more passages than one forward takes
+    markers, *forwards = forwards  # the first forward stores the passage markers [1]..[10] (`fixed_chunks`)
+    assert markers == PRECOMPUTED_MARKERS
     assert max(forwards) == 4 and sum(forwards) == many.kv_computed  # batched: every passage, 4 per forward
     assert (many.kv_computed, many.kv_bytes, many.passages) == (one.kv_computed, one.kv_bytes, one.passages)
     for k in keys:
@@ -374,6 +377,7 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
 
 def test_cancelled_between_precompute_batches_commits_nothing(tmp_path, runner, embedder):
     s = make_stack(tmp_path, runner, embedder, precompute_batch=2, ingest_batch_size=8)
+    s.pipeline.ensure_system_prefix()  # the fixed chunks' own forward, before the counted ones
     engine, calls = s.engine, []
     real = engine.precompute_many
 
