@@ -23,7 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 import logsafe
-from app.auth import BearerAuthMiddleware
+from app.auth import BearerAuthMiddleware, Keyring
 from app.errors import install_handlers
 from app.limits import BodySizeLimitMiddleware
 from app.metrics import Metrics
@@ -91,7 +91,7 @@ def create_app(settings: ServiceSettings | None = None, stack_factory: StackFact
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     # outermost first: size limit, then auth (both pure ASGI, streaming untouched)
-    app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
+    app.add_middleware(BearerAuthMiddleware, keyring=Keyring(settings.api_key, settings.tenant_keys))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
                        per_path={UPLOAD_PATH: settings.max_upload_body_bytes})
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from blendserve_config.settings import Settings, empty_is_none
 
@@ -22,6 +22,8 @@ class ServiceSettings(Settings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = None
+    tenant_keys: dict[str, str] = Field({}, description="JSON {tenant: key}: each tenant's bearer key; its requests "
+                                                        "get a KV cache namespace of their own")
     max_queue: int = Field(16, ge=1, description="requests waiting for the engine before 503")
     workers: int = Field(1, ge=1, le=16, description="engine worker threads")
     request_timeout_s: float = Field(120.0, gt=0)
@@ -50,7 +52,29 @@ class ServiceSettings(Settings):
     @classmethod
     def _ascii_key(cls, v: str | None) -> str | None:
         """HTTP headers arrive as latin-1 bytes: a key outside printable ASCII could never match."""
-        if v is not None and not all(0x21 <= ord(ch) <= 0x7E for ch in v):
+        if v is not None and not _printable_ascii(v):
             raise ValueError("must be printable ASCII without spaces (an HTTP Authorization header cannot carry "
                              "other characters reliably, so such a key could never match)")
         return v
+
+    @field_validator("tenant_keys")
+    @classmethod
+    def _tenant_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        for tenant, key in v.items():
+            if not tenant.strip() or not _printable_ascii(key):
+                raise ValueError(f"tenant {tenant!r}: names must not be blank and keys must be printable ASCII "
+                                 f"without spaces")
+        if len(set(v.values())) != len(v):
+            raise ValueError("two tenants share a key: each tenant needs its own")
+        return v
+
+    @model_validator(mode="after")
+    def _api_key_is_no_tenant_key(self) -> ServiceSettings:
+        if self.api_key is not None and self.api_key in self.tenant_keys.values():
+            raise ValueError("BLENDSERVE_API_KEY is also a tenant's key: the shared key must differ from every "
+                             "BLENDSERVE_TENANT_KEYS key")
+        return self
+
+
+def _printable_ascii(key: str) -> bool:
+    return bool(key) and all(0x21 <= ord(ch) <= 0x7E for ch in key)

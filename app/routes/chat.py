@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 
 from fastapi import APIRouter
 
+from app.auth import Tenant
 from app.conversation import ConversationError, from_messages
 from app.openai_fields import message_texts, refuse_unsupported
 from app.presenters import Answered, chat_response, openai_extras, usage
@@ -54,7 +55,7 @@ class ChatFrames:
         return sse(body)
 
 
-def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest) -> QuerySpec:
+def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest, tenant: str | None) -> QuerySpec:
     """The latest user message is the question, the earlier ones its conversation (`app.conversation`);
     system and developer messages make the system prompt."""
     refuse_unsupported(req)
@@ -68,14 +69,14 @@ def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest) -> QuerySpec:
         raise field_error(("top_logprobs",), "needs logprobs: true", req.top_logprobs)
     return openai_spec(s, req, question=conv.question, max_tokens=req.max_completion_tokens or req.max_tokens,
                        logprobs=(req.top_logprobs or 0) if req.logprobs else None, system_prompt=conv.system,
-                       turns=conv.turns, search=conv.search)
+                       turns=conv.turns, search=conv.search, tenant=tenant)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}, 400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
-async def chat_completions(req: ChatCompletionRequest, svc: State):
+async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenant):
     reject_surrogates(req)  # every field, `model` included, before anything is generated
-    spec = _chat_spec(svc.settings, req)
+    spec = _chat_spec(svc.settings, req, tenant)
     head = Head.new("chatcmpl", req.model or svc.settings.model)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from app.auth import cache_namespace
 from app.schemas import ChatCompletionRequest, CompletionRequest, QueryRequest
 from app.service import QuerySpec, SuppliedDocument
 from app.settings import ServiceSettings
@@ -19,7 +20,8 @@ from retrieval.lexical import NO_FILTERS, Filters
 def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequest | CompletionRequest, *,
                question: str, max_tokens: int, temperature: float, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, system_prompt: str | None = None, turns: tuple[Turn, ...] = (),
-               search: str | None = None, n: int = 1, logprobs: int | None = None) -> QuerySpec:
+               search: str | None = None, n: int = 1, logprobs: int | None = None,
+               tenant: str | None = None) -> QuerySpec:
     """The request's retrieval, mode and explain fields, with server defaults where it leaves them out."""
     documents = None if req.documents is None else tuple(SuppliedDocument(d.text, d.title) for d in req.documents)
     ratio = req.recompute_ratio if req.recompute_ratio is not None else settings.recompute_ratio
@@ -30,7 +32,7 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
                              seed=seed),
         system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.explain_max_tokens,
         retrieval=req.retrieval, filters=NO_FILTERS if req.filters is None else Filters(**req.filters.model_dump()),
-        turns=turns, search=search, n=n, logprobs=logprobs, cache_salt=req.cache_salt,
+        turns=turns, search=search, n=n, logprobs=logprobs, cache_salt=cache_namespace(tenant, req.cache_salt),
     )
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 
 from fastapi import APIRouter
 
+from app.auth import Tenant
 from app.openai_fields import refuse_unsupported
 from app.presenters import Answered, completion_response, openai_extras, usage
 from app.routes.common import Head, openai_spec
@@ -62,13 +63,13 @@ def _prompt(req: CompletionRequest) -> str:
 
 @router.post("/v1/completions", response_model=CompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}, 400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
-async def completions(req: CompletionRequest, svc: State):
+async def completions(req: CompletionRequest, svc: State, tenant: Tenant):
     reject_surrogates(req)
     refuse_unsupported(req)
     s = svc.settings
     prompt = _prompt(req)
     check_limits(s, question=prompt, top_k=req.top_k, max_tokens=1, documents=req.documents, question_loc=("prompt",))
-    spec = openai_spec(s, req, question=prompt, max_tokens=req.max_tokens or 16, logprobs=req.logprobs)
+    spec = openai_spec(s, req, question=prompt, max_tokens=req.max_tokens or 16, logprobs=req.logprobs, tenant=tenant)
     head = Head.new("cmpl", req.model or s.model)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from app.auth import token_matches
+from app.auth import Keyring
 from app.schemas import Health, Readiness
 from app.service import run_job
 from app.state import AppState, ReadyStack, State
@@ -64,10 +64,10 @@ async def _readiness(svc: AppState) -> JSONResponse:
 @health.get("/readyz", response_model=Readiness, response_model_exclude_none=True,
             responses={503: {"model": Readiness}})
 async def readyz(request: Request, svc: State) -> JSONResponse:
-    """With BLENDSERVE_API_KEY set, callers without the key get only ready, status and reason;
-    the details are at the authenticated GET /v1/status."""
-    key = svc.settings.api_key
-    if key and not token_matches(request.headers.get("authorization"), key):
+    """With BLENDSERVE_API_KEY (or TENANT_KEYS) set, callers without a key get only ready, status and
+    reason; the details are at the authenticated GET /v1/status."""
+    keyring = Keyring(svc.settings.api_key, svc.settings.tenant_keys)
+    if keyring.enabled and not keyring.match(request.headers.get("authorization"))[0]:
         ready = svc.ready and svc.error is None
         status = "ready" if ready else ("error" if svc.error else "starting")
         reason = None if ready else ("start-up failed; details at /v1/status" if svc.error else _LOADING)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from fastapi import APIRouter
 
+from app.auth import Tenant
 from app.presenters import Answered
 from app.routes.common import build_spec
 from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
@@ -37,7 +38,7 @@ class QueryFrames:
 @router.post("/v1/query", response_model=QueryExplainedResponse | QueryResponse,
              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
                         400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
-async def query(req: QueryRequest, svc: State):
+async def query(req: QueryRequest, svc: State, tenant: Tenant):
     reject_surrogates(req)
     s = svc.settings
     check_limits(s, question=req.question, top_k=req.top_k, max_tokens=req.max_tokens, documents=req.documents)
@@ -45,7 +46,7 @@ async def query(req: QueryRequest, svc: State):
         raise field_error(("top_logprobs",), "needs logprobs: true", req.top_logprobs)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature,
-                      logprobs=logprobs)
+                      logprobs=logprobs, tenant=tenant)
     if req.stream:
         return await stream_query(svc, spec, ENDPOINT, QueryFrames())
     answered = await run_to_completion(svc, spec, "query", ENDPOINT)

@@ -352,7 +352,7 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
         forwards = []
         s = make_stack(tmp_path / str(n), runner, embedder, precompute_batch=n, ingest_batch_size=8)
         real = s.engine.precompute_many
-        monkeypatch.setattr(s.engine, "precompute_many", lambda lists, batch_size, real=real:
+        monkeypatch.setattr(s.engine, "precompute_many", lambda lists, batch_size, real=real, forwards=forwards:
                             forwards.append(len(lists)) or real(lists, batch_size))
         try:
             assert s.pipeline.ingestion.precompute_batch == n
