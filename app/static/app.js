@@ -128,6 +128,7 @@ async function ask() {
   answer.classList.add("streaming");
   $("timings").replaceChildren();
   $("stats").textContent = "";
+  $("cited").hidden = true;
   window.blendserve.last = null;
   window.blendserve.deltas = 0;
   setStatus("Retrieving passages, loading their KV cache and prefilling…");
@@ -147,7 +148,7 @@ async function ask() {
       }
     }
     if (!final) throw new ApiError("The answer stream ended early; try again.");
-    answer.textContent = final.answer;
+    renderAnswer(answer, final.answer, final.sources || []);
     if (!final.answer) answer.textContent = "(the model gave an empty answer)";
     renderResult(final);
     window.blendserve.last = final;
@@ -183,7 +184,44 @@ function renderTimings(t) {
   }
 }
 
+// The answer with each [n] that names a source linked to that passage below.
+function renderAnswer(el, text, sources) {
+  el.replaceChildren();
+  const known = new Set(sources.map((s) => s.index));
+  let last = 0;
+  for (const m of text.matchAll(/\[(\d+)\]/g)) {
+    const n = Number(m[1]);
+    if (!known.has(n)) continue;
+    el.append(text.slice(last, m.index));
+    const a = document.createElement("a");
+    a.href = `#passage-${n}`;
+    a.textContent = m[0];
+    el.append(a);
+    last = m.index + m[0].length;
+  }
+  el.append(text.slice(last));
+}
+
+// Sources under the answer: [n] title, document and passage index, score; each links to its passage.
+function renderSources(sources) {
+  const list = $("citations");
+  list.replaceChildren();
+  for (const s of sources) {
+    const li = document.createElement("li");
+    li.value = s.index;
+    const a = document.createElement("a");
+    a.href = `#passage-${s.index}`;
+    a.textContent = `[${s.index}] ${s.title || "(untitled passage)"}`;
+    const where = s.doc_id === null ? `given passage ${s.passage + 1}` : `${s.doc_id}, passage ${s.passage + 1}`;
+    const score = s.score === null ? "" : `, score ${s.score.toFixed(3)}`;
+    li.append(a, ` — ${where}${score}`);
+    list.append(li);
+  }
+  $("cited").hidden = sources.length === 0;
+}
+
 function renderResult(r) {
+  renderSources(r.sources || []);
   renderTimings(r.timings);
   const s = r.stats;
   $("stats").textContent = `${r.mode}: ${s.recomputed_tokens} of ${s.context_tokens} prompt tokens recomputed ` +
@@ -290,8 +328,9 @@ function renderExplain(r) {
   list.replaceChildren();
   ex.passages.forEach((p, i) => {
     const li = document.createElement("li");
+    li.id = `passage-${i + 1}`;
     const h = document.createElement("h3");
-    h.textContent = `${i + 1}. ${p.title || "(untitled passage)"}`;
+    h.textContent = `[${i + 1}] ${p.title || "(untitled passage)"}`;
     const meta = document.createElement("p");
     meta.className = "meta";
     const score = r.passages[i] && r.passages[i].score;

@@ -121,7 +121,11 @@ def test_ask_stream_heatmap_compare_in_a_real_browser(browser, tmp_path, tiny_st
         # passages in prompt order with title, score, hit/miss and tier; the timings
         items = d.find_elements(By.CSS_SELECTOR, "#passages > li")
         assert [i.find_element(By.TAG_NAME, "h3").text for i in items] == \
-            [f"{n + 1}. {p['title']}" for n, p in enumerate(last["passages"])]
+            [f"[{n + 1}] {p['title']}" for n, p in enumerate(last["passages"])]
+        # the sources under the answer, numbered as in the prompt, each linked to its passage
+        links = d.find_elements(By.CSS_SELECTOR, "#citations a")
+        assert [a.text for a in links] == [f"[{s['index']}] {s['title']}" for s in last["sources"]]
+        assert [a.get_attribute("href").split("#")[1] for a in links] == [i.get_attribute("id") for i in items]
         assert all("cache hit · memory" in i.text and "retrieval score" in i.text for i in items)
         timings = {e.get_attribute("data-key") for e in d.find_elements(By.CSS_SELECTOR, "#timings dd")}
         assert timings == {"retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms"}
