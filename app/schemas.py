@@ -111,6 +111,7 @@ class SourceOut(BaseModel):
     doc_id: str | None = Field(description="its document; null for a supplied document")
     title: str
     passage: int = Field(description="its index in its document (a supplied document: its index in `documents`)")
+    location: str | None = Field(None, description="where in its document: page or heading path (null when none)")
     score: float | None = Field(description="retrieval score; null for a supplied document")
 
 
