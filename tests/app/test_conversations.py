@@ -68,7 +68,7 @@ def test_cache_namespace_is_none_for_a_single_tenant():
 # ============================================================================ over HTTP
 def test_chat_n_seed_stop_usage_and_sources(client):
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 6,
-            "temperature": 1.0, "seed": 3, "n": 2, "top_k": 2}
+            "temperature": 1.0, "seed": 3, "n": 2, "top_k": 2, "recompute_ratio": 0.3}  # fixed: not the controller's
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     got = r.json()
