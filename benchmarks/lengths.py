@@ -54,10 +54,10 @@ class Variant:
         scale = min(max(statistics.fmean(passage_tokens) / self.grow_ref, 1.0), self.grow_cap)
         return min(1.0, self.ratio * scale ** self.grow_power)
 
-    def key(self) -> str:
-        """Identifies the variant's behaviour (not its display name) in the result cache."""
-        return hashlib.sha1(repr((self.ratio, self.policy or default_policy(), self.grow_ref, self.grow_power,
-                                  self.grow_cap)).encode()).hexdigest()[:16]
+    def key(self, ratio: float) -> str:
+        """What a run at this (effective) ratio does, not the variant's name: the result cache's key,
+        shared by variants that run the same thing (a grown ratio that did not grow)."""
+        return hashlib.sha1(repr((ratio, self.policy or default_policy(), 0.0, 1.0, 1.0)).encode()).hexdigest()[:16]
 
 
 def _d(**kw) -> SelectionPolicy:
@@ -144,12 +144,11 @@ def run_variant(engine: BlendEngine, cache: RefCache, key: str, row: Example, pa
                 variant: Variant, answers: bool) -> dict:
     """One variant on one question, scored against the cached reference (cached too). Without
     `answers` only the first token is computed (KL, top-1): no answer F1."""
-    runs = cache.data[key]["runs"]
-    vkey = variant.key()
+    runs, ref = cache.data[key]["runs"], cache.data[key]["ref"]
+    ratio = variant.ratio_for(ref["passage_tokens"])
+    vkey = variant.key(ratio)
     if vkey in runs and ("f1_vs_full" in runs[vkey] or not answers):
         return runs[vkey]
-    ref = cache.data[key]["ref"]
-    ratio = variant.ratio_for(ref["passage_tokens"])
     plan = BlendPlan(passages, row.question, mode="blend", recompute_ratio=ratio, policy=variant.policy)
     full = cache.logits[key]
     if answers:
