@@ -120,6 +120,14 @@ def _first_logits(engine: BlendEngine, plan: BlendPlan) -> torch.Tensor:
     return engine.prefill(plan, max_new_tokens=1).logits  # [V]
 
 
+def cache_segments(engine: BlendEngine, plan: BlendPlan) -> None:
+    """Store the system prefix and every passage first: a system prefix that missed the cache would
+    be recomputed (exactly) by the first full reuse or blend of a run, and flatter it."""
+    for seg in engine.layout(plan).segments:
+        if seg.kind != "question":
+            engine.cache_ids(seg.token_ids)
+
+
 def reference(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...],
               reordered: bool) -> dict:
     """Full prefill's answer and logits, full reuse's KL and (`reordered`) the reordered prefill's
@@ -175,8 +183,7 @@ def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], l
             cell = Cell(name, words)
             for i, row in enumerate(rows):
                 passages = passages_of(row, group_words=words or None)
-                for p in passages:
-                    engine.ensure_cached(p)
+                cache_segments(engine, BlendPlan(passages, row.question))
                 key = f"{model}|{name}|{words}|{row.id}"
                 cell.refs.append(reference(engine, cache, key, row, passages, reordered=answers))
                 for vname, variant in variants.items():
