@@ -47,12 +47,17 @@ class Variant:
     grow_ref: float = 0.0  # 0: fixed ratio
     grow_power: float = 1.0
     grow_cap: float = 1.0
+    sinks_in_budget: bool = False  # the policy's sink tokens come out of the ratio (same total recomputed)
 
     def ratio_for(self, passage_tokens: list[int]) -> float:
-        if not self.grow_ref:
-            return self.ratio
-        scale = min(max(statistics.fmean(passage_tokens) / self.grow_ref, 1.0), self.grow_cap)
-        return min(1.0, self.ratio * scale ** self.grow_power)
+        ratio = self.ratio
+        if self.grow_ref:
+            scale = min(max(statistics.fmean(passage_tokens) / self.grow_ref, 1.0), self.grow_cap)
+            ratio = min(1.0, self.ratio * scale ** self.grow_power)
+        if self.sinks_in_budget and self.policy is not None:
+            sinks = sum(min(self.policy.sink_tokens, n) for n in passage_tokens)
+            ratio = max(0.0, (ratio * sum(passage_tokens) - sinks) / max(sum(passage_tokens) - sinks, 1))
+        return ratio
 
     def key(self, ratio: float) -> str:
         """What a run at this (effective) ratio does, not the variant's name: the result cache's key,
@@ -73,6 +78,8 @@ SWEEP: dict[str, Variant] = {
     "alloc by length": Variant(0.15, _d(allocation="length")),
     "alloc by question attention": Variant(0.15, _d(allocation="attention")),
     "sinks 8 (EPIC)": Variant(0.15, _d(sink_tokens=8)),
+    "sinks 8 within the 0.15 budget": Variant(0.15, _d(sink_tokens=8), sinks_in_budget=True),
+    "sinks 8 + check@2": Variant(0.15, _d(sink_tokens=8, check_layer=2, schedule=((3, 2.0), (4, 1.5), (5, 1.0)))),
     "check@2, 4x>2x>1.5x>1x by 5": Variant(0.15, _d(check_layer=2, schedule=((3, 2.0), (4, 1.5), (5, 1.0)))),
     "query mass running over layers": Variant(0.15, _d(query_mass="running")),
     "ratio grows with length (sqrt, from 128 tok, cap 4x)": Variant(0.15, grow_ref=128.0, grow_power=0.5, grow_cap=4.0),

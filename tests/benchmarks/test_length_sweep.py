@@ -9,6 +9,7 @@ from benchmarks import lengths
 from benchmarks.data import Example, Paragraph
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
+from blend_engine.types import SelectionPolicy
 
 WORDS = "the river flows past an old mill where a miller ground grain for the village every autumn".split()
 
@@ -25,6 +26,8 @@ def test_ratio_grows_with_passage_length_within_its_cap():
     assert v.ratio_for([400]) == pytest.approx(0.30)
     assert v.ratio_for([10_000]) == pytest.approx(0.30)  # capped at 4x the tokens: 2x the ratio
     assert lengths.Variant(0.15).ratio_for([10_000]) == 0.15
+    sinks = lengths.Variant(0.15, SelectionPolicy(sink_tokens=8), sinks_in_budget=True)
+    assert sinks.ratio_for([100, 100]) * (200 - 16) + 16 == pytest.approx(0.15 * 200)  # same total recomputed
 
 
 def test_sweep_scores_variants_against_cached_references(tiny_runner, tmp_path, monkeypatch):
