@@ -193,9 +193,10 @@ def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], l
                 cache_segments(engine, BlendPlan(passages, row.question))
                 key = f"{model}|{name}|{words}|{row.id}"
                 cell.refs.append(reference(engine, cache, key, row, passages, reordered=answers))
+                cache.save()
                 for vname, variant in variants.items():
                     cell.runs.setdefault(vname, []).append(run_variant(engine, cache, key, row, passages, variant, answers))
-                cache.save()
+                    cache.save()  # an interrupted run keeps what it measured
                 progress(f"{name} ~{words or 'para'} words: question {i + 1}/{len(rows)} done")
             cells.append(cell)
     return cells
