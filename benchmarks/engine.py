@@ -62,6 +62,7 @@ ABLATION: dict[str, SelectionPolicy] = {
     "k gradual 4x > 2x > 1x by layer 4, query-weighted": SelectionPolicy(
         metric="k", check_multiplier=4.0, schedule=((2, 2.0), (4, 1.0)), query_weighted=True),
 }
+ABLATION |= {f"default + {name}": pol for name, pol in length_sweep.policy_options().items()}  # issue #28's
 
 
 def pick_variants(spec: str) -> dict[str, SelectionPolicy]:

@@ -86,6 +86,12 @@ SWEEP: dict[str, Variant] = {
 }
 
 
+def policy_options() -> dict[str, SelectionPolicy]:
+    """The sweep's options that are a policy alone (a fixed ratio): the engine ablation's rows too."""
+    return {name: v.policy for name, v in SWEEP.items()
+            if v.policy is not None and not v.grow_ref and not v.sinks_in_budget}
+
+
 @dataclass
 class Cell:
     """One (dataset, length) cell's per-question records."""
