@@ -56,8 +56,11 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         if svc.closing.is_set():
             return
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
-        svc.jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set)
-        svc.jobs.start()  # jobs a previous process left unfinished resume
+        jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set)
+        svc.jobs = jobs  # the lifespan closes it from here on
+        jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
+        if svc.closing.is_set():
+            return
         svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
         submit_sample(stack, svc.jobs)

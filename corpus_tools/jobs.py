@@ -182,8 +182,9 @@ class JobRunner:
             self.store.set_status(job_id, "queued")
         with self._wake:
             self._queue.extend(resumed)
-        self._thread = threading.Thread(target=self._loop, name="blendserve-jobs", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._loop, name="blendserve-jobs", daemon=True)
+        thread.start()
+        self._thread = thread  # set once started: close() may run on another thread at any moment
         return resumed
 
     def submit(self, kind: str, files: list[JobFile], job_id: str | None = None) -> Job:
@@ -217,11 +218,13 @@ class JobRunner:
         return self.store.get(job_id)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread (the current file stops at its next checkpoint) and close the store. Idempotent."""
         with self._wake:
             self._closed = True
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
         self.store.close()
 
     def wait_idle(self, job_id: str, timeout_s: float) -> Job | None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
-from retrieval.lexical import NO_FILTERS, RETRIEVAL_MODES, Filters, fuse, query_terms
+from retrieval.lexical import NO_FILTERS, RETRIEVAL_MODES, RRF_K, Filters, fuse, query_terms
 from retrieval.passages import PassageRow, PassageStore
 from retrieval.text import format_passage
 
@@ -67,6 +67,7 @@ class Retriever:
         self.mode = check_mode(mode)
         self.candidates = candidates
         self.reranker = reranker
+        self.rrf_k = RRF_K
 
     def search(self, question: str, k: int, mode: str | None = None,
                filters: Filters = NO_FILTERS) -> list[RetrievedPassage]:
@@ -85,7 +86,7 @@ class Retriever:
         else:
             dense = self.dense(question, depth, filters)
             lexical = self.db.lexical_search(query_terms(question), depth, filters)
-            ranked = fuse([[i for i, _ in dense], [i for i, _ in lexical]])[:depth]
+            ranked = fuse([[i for i, _ in dense], [i for i, _ in lexical]], self.rrf_k)[:depth]
         rows = self.db.by_vec_ids([i for i, _ in ranked])
         found = [_to_result(rows[i], s) for i, s in ranked if i in rows]
         if len(found) < len(ranked):

@@ -10,7 +10,8 @@ const TIMINGS = [["retrieval_ms", "retrieval"], ["kv_load_ms", "KV load"], ["rec
   ["ttft_ms", "TTFT"], ["total_ms", "total"]];
 
 // What the last request produced; read by the browser test.
-window.blendserve = { last: null, deltas: 0, compare: null, busy: false };
+window.blendserve = { last: null, deltas: 0, compare: null, busy: false, job: null, ingestion: null };
+const FINAL = ["done", "failed", "cancelled"];
 
 // ------------------------------------------------------------------ request building
 function headers() {
@@ -36,6 +37,8 @@ function buildBody(overrides) {
   if (!Number.isNaN(topk)) body.top_k = topk;
   const maxTokens = parseInt($("maxtokens").value, 10);
   if (!Number.isNaN(maxTokens)) body.max_tokens = maxTokens;
+  const retrieval = $("retrieval").value;
+  if (retrieval) body.retrieval = retrieval;
   const docs = parseDocs($("docs").value);
   if (docs.length) body.documents = docs;
   Object.assign(body, overrides);
@@ -336,6 +339,8 @@ function renderExplain(r) {
     const score = r.passages[i] && r.passages[i].score;
     meta.append(metaItem("retrieval score", score === null || score === undefined ? "— (given)" : score.toFixed(3)),
       badge(p.cache, p.tier), metaItem("recomputed", `${p.recomputed_tokens} of ${p.n_tokens} tokens`));
+    const where = r.passages[i] && r.passages[i].location;
+    if (where) meta.append(metaItem("from", `${r.passages[i].doc_id}, ${where}`));
     if (p.truncated) meta.append(metaItem("listed", `${p.tokens.length} (cut by the server's explain limit)`));
     li.append(h, meta, heatmap(`Passage ${i + 1}`, p.tokens, p.recomputed, p.scores, scale));
     list.append(li);
@@ -453,6 +458,86 @@ async function guarded(fn) {
   }
 }
 
+// ------------------------------------------------------------------ uploads and background ingestion
+function authOnly() {
+  const key = $("apikey").value.trim();
+  return key ? { authorization: "Bearer " + key } : {};
+}
+
+function cell(row, text) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  row.append(td);
+}
+
+function renderJob(job) {
+  $("job").hidden = false;
+  $("job-caption").textContent = `Job ${job.id}: ${job.status} (${job.counts.done} done, ${job.counts.failed} failed` +
+    `${job.counts.cancelled ? ", " + job.counts.cancelled + " cancelled" : ""} of ${job.files.length} files)`;
+  const rows = job.files.map((f) => {
+    const tr = document.createElement("tr");
+    tr.className = "file " + f.state;
+    cell(tr, f.name);
+    cell(tr, f.state);
+    cell(tr, f.documents ? `${f.processed} / ${f.documents}` : "—");
+    cell(tr, f.state === "done" ? `${f.passages} (${f.new_passages})` : "—");
+    cell(tr, f.state === "done" ? String(f.kv_computed) : "—");
+    cell(tr, f.error || "");
+    return tr;
+  });
+  $("job-files").replaceChildren(...rows);
+}
+
+async function pollJob(id) {
+  for (;;) {
+    const resp = await fetch(`/v1/jobs/${encodeURIComponent(id)}`, { headers: authOnly() });
+    if (!resp.ok) throw await apiError(resp);
+    const job = await resp.json();
+    renderJob(job);
+    if (FINAL.includes(job.status)) return job;
+    await new Promise((r) => setTimeout(r, 400));
+  }
+}
+
+async function upload() {
+  const files = $("files").files;
+  if (!files.length) throw new ApiError("Choose one or more files first.");
+  const form = new FormData();
+  for (const f of files) form.append("files", f, f.name);
+  $("upload-submit").disabled = true;
+  clearError();
+  try {
+    const resp = await fetch("/v1/documents/upload", { method: "POST", headers: authOnly(), body: form });
+    if (!resp.ok) throw await apiError(resp);
+    const job = await resp.json();
+    renderJob(job);
+    window.blendserve.job = await pollJob(job.id);
+  } finally {
+    $("upload-submit").disabled = false;
+  }
+}
+
+async function watchIngestion() {
+  // the first start ingests the sample corpus in the background; show its progress until it ends
+  for (let idle = 0; idle < 5;) {  // a ready server with no sample job for 5 s: nothing to show
+    let info = null;
+    try {
+      const resp = await fetch("/v1/status", { headers: authOnly() });
+      if (resp.ok) {
+        info = (await resp.json()).ingestion || null;
+        if (!info) idle += 1;
+      } else if (resp.status !== 503 && resp.status !== 401) return;
+    } catch (e) { /* the server restarts: try again */ }
+    if (info) {
+      window.blendserve.ingestion = info;
+      $("ingestion").textContent = `Sample corpus: ${info.processed} of ${info.documents || "?"} documents ingested ` +
+        `(${info.status}${info.error ? ": " + info.error : ""}). Questions use what is indexed so far.`;
+      if (FINAL.includes(info.status)) return;
+    }
+    await new Promise((r) => setTimeout(r, 1000));
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   const key = $("apikey");
   key.value = sessionStorage.getItem(KEY_STORE) || "";
@@ -462,5 +547,10 @@ document.addEventListener("DOMContentLoaded", () => {
     guarded(ask);
   });
   $("compare").addEventListener("click", () => guarded(compare));
+  $("upload").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    upload().catch((err) => showError(err));
+  });
+  watchIngestion();
   $("question").focus();
 });

@@ -180,3 +180,35 @@ def test_ask_stream_heatmap_compare_in_a_real_browser(browser, tmp_path, tiny_st
         error = d.find_element(By.ID, "error").text
         assert "422" in error and "top_k" in error
 
+
+
+def test_upload_box_and_sample_ingestion_progress_in_a_real_browser(browser, tmp_path, tiny_stack_factory, free_port):
+    from selenium.webdriver.common.by import By
+
+    from tests.files import HTML_PAGE, tiny_pdf
+
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("\n".join(json.dumps({"title": f"T{i}", "text": f"Sample fact {i}."}) for i in range(3)) + "\n")
+    good, scan = tmp_path / "ferry.html", tmp_path / "scan.pdf"
+    good.write_bytes(HTML_PAGE)
+    scan.write_bytes(tiny_pdf([""]))
+    app = create_app(_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample), tiny_stack_factory)
+    with ThreadedServer(app, free_port()) as srv:
+        d = browser
+        d.get(srv.url + "/")
+        d.find_element(By.ID, "apikey").send_keys(KEY)
+        info = _wait(d, "window.blendserve.ingestion && window.blendserve.ingestion.status === 'done' "
+                        "&& window.blendserve.ingestion")
+        assert info["processed"] == info["documents"] == 3
+        assert "Sample corpus: 3 of 3 documents ingested (done)" in d.find_element(By.ID, "ingestion").text
+
+        d.find_element(By.ID, "files").send_keys(f"{good}\n{scan}")  # two files in one multiple input
+        d.find_element(By.ID, "upload-submit").click()
+        job = _wait(d, "window.blendserve.job")
+        assert job["status"] == "done" and [f["state"] for f in job["files"]] == ["done", "failed"]
+        rows = d.find_elements(By.CSS_SELECTOR, "#job-files tr")
+        assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows] == ["ferry.html", "scan.pdf"]
+        assert rows[0].find_elements(By.TAG_NAME, "td")[1].text == "done"
+        assert "1 / 1" == rows[0].find_elements(By.TAG_NAME, "td")[2].text
+        assert "no text layer" in rows[1].text and "failed" in rows[1].text
+        assert "1 done, 1 failed of 2 files" in d.find_element(By.ID, "job-caption").text
