@@ -60,7 +60,12 @@ def measure(clone: Path, port: int, sample_timeout: float) -> dict:
             out["listening_s"] = wait(lambda: http.get(f"{url}/healthz").status_code == 200 and since(), 300)
             out["page_s"] = wait(lambda: http.get(f"{url}/").status_code == 200 and since(), 300)
             out["ready_s"] = wait(lambda: http.get(f"{url}/readyz").status_code == 200 and since(), 600)
-            r = http.post(f"{url}/v1/query", json={"question": QUESTION, "top_k": 3, "max_tokens": 24})
+            asked = {"question": QUESTION, "top_k": 3, "max_tokens": 24}
+            r = http.post(f"{url}/v1/query", json=asked)
+            out["first_question"] = {"at_s": since(), "status": r.status_code}  # 400 while nothing is indexed yet
+            while r.status_code != 200 and time.perf_counter() - t0 < 600:
+                time.sleep(0.5)
+                r = http.post(f"{url}/v1/query", json=asked)
             out["first_answer_s"] = since()
             out["first_answer_status"] = r.status_code
             body = r.json()
