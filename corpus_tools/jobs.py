@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from blend_engine.cancel import Cancelled, cancel_scope
-from corpus_tools.documents import Document, Reader
+from corpus_tools.documents import Document, Reader, resolve_doc_id
 from corpus_tools.pipeline import IngestPipeline
 
 logger = logging.getLogger(__name__)
@@ -149,11 +149,27 @@ class JobStore:
             self._conn.execute("UPDATE jobs SET updated_at = ? WHERE id = ?", (time.time(), job_id))
 
 
-def _counted(docs: list[Document], tick: Callable[[int], None]) -> Iterator[Document]:
+FIRST_SLICE = 8  # documents ingested (and published) first, so a big file answers questions within seconds
+
+
+def _counted(docs: list[Document], tick: Callable[[int], None], start: int = 0) -> Iterator[Document]:
     """The documents, calling tick(n) as ingestion reads the n-th (it reads them lazily, batch by batch)."""
-    for n, doc in enumerate(docs, 1):
+    for n, doc in enumerate(docs, start + 1):
         yield doc
         tick(n)
+
+
+def first_slice(docs: list[Document], n: int = FIRST_SLICE) -> tuple[list[Document], list[Document]]:
+    """(up to n documents to ingest first, the rest). Only documents whose id occurs once in the file go
+    first: records sharing an id add up within one ingestion, and a second ingestion of the id would
+    replace the first's part."""
+    ids = [resolve_doc_id(d) for d in docs]
+    counts: dict[str, int] = {}
+    for i in ids:
+        counts[i] = counts.get(i, 0) + 1
+    first = [k for k, i in enumerate(ids) if counts[i] == 1][:n]
+    chosen = set(first)
+    return [docs[k] for k in first], [d for k, d in enumerate(docs) if k not in chosen]
 
 
 class JobRunner:
@@ -310,9 +326,16 @@ class JobRunner:
         def stop() -> bool:
             return self._stopping() or job_id in self._cancelled
 
+        head, rest = first_slice(docs)
+        passages = new = kv = 0
+        errors: list[str] = []
         try:
             with cancel_scope(stop):
-                summary = self.pipeline.ingest(_counted(docs, tick), progress=False, publish="batch")
+                for start, part in ((0, head), (len(head), rest)):  # a few documents first: answers within seconds
+                    if part:
+                        s = self.pipeline.ingest(_counted(part, tick, start), progress=False, publish="batch")
+                        passages, new, kv = passages + s.passages, new + s.new_passages, kv + s.kv_computed
+                        errors += s.errors
         except Cancelled:
             state = "cancelled" if job_id in self._cancelled else "queued"  # shutdown: resumed at the next start
             self.store.set_file(job_id, idx, state=state)
@@ -321,7 +344,5 @@ class JobRunner:
             logger.exception("ingesting %s failed", f.name)
             self.store.set_file(job_id, idx, state="failed", error=f"{type(exc).__name__}: {exc}")
             return
-        warnings = problems + list(summary.errors)
-        self.store.set_file(job_id, idx, state="done" if summary.passages else "failed", processed=len(docs),
-                            passages=summary.passages, new_passages=summary.new_passages,
-                            kv_computed=summary.kv_computed, error="; ".join(warnings))
+        self.store.set_file(job_id, idx, state="done" if passages else "failed", processed=len(docs),
+                            passages=passages, new_passages=new, kv_computed=kv, error="; ".join(problems + errors))

@@ -169,3 +169,14 @@ def test_first_start_answers_while_the_sample_is_ingested_in_the_background(tmp_
         release.set()
     with serving(settings, tiny_stack_factory) as c:  # not the first start any more: no second sample job
         assert c.get("/v1/jobs").json()["jobs"] == [c.get(f"/v1/jobs/{job['id']}").json()]
+
+
+def test_a_few_documents_with_their_own_ids_are_ingested_first():
+    from corpus_tools.documents import Document
+    from corpus_tools.jobs import first_slice
+
+    docs = [Document("x", doc_id="a"), Document("y", doc_id="b"), Document("z", doc_id="a"), Document("w", doc_id="c")]
+    head, rest = first_slice(docs, 2)
+    assert [d.doc_id for d in head] == ["b", "c"]  # "a" is repeated: both its parts go in one ingestion
+    assert [d.text for d in rest] == ["x", "z"]
+    assert first_slice(docs, 0) == ([], docs)
