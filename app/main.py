@@ -49,7 +49,7 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc: AppState = app.state.svc
-        svc.worker = EngineWorker(settings.workers, settings.max_queue)
+        svc.worker = EngineWorker(settings.request_threads, settings.max_queue)
         svc.metrics.bind_worker(svc.worker)
         starter = threading.Thread(target=build_and_warm, args=(svc, factory), name="blendserve-startup", daemon=True)
         starter.start()
@@ -86,6 +86,7 @@ def create_app(settings: ServiceSettings | None = None, stack_factory: StackFact
     app.state.svc = svc
     svc.metrics.bind_store(lambda: svc.stack.store if svc.stack is not None else None)
     svc.metrics.bind_sync(lambda: getattr(svc.stack, "sync", None))
+    svc.metrics.bind_batch(lambda: svc.stack.engine.loop if svc.stack is not None else None)
     install_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

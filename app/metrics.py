@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from blend_engine.engine import FULL_PREFILL_SOURCE
+from blend_engine.scheduler.plans import RatioSource
 from blend_engine.types import BlendReport
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,26 @@ class _SyncCollector(Collector):
         yield GaugeMetricFamily("blendserve_index_vectors", "Vectors in this replica's index", value=len(sync.index))
         yield GaugeMetricFamily("blendserve_index_sync_ok", "1 when the last change-log poll succeeded",
                                 value=0 if st.error else 1)
+
+
+class _BatchCollector(Collector):
+    """The engine loop's continuous batch, read at scrape time."""
+
+    def __init__(self, get_loop: Callable[[], object | None]) -> None:
+        self._get_loop = get_loop
+
+    def collect(self) -> Iterable[Metric]:
+        loop = self._get_loop()
+        if loop is None:
+            return
+        st = loop.stats()
+        yield GaugeMetricFamily("blendserve_batch_running", "Requests prefilling or decoding in the engine loop",
+                                value=st["running"])
+        yield GaugeMetricFamily("blendserve_batch_waiting", "Requests waiting for a place in the batch",
+                                value=st["waiting"])
+        yield GaugeMetricFamily("blendserve_batch_kv_bytes", "KV memory held by the running batch",
+                                value=st["kv_bytes"])
+        yield CounterMetricFamily("blendserve_decode_steps", "Batched decode steps run", value=st["decode_steps"])
 
 
 class Metrics:
@@ -152,6 +172,9 @@ class Metrics:
     def bind_sync(self, get_sync: Callable[[], object | None]) -> None:
         self.registry.register(_SyncCollector(get_sync))
 
+    def bind_batch(self, get_loop: Callable[[], object | None]) -> None:
+        self.registry.register(_BatchCollector(get_loop))
+
     def observe_query(self, report: BlendReport, ttft_ms: float, total_ms: float) -> None:
         mode = report.mode
         self.ttft.labels(mode).observe(ttft_ms / 1e3)
@@ -163,5 +186,5 @@ class Metrics:
         self.ratio.labels(mode).observe(report.recompute_ratio)
         if mode == "blend":
             self.last_ratio.set(report.recompute_ratio)
-        if report.ratio_source == FULL_PREFILL_SOURCE:
+        if report.ratio_source == RatioSource.FULL_PREFILL.value:
             self.full_prefill_fallbacks.inc()

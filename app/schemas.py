@@ -83,6 +83,8 @@ class QueryRequest(BaseModel):
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="blend only; null = server default")
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
+    ignore_eos: bool = Field(False, description="decode through end-of-sequence up to max_tokens (for benchmarks, "
+                                                "as vLLM's ignore_eos)")
     stream: bool = False
     explain: bool = Field(False, description="add `explain`: per passage token, recomputed or not, its check-layer "
                                              "score, and the passage's cache hit/miss and tier (see docs/api.md)")

@@ -25,7 +25,8 @@ class ServiceSettings(Settings):
     tenant_keys: dict[str, str] = Field({}, description="JSON {tenant: key}: each tenant's bearer key; its requests "
                                                         "get a KV cache namespace of their own")
     max_queue: int = Field(16, ge=1, description="requests waiting for the engine before 503")
-    workers: int = Field(1, ge=1, le=16, description="engine worker threads")
+    workers: int | None = Field(None, ge=1, le=256, description="request threads (retrieval, tokenizing, waiting "
+                                                                "on the engine loop); unset = max_batch")
     request_timeout_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(4 << 20, ge=1024, description="request bodies above this get 413")
     max_question_chars: int = Field(4000, ge=1)
@@ -46,7 +47,12 @@ class ServiceSettings(Settings):
         """The upload route's body limit: every file at its limit, plus room for the multipart framing."""
         return self.max_upload_files * (self.max_upload_mb << 20) + (1 << 20)
 
-    _empty_key_is_none = field_validator("api_key", mode="before")(empty_is_none)
+    @property
+    def request_threads(self) -> int:
+        """Requests in flight at once: enough to keep the engine loop's batch full by default."""
+        return self.workers if self.workers is not None else self.max_batch
+
+    _empty_key_is_none = field_validator("api_key", "workers", mode="before")(empty_is_none)
 
     @field_validator("api_key")
     @classmethod

@@ -14,7 +14,9 @@
     controller) from disk, beside transformers' own forward (sdpa) as the peer; at 8K also blend@0.15
     with FlexAttention and with int8 KV; the selected rows' attention kernels alone (`gpu_timing`);
 (3) ingestion's KV precompute in 256-token passages per second, one at a time vs batched;
-(4) one JSON and one markdown table.
+(4) continuous batching on the 8B shape: 1, 16 and 64 concurrent requests, each blending 8K tokens
+    and decoding 32 (`gpu_batch`);
+(5) one JSON and one markdown table.
 
 `--smoke`: tiny shapes, one length, the local SmolLM2 on the CPU: proves the script end to end.
 Only torch, transformers and safetensors are needed (what the H200 image has).
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_batch import time_batched
 from benchmarks.gpu_common import QUESTIONS, Setup, kl, make_passages
 from benchmarks.gpu_report import markdown
 from benchmarks.gpu_timing import random_runner, time_attention, time_ingestion, time_ttft
@@ -144,6 +147,9 @@ def run(out: Path, smoke: bool, smollm: Path | None, lengths: list[int], reps: i
         save()
         result["ingestion"] = part("ingestion", lambda: time_ingestion(setup, runner, 8 if smoke else 256,
                                                                        8 if smoke else 32))
+        save()
+        result["batched"] = part("batched", lambda: time_batched(setup, runner, (1, 2, 4) if smoke else (1, 16, 64),
+                                                                 512 if smoke else 8192, 8 if smoke else 32))
         save()
     return result
 

@@ -53,6 +53,15 @@ def markdown(result: dict) -> str:
     lines += ["", f"## (3) ingestion precompute ({i['passages']} passages of {i['passage_tokens']} tokens)", "",
               f"one at a time: {i['one_at_a_time_passages_per_s']:.1f} passages/s; batched ({i['batch']}): "
               f"{i['batched_passages_per_s']:.1f} passages/s", ""]
+    b = result.get("batched")
+    if b is not None:
+        lines += [f"## (4) continuous batching: {b['tokens']} tokens blended per request (ratio 0.15, KV in pinned "
+                  f"RAM), {b['max_tokens']} tokens decoded each", "",
+                  "| clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | largest decode batch |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['clients']} | {r['answers_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / "
+                  f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['max_batch_seen']} |"
+                  for r in b["rows"]]
     return "\n".join(lines)
 
 

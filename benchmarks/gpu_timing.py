@@ -22,14 +22,14 @@ from benchmarks.gpu_common import (
     make_passages,
     median_ms,
 )
-from blend_engine.attention import compile_failed, flex_attend, selected_block_mask
 from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.executor.attention import compile_failed, flex_attend, selected_block_mask
 from blend_engine.kv_store import KVStore, MemoryStore
-from blend_engine.kv_store.controller import BandwidthController
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.model import ModelRunner
+from blend_engine.scheduler.controller import BandwidthController
 from blend_engine.types import BlendPlan
 
 logger = logging.getLogger("gpu_check")

@@ -45,18 +45,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_service(workers: int = 2, threads_per_worker: int = 1, ready_timeout_s: float = 300.0,
+def running_service(workers: int | None = None, threads: int | None = None, ready_timeout_s: float = 300.0,
                     keep_log: Path | None = None) -> Iterator[str]:
     """`python -m app` on a free local port with a temporary data dir; yields its base URL.
+    `workers` (request threads) and `threads` (torch's) keep the service's defaults when None.
 
     The server's output (warnings and errors) is copied to `keep_log` when given.
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="blendbench-svc-") as tmp:
         env = {**os.environ, "BLENDSERVE_DATA_DIR": tmp, "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
-               "BLENDSERVE_PORT": str(port), "BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_WORKERS": str(workers),
-               "BLENDSERVE_MAX_QUEUE": "256", "BLENDSERVE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_LOG_LEVEL": "warning",
-               "OMP_NUM_THREADS": str(threads_per_worker)}
+               "BLENDSERVE_PORT": str(port), "BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_MAX_QUEUE": "256",
+               "BLENDSERVE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_LOG_LEVEL": "warning",
+               **({"BLENDSERVE_WORKERS": str(workers)} if workers else {}),
+               **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         log = open(Path(tmp) / "server.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -143,10 +145,11 @@ def measure(url: str, bodies: list[dict], mode: str, clients: int, ratio: float 
 
 
 def run_throughput(examples: list[Example], clients: int, max_paragraphs: int | None = None, max_tokens: int = 8,
-                   workers: int = 2, threads_per_worker: int = 1, keep_log: Path | None = None) -> list[ThroughputRow]:
+                   workers: int | None = None, threads: int | None = None,
+                   keep_log: Path | None = None) -> list[ThroughputRow]:
     """Warm the KV store with one sequential blend pass, then blend and full prefill under `clients` clients."""
     bodies = request_bodies(examples, max_paragraphs, max_tokens)
-    with running_service(workers, threads_per_worker, keep_log=keep_log) as url:
+    with running_service(workers, threads, keep_log=keep_log) as url:
         warm = measure(url, bodies, "blend", 1)
         logger.info("throughput warm-up pass: %.1f s, %d errors", warm.seconds, warm.errors)
         rows = [measure(url, bodies, mode, clients) for mode in ("blend", "full_prefill")]

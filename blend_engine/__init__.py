@@ -11,7 +11,7 @@ import importlib
 _EXPORTS = {
     **dict.fromkeys(("BlendEngine", "EngineConfig", "PrefillState"), "blend_engine.engine"),
     "Generation": "blend_engine.generation",
-    "KVCache": "blend_engine.layers",
+    "KVCache": "blend_engine.executor.layers",
     **dict.fromkeys(("BlendPlan", "BlendReport", "BlendResult", "GenerationConfig", "Mode", "SelectionPolicy"),
                     "blend_engine.types"),
 }

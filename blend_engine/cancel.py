@@ -35,3 +35,9 @@ def checkpoint(where: str = "") -> None:
     check = getattr(_local, "check", None)
     if check is not None and check():
         raise Cancelled(f"cancelled{' ' + where if where else ''}")
+
+
+def current_check() -> Callable[[], bool] | None:
+    """The current scope's `should_stop` on this thread (None outside a scope): work handed to
+    another thread (the engine loop) carries it along."""
+    return getattr(_local, "check", None)

@@ -1,70 +1,89 @@
-"""Generation: sample from a prefill's logits, decode step by step, stream text deltas."""
+"""Generation: the caller's handle on one request that the engine loop prefills and decodes.
+
+Iterate to receive text deltas as they are decoded (`deltas()` for deltas with their token
+logprobs); `.result` once exhausted. Closing the iterator early (or `cancel()`) takes the request
+out of the batch at the next step. Per-request state lives here and in the loop's request, never
+on the engine.
+"""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from blend_engine.sampling import Sampler, StreamDecoder
-from blend_engine.types import BlendPlan, BlendResult, GenerationConfig
+from blend_engine.cancel import Cancelled
+from blend_engine.types import BlendPlan, BlendResult, GenerationConfig, TokenLogprob
 
 if TYPE_CHECKING:
-    from blend_engine.engine import BlendEngine, PrefillState
+    from blend_engine.executor.prefill import PrefillState
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text (may be "" while a stop string or a UTF-8 sequence is pending) and the logprobs of
+    the tokens it came from (empty unless `GenerationConfig.logprobs` is set)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+_END = object()
 
 
 class Generation:
-    """Iterate to receive text deltas as they are decoded; `.result` once exhausted.
+    """One request's outputs, filled by the engine loop's thread (`emit`, `end`, `fail`)."""
 
-    The first delta marks time to first token. Per-request state lives here, never on the engine.
-    """
-
-    def __init__(self, engine: BlendEngine, plan: BlendPlan, gen: GenerationConfig) -> None:
-        self._engine, self._plan, self._gen = engine, plan, gen
+    def __init__(self, submit: Callable[[Generation], None], plan: BlendPlan, gen: GenerationConfig) -> None:
+        self._submit = submit
+        self.plan, self.gen = plan, gen
+        self._items: queue.Queue = queue.Queue()
+        self._cancelled = threading.Event()
+        self._started = False
         self.result: BlendResult | None = None
-        self.state: PrefillState | None = None
+        self.state: PrefillState | None = None  # set by the loop when the prefill is done
         self.ttft_ms: float | None = None
 
+    # ------------------------------------------------------------------ caller side
     def __iter__(self) -> Iterator[str]:
-        eng, gen = self._engine, self._gen
-        t0 = time.perf_counter()
-        state = eng.prefill(self._plan, max_new_tokens=gen.max_tokens)
-        self.state = state
-        sampler = Sampler(gen.temperature, gen.top_p, gen.seed)
-        decoder = StreamDecoder(eng.runner.tokenizer, gen.stop)
-        stops = set(eng.runner.eos_token_ids)
-        logits = state.logits
-        tokens: list[int] = []
-        finish = "length"
-        for step in range(gen.max_tokens):
-            tok = sampler(logits)
-            if step == 0:
-                self.ttft_ms = (time.perf_counter() - t0) * 1e3
-            if tok in stops:
-                finish = "stop"
-                break
-            tokens.append(tok)
-            delta, hit_stop = decoder.push(tok)
-            if delta:
-                yield delta
-            if hit_stop:
-                finish = "stop"
-                break
-            if step + 1 < gen.max_tokens:
-                logits = eng.decode_step(state.cache, tok)
-        tail = decoder.flush()
-        if tail:
-            yield tail
-        total_ms = (time.perf_counter() - t0) * 1e3
-        eng.store_missing(state)
-        store_ms = (time.perf_counter() - t0) * 1e3 - total_ms
-        self.result = BlendResult(
-            text=decoder.text,
-            token_ids=tuple(tokens),
-            finish_reason=finish,
-            report=state.report,
-            ttft_ms=self.ttft_ms if self.ttft_ms is not None else total_ms,
-            total_ms=total_ms,
-            store_ms=store_ms,
-            explanation=state.explanation,
-        )
+        for delta in self.deltas():
+            if delta.text:
+                yield delta.text
+
+    def deltas(self) -> Iterator[Delta]:
+        """Submit the request (on first use), then yield its deltas until it ends."""
+        if self._started:
+            raise RuntimeError("a Generation can be iterated once")
+        self._started = True
+        self._submit(self)  # input errors (context overflow, ...) raise here, in the caller's thread
+        try:
+            while True:
+                item = self._items.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if self.result is None:
+                self.cancel()  # closed early: the loop drops it at its next step
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    # ------------------------------------------------------------------ engine-loop side
+    def emit(self, delta: Delta) -> None:
+        self._items.put(delta)
+
+    def end(self, result: BlendResult) -> None:
+        self.result = result
+        self._items.put(_END)
+
+    def fail(self, exc: BaseException) -> None:
+        self._items.put(exc if isinstance(exc, BaseException) else Cancelled(str(exc)))

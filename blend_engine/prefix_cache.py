@@ -22,7 +22,7 @@ from blend_engine.kv_store.base import StoreStats
 from blend_engine.layout import Segment
 
 if TYPE_CHECKING:
-    from blend_engine.layers import KVCache
+    from blend_engine.executor.layers import KVCache
 
 
 class PrefixCache:

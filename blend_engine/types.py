@@ -1,4 +1,4 @@
-"""Frozen dataclasses at the engine's boundary. No tensors here except in `PrefillState`."""
+"""Frozen dataclasses at the engine's boundary. Torch-free."""
 
 from __future__ import annotations
 
@@ -89,17 +89,26 @@ def default_policy() -> SelectionPolicy:
                            schedule=((2, 2.0), (3, 1.5), (4, 1.0)), query_weighted=True)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
+    """Per-request sampling: each request in a batch keeps its own."""
+
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely alternatives
+    ignore_eos: bool = False  # decode through end-of-sequence up to max_tokens (benchmarks, as vLLM's)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InputError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]")
         if self.temperature < 0:
             raise InputError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -138,6 +147,7 @@ class BlendPlan:
     explain: bool = False  # record per-token choices (`BlendResult.explanation`); off costs nothing
     turns: tuple[Turn, ...] = ()
     numbered: bool = False
+    cache_salt: str | None = None  # enters every chunk key: another tenant's cached KV is never reused
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -183,6 +193,16 @@ class BlendReport:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token, its log probability and the most likely alternatives (text, logprob)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class BlendResult:
     text: str
     token_ids: tuple[int, ...]
@@ -192,3 +212,4 @@ class BlendResult:
     total_ms: float  # prefill and decoding: the answer is complete
     store_ms: float  # after the answer: storing the KV of passages that missed the cache
     explanation: Explanation | None = None  # per-token choices, when the plan asked (`explain`)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token, when `GenerationConfig.logprobs` is set

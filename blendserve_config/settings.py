@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     selected_attention: Literal["auto", "sdpa_mask", "flex"] = Field(
         "auto", description="how a blend's recomputed rows attend: auto = 4 blocks on the CPU, one boolean-mask "
                             "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
+    max_batch: int = Field(8, ge=1, le=256, description="requests the engine loop prefills and decodes at once "
+                                                        "(continuous batching); more wait in its queue")
+    batch_kv_mb: int = Field(2048, ge=1, description="KV memory of the running batch (each request's prompt plus "
+                                                     "max_tokens, in the model's dtype); requests past it wait")
+    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, a prefill runs layers until they "
+                                                             "computed this many tokens (summed over layers) per step")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
     # retrieval and ingestion

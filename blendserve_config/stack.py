@@ -16,6 +16,8 @@ from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.codec import resolve_format
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
+from blend_engine.scheduler.batch import BatchLimits
+from blend_engine.scheduler.controller import BandwidthController
 from blend_engine.selfcheck import GateDecision
 from blendserve_config.settings import Settings
 from corpus_tools.documents import Reader
@@ -53,6 +55,7 @@ class Stack:
         """Stop index sync, persist the index, close the passage store and the KV store. Safe to call twice."""
         if self.sync is not None:
             self.sync.stop()
+        self.engine.close()
         try:
             self.pipeline.save_index()
         except OSError as exc:
@@ -81,14 +84,9 @@ def build_store_from(settings: Settings, fingerprint: str = "") -> KVStore:
     )
 
 
-def build_controller(settings: Settings):
+def build_controller(settings: Settings) -> BandwidthController | None:
     """The bandwidth-aware ratio controller when no fixed ratio is configured (None if unavailable)."""
     if settings.recompute_ratio is not None:
-        return None
-    try:
-        from blend_engine.kv_store.controller import BandwidthController
-    except ImportError:
-        logger.info("no BandwidthController available; using the fixed default ratio")
         return None
     return BandwidthController(floor=settings.ratio_floor, cap=settings.ratio_max)
 
@@ -96,7 +94,8 @@ def build_controller(settings: Settings):
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
     config = EngineConfig(kv_format=settings.kv_format, prefix_cache_bytes=settings.prefix_cache_mb << 20,
                           default_ratio=settings.recompute_ratio if settings.recompute_ratio is not None
-                          else settings.ratio_floor, selected_attention=settings.selected_attention)
+                          else settings.ratio_floor, selected_attention=settings.selected_attention,
+                          batch=BatchLimits(settings.max_batch, settings.batch_kv_mb << 20, settings.prefill_step_tokens))
     return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))
 
 

@@ -146,12 +146,9 @@ class Ingestion:
     def ensure_system_prefix(self) -> bool:
         """Precompute the system prefix and the passage markers (`Corpus.fixed_chunks`) so the first
         query misses nothing. True when the system prefix was computed now."""
-        store = self.corpus.store
-        (sys_key, sys_ids), *markers = self.corpus.fixed_chunks()
-        missing = [(key, ids) for key, ids in markers if not store.contains(key)]
-        if missing:  # one forward for all of them: a few tokens each
-            for (key, _), kv in zip(missing, self.corpus.engine.precompute_many([i for _, i in missing], len(missing))):
-                store.put(key, kv)
+        (_, sys_ids), *markers = self.corpus.fixed_chunks()
+        if markers:  # one forward for all of them: a few tokens each
+            self.corpus.engine.cache_many([ids for _, ids in markers], len(markers))
         return not self.corpus.cache(sys_ids)[1]
 
     def _chunks(self, doc: Document, doc_id: str) -> list[_Candidate]:
@@ -278,23 +275,13 @@ class Ingestion:
         before `_cache_one` finds them (and counted here, not there). Cancellation is checked
         between forwards (the model's own forward runs the layers). A put the store skips (full)
         leaves the passage to `_cache_one`, which computes it alone."""
-        engine, store = self.corpus.engine, self.corpus.store
-        todo: dict[str, list[int]] = {}
-        for cand in batch:
-            key = engine.key_of(cand.token_ids)
-            if key not in todo and not store.contains(key):
-                todo[key] = cand.token_ids
-        items = list(todo.items())
-        for start in range(0, len(items), self.precompute_batch):
-            checkpoint("between precompute batches")
-            group = items[start:start + self.precompute_batch]
-            t = time.perf_counter()
-            kvs = engine.precompute_many([ids for _, ids in group], batch_size=self.precompute_batch)
-            for (key, ids), kv in zip(group, kvs):
-                if store.put(key, kv):
-                    tally.kv_computed += 1
-                    tally.kv_bytes += self.corpus.kv_nbytes(len(ids))
-            tally.kv_s += time.perf_counter() - t
+        t = time.perf_counter()
+        ids = [cand.token_ids for cand in batch]
+        for tokens, stored in zip(ids, self.corpus.engine.cache_many(ids, self.precompute_batch)):
+            if stored:
+                tally.kv_computed += 1
+                tally.kv_bytes += self.corpus.kv_nbytes(len(tokens))
+        tally.kv_s += time.perf_counter() - t
 
     def _publish(self, run: _Run, before_commit: Callable[[], None] | None) -> None:
         """Make every completed document visible in one transaction, then update the index to match."""

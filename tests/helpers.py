@@ -89,9 +89,17 @@ def perturb(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # ============================================================================ the service in-process
+# The one seam that makes the service's blend ratio deterministic in tests: the bandwidth controller
+# learns from timings and may rightly serve a tiny prompt by full prefill (which reads no cache), so
+# the services the tests start use this fixed ratio (the controller has its own tests).
+FIXED_RATIO = 0.15
+FIXED_RATIO_ENV = {"BLENDSERVE_RECOMPUTE_RATIO": str(FIXED_RATIO)}  # the same, for services in a subprocess
+
+
 def make_settings(data_dir, **overrides) -> ServiceSettings:
     values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 256, "disk_cache_mb": 512,
-              "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60}
+              "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60,
+              "recompute_ratio": FIXED_RATIO}
     values.update(overrides)
     return ServiceSettings(_env_file=None, **values)
 

@@ -152,3 +152,48 @@ def test_light_imports_do_not_load_torch(statement):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, f"{statement!r} loaded torch (or failed): {proc.stderr[-2000:]}"
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Absolute names imported when the module runs: top-level statements only (not inside functions
+    or `if TYPE_CHECKING:` blocks), each `from m import x` as both m and m.x."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base) if node.level else node.module or ""
+            out |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def test_the_engine_modules_form_no_import_cycle():
+    """engine.py is a facade: scheduler, executor, chunk cache and loop never import it (or each
+    other) back, so no blend_engine module needs another half-initialised."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in source_files("blend_engine")}
+    graph = {m: {d for d in _module_level_imports(p) if d in files and d != m} for m, p in files.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*path, m, d]
+            if d not in state and (cycle := visit(d, [*path, m])):
+                return cycle
+        state[m] = 2
+        return None
+
+    cycles = [c for m in sorted(files) if m not in state and (c := visit(m, []))]
+    assert cycles == [], " -> ".join(cycles[0])
+
+
+def test_the_scheduler_holds_no_torch():
+    code = ("import sys; import blend_engine.scheduler.plans, blend_engine.scheduler.budget, "
+            "blend_engine.scheduler.batch, blend_engine.scheduler.controller; sys.exit(int('torch' in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, f"the scheduler loaded torch (or failed): {proc.stderr[-2000:]}"

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import FIXED_RATIO_ENV
 from tests.local_services import RedisProcess, free_port, pg_bin_dir, wait_for
 
 logger = logging.getLogger("topology")
@@ -131,7 +132,7 @@ def topology(tmp_path_factory, tiny_model_dir, pg_cluster):
                     BLENDSERVE_HOST="127.0.0.1", BLENDSERVE_DATABASE_URL=db_url, BLENDSERVE_REDIS_URL=redis_proc.url,
                     BLENDSERVE_MODEL=str(tiny_model_dir), BLENDSERVE_DEVICE="cpu", BLENDSERVE_WORKERS="1",
                     BLENDSERVE_INGEST_SAMPLE_ON_START="false", BLENDSERVE_CHUNK_TOKENS="64",
-                    BLENDSERVE_LOG_LEVEL="info",
+                    BLENDSERVE_LOG_LEVEL="info", **FIXED_RATIO_ENV,
                     BLENDSERVE_FIDELITY_GATE="off")  # a random tiny model: blend is tested, not gated
         for name in ("api-1", "api-2"):
             folder = work / name
@@ -176,9 +177,8 @@ def topology(tmp_path_factory, tiny_model_dir, pg_cluster):
 
 
 def _ask(client: httpx.Client, url: str, question: str, top_k: int = 1) -> httpx.Response:
-    # a fixed ratio: the controller may serve a tiny prompt by full prefill, which reads no cache
     return client.post(f"{url}/v1/query", json={"question": question, "top_k": top_k, "max_tokens": 1,
-                                                "mode": "blend", "recompute_ratio": 0.15}, timeout=30)
+                                                "mode": "blend"}, timeout=30)
 
 
 def _titles(resp: httpx.Response) -> list[str]:

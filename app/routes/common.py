@@ -21,7 +21,7 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
                question: str, max_tokens: int, temperature: float, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, system_prompt: str | None = None, turns: tuple[Turn, ...] = (),
                search: str | None = None, n: int = 1, logprobs: int | None = None,
-               tenant: str | None = None) -> QuerySpec:
+               tenant: str | None = None, ignore_eos: bool = False) -> QuerySpec:
     """The request's retrieval, mode and explain fields, with server defaults where it leaves them out."""
     documents = None if req.documents is None else tuple(SuppliedDocument(d.text, d.title) for d in req.documents)
     ratio = req.recompute_ratio if req.recompute_ratio is not None else settings.recompute_ratio
@@ -29,7 +29,7 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
         question=question, top_k=req.top_k, documents=documents,
         mode=Mode.parse(req.mode or settings.default_mode), recompute_ratio=ratio,
         gen=GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop),
-                             seed=seed),
+                             seed=seed, ignore_eos=ignore_eos),
         system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.explain_max_tokens,
         retrieval=req.retrieval, filters=NO_FILTERS if req.filters is None else Filters(**req.filters.model_dump()),
         turns=turns, search=search, n=n, logprobs=logprobs, cache_salt=cache_namespace(tenant, req.cache_salt),

@@ -46,7 +46,7 @@ async def query(req: QueryRequest, svc: State, tenant: Tenant):
         raise field_error(("top_logprobs",), "needs logprobs: true", req.top_logprobs)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature,
-                      logprobs=logprobs, tenant=tenant)
+                      logprobs=logprobs, tenant=tenant, ignore_eos=req.ignore_eos)
     if req.stream:
         return await stream_query(svc, spec, ENDPOINT, QueryFrames())
     answered = await run_to_completion(svc, spec, "query", ENDPOINT)

@@ -21,6 +21,7 @@ import pytest
 from app.main import create_app
 from app.settings import ServiceSettings
 from retrieval.text import format_passage
+from tests.helpers import FIXED_RATIO_ENV
 from tests.local_services import ThreadedServer, wait_url_ready
 
 DOCS = [
@@ -102,7 +103,7 @@ def real_server(tmp_path_factory, free_port):
         env["BLENDSERVE_MODEL_CACHE_DIR"] = os.environ["BLENDSERVE_MODEL_CACHE_DIR"]
     env.update({"BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_PORT": str(port), "BLENDSERVE_DATA_DIR": str(home / "data"),
                 "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_API_KEY": "e2e-key",
-                "BLENDSERVE_MEMORY_CACHE_MB": "256", "BLENDSERVE_LOG_LEVEL": "info"})
+                "BLENDSERVE_MEMORY_CACHE_MB": "256", "BLENDSERVE_LOG_LEVEL": "info", **FIXED_RATIO_ENV})
     log = (home / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -136,8 +137,7 @@ def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="e2e-key", timeout=120)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     resp = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
-                                          extra_body={"top_k": 1, "recompute_ratio": 0.15})  # blend, not the
-    # controller's choice: on a one-passage prompt it may serve full prefill, which reads no cache
+                                          extra_body={"top_k": 1})
     answer = resp.choices[0].message.content
     assert "Paris" in answer
     assert [p["title"] for p in resp.model_extra["passages"]] == ["France"]

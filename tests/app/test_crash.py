@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from corpus_cli.cli import main
-from tests.helpers import ROOT
+from tests.helpers import FIXED_RATIO_ENV, ROOT
 from tests.local_services import wait_url_ready
 
 N_DOCS = 8
@@ -38,7 +38,7 @@ def env(tiny_model_dir, tmp_path) -> dict:
             "BLENDSERVE_MODEL": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
             "BLENDSERVE_INGEST_BATCH_SIZE": "2", "BLENDSERVE_CHUNK_TOKENS": "32",
             "BLENDSERVE_MEMORY_CACHE_MB": "64", "BLENDSERVE_DISK_CACHE_MB": "256",
-            "BLENDSERVE_RECOMPUTE_RATIO": "0.15", "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
+            **FIXED_RATIO_ENV, "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
             "BLENDSERVE_REDIS_URL": "", "BLENDSERVE_API_KEY": ""}
 
 

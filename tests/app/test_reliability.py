@@ -102,14 +102,14 @@ def test_title_limit_is_a_setting(monkeypatch):
 def test_timed_out_ingestion_is_rolled_back(tmp_path, tiny_stack_factory):
     with serving(make_settings(tmp_path / "data", request_timeout_s=1.0, ingest_batch_size=2), tiny_stack_factory) as c:
         s = svc(c)
-        engine = s.stack.engine
-        slow = engine.precompute
+        chunks = s.stack.engine.chunks
+        slow = chunks.precompute
 
         def precompute(ids):
             time.sleep(0.15)
             return slow(ids)
 
-        engine.precompute = precompute
+        chunks.precompute = precompute
         try:
             docs = [{"doc_id": f"t{i}", "title": f"T{i}", "text": f"Timed document number {i} about topic {i}."}
                     for i in range(16)]
@@ -122,7 +122,7 @@ def test_timed_out_ingestion_is_rolled_back(tmp_path, tiny_stack_factory):
             # it stopped soon after its deadline, not after all 16 documents (2.4 s of precompute)
             assert time.monotonic() - t0 < 2.2
         finally:
-            del engine.precompute
+            del chunks.precompute
         assert s.stack.pipeline.db.counts()["passages"] == 0
         assert len(s.stack.pipeline.index) == 0
         assert all(c.get(f"/v1/documents/t{i}").status_code == 404 for i in range(16))
@@ -137,8 +137,8 @@ def test_a_document_is_visible_whole_or_not_at_all_and_verify_names_it(client):
     pipe = _pipeline(client)
     text = " ".join(f"Sentence {i} of the long document talks about subject {i} at length." for i in range(60))
     doc = Document(text=text, title="Long", doc_id="atomic-long")
-    engine = pipe.engine
-    real = engine.precompute
+    chunks = pipe.engine.chunks
+    real = chunks.precompute
     seen = []
 
     def dies_later(token_ids):
@@ -149,12 +149,12 @@ def test_a_document_is_visible_whole_or_not_at_all_and_verify_names_it(client):
 
     old_batch = pipe.batch_size
     pipe.batch_size = 2
-    engine.precompute = dies_later
+    chunks.precompute = dies_later
     try:
         with pytest.raises(KeyboardInterrupt):
             pipe.ingest([doc], publish="batch")
     finally:
-        del engine.precompute
+        del chunks.precompute
         pipe.batch_size = old_batch
     assert pipe.get_document("atomic-long") is None
     assert all(h.doc_id != "atomic-long" for h in svc(client).stack.retriever.search("subject long document", 10))
@@ -244,7 +244,7 @@ def test_a_corrupt_chunk_read_is_repaired_not_a_400(client):
     """A KV blob of the wrong size (a storage fault) is dropped and recomputed: a 200, never the caller's 4xx."""
     stack = svc(client).stack
     body = {"question": "Which river?", "documents": [{"title": "Nile", "text": "The Nile flows north."}],
-            "max_tokens": 2, "recompute_ratio": 0.15}  # a fixed ratio: the controller may pick full prefill
+            "max_tokens": 2}
     assert client.post("/v1/query", json=body).status_code == 200  # now cached
     store = stack.store
     real = store.get_blob

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend_engine.selection import shared_out
+from blend_engine.executor.selection import shared_out
 from blend_engine.types import BlendPlan, SelectionPolicy
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures
 from tests.helpers import PASSAGES, QUESTION
@@ -73,7 +73,7 @@ def test_engine_keeps_the_global_budget_and_by_length_each_passage_its_share(tin
 
 
 def test_running_query_mass_is_the_mean_over_the_selecting_layers(tiny_engine):  # noqa: F811
-    from blend_engine.selection import RankSpace
+    from blend_engine.executor.selection import RankSpace
 
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
     cached = [s for s in layout.segments if s.kind != "question"]

@@ -154,12 +154,12 @@ def _explicit_question_attention(q, k, query_pos, n):
 
 
 def test_query_attention_mass_matches_explicit_attention(tiny_engine):
-    from blend_engine.engine import _RankSpace
+    from blend_engine.executor.selection import RankSpace
 
     _cache_all(tiny_engine)
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
     cached = [s for s in layout.segments if s.kind != "question"]
-    rank = _RankSpace(layout, cached, tiny_engine.runner.scaling)
+    rank = RankSpace(layout, cached, tiny_engine.runner.scaling)
     n, shape = layout.n_tokens, tiny_engine.runner.shape
     torch.manual_seed(1)
     q = torch.randn(shape.n_heads, n, shape.head_dim)  # [Hq, N, D]
@@ -178,10 +178,10 @@ def test_query_attention_mass_matches_explicit_attention(tiny_engine):
 
 
 def test_query_weighting_prefers_what_the_question_reads(tiny_engine):
-    from blend_engine.engine import _RankSpace
+    from blend_engine.executor.selection import RankSpace
 
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
-    rank = _RankSpace(layout, [s for s in layout.segments if s.kind != "question"], tiny_engine.runner.scaling)
+    rank = RankSpace(layout, [s for s in layout.segments if s.kind != "question"], tiny_engine.runner.scaling)
     n, shape = layout.n_tokens, tiny_engine.runner.shape
     torch.manual_seed(2)
     q = torch.randn(shape.n_heads, n, shape.head_dim)  # [Hq, N, D]

@@ -11,7 +11,7 @@ dispatch, inside transformers' own rotary embedding, so they cannot run a model.
   except explicit transfers (`.to`, `copy_`) and 0-dim scalars. This is stricter than CUDA.
 
 So a prefill that completes here is device-correct and free of host syncs, except the one named
-sync per request (`engine._to_host`, after the layer loop), which the test replaces by a
+sync per request (`executor.prefill._to_host`, after the layer loop), which the test replaces by a
 counting stand-in answering from shapes alone.
 """
 
@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-import blend_engine.engine as engine_mod
-from blend_engine.attention import selected_block_mask
+import blend_engine.executor.prefill as prefill_mod
 from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.executor.attention import selected_block_mask
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
@@ -137,7 +137,7 @@ def host_sync_counter(monkeypatch):
         calls.append(t.numel())
         return list(range(calls.n_tokens - t.numel(), calls.n_tokens))
 
-    monkeypatch.setattr(engine_mod, "_to_host", to_host, raising=False)
+    monkeypatch.setattr(prefill_mod, "_to_host", to_host)
     return calls
 
 

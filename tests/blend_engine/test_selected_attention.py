@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from blend_engine import attention
 from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.executor import attention
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, SelectionPolicy
@@ -102,7 +102,7 @@ def test_a_failed_flex_compile_falls_back_to_the_boolean_mask(engines, monkeypat
     monkeypatch.setattr(attention, "_kernel", lambda device: None if attention._failed else broken)
     plan = PLANS["blend@0.15"]
     want = engines["sdpa_mask"].prefill(plan)
-    with caplog.at_level("ERROR", logger="blend_engine.attention"):
+    with caplog.at_level("ERROR", logger="blend_engine.executor.attention"):
         got = engines["flex"].prefill(plan)
     assert attention.compile_failed()
     assert sum("compiling flex_attention failed" in r.message for r in caplog.records) == 1  # logged once

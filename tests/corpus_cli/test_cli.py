@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from corpus_cli.cli import main
-from tests.helpers import ROOT
+from tests.helpers import FIXED_RATIO_ENV, ROOT
 
 SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
 
@@ -24,7 +24,7 @@ SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
 def env(tiny_model_dir, tmp_path, monkeypatch) -> dict:
     values = {"BLENDSERVE_MODEL": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
               "BLENDSERVE_INGEST_BATCH_SIZE": "4", "BLENDSERVE_MEMORY_CACHE_MB": "64",
-              "BLENDSERVE_DISK_CACHE_MB": "512", "BLENDSERVE_RECOMPUTE_RATIO": "0.15", "HF_HUB_OFFLINE": "1"}
+              "BLENDSERVE_DISK_CACHE_MB": "512", **FIXED_RATIO_ENV, "HF_HUB_OFFLINE": "1"}
     for k, v in values.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(tmp_path)  # no stray .env

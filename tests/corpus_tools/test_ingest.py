@@ -20,7 +20,7 @@ from corpus_tools.chunking import chunk_text, sentences
 from corpus_tools.documents import Document, InputError, Reader
 from retrieval.embedder import Embedder
 from retrieval.text import format_passage
-from tests.helpers import tiny_runner
+from tests.helpers import FIXED_RATIO, tiny_runner
 
 SCOTT = ("Scott Derrickson (born July 16, 1966) is an American director, screenwriter and producer. He lives in "
          "Los Angeles, California. He is best known for directing horror films such as \"Sinister\" and "
@@ -68,7 +68,7 @@ def embedder() -> Embedder:
 
 def make_stack(tmp: Path, runner, embedder, **kw) -> Stack:
     settings = Settings(_env_file=None, data_dir=tmp / "data", chunk_tokens=kw.pop("chunk_tokens", 64),
-                        ingest_batch_size=kw.pop("ingest_batch_size", 3), recompute_ratio=0.15,
+                        ingest_batch_size=kw.pop("ingest_batch_size", 3), recompute_ratio=FIXED_RATIO,
                         memory_cache_mb=64, disk_cache_mb=256, **kw)
     return build_stack(settings, runner=runner, embedder=embedder)
 
@@ -351,8 +351,8 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
     for n in (1, 4):
         forwards = []
         s = make_stack(tmp_path / str(n), runner, embedder, precompute_batch=n, ingest_batch_size=8)
-        real = s.engine.precompute_many
-        monkeypatch.setattr(s.engine, "precompute_many", lambda lists, batch_size, real=real, forwards=forwards:
+        real = s.engine.chunks.precompute_many
+        monkeypatch.setattr(s.engine.chunks, "precompute_many", lambda lists, batch_size, real=real, forwards=forwards:
                             forwards.append(len(lists)) or real(lists, batch_size))
         try:
             assert s.pipeline.ingestion.precompute_batch == n
@@ -377,15 +377,15 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
 
 def test_cancelled_between_precompute_batches_commits_nothing(tmp_path, runner, embedder):
     s = make_stack(tmp_path, runner, embedder, precompute_batch=2, ingest_batch_size=8)
-    s.pipeline.ensure_system_prefix()  # the fixed chunks' own forward, before the counted ones
-    engine, calls = s.engine, []
-    real = engine.precompute_many
+    s.pipeline.ensure_system_prefix()  # the fixed chunks own forward, before the counted ones
+    chunks, calls = s.engine.chunks, []
+    real = chunks.precompute_many
 
     def counted(lists, batch_size=16):
         calls.append(len(lists))
         return real(lists, batch_size)
 
-    engine.precompute_many = counted
+    chunks.precompute_many = counted
     try:
         with cancel_scope(lambda: len(calls) >= 2):  # cancelled after the second forward
             with pytest.raises(Cancelled, match="between precompute batches"):
@@ -394,7 +394,7 @@ def test_cancelled_between_precompute_batches_commits_nothing(tmp_path, runner, 
         assert s.pipeline.db.counts()["passages"] == 0 and len(s.retriever.index) == 0
         assert s.pipeline.get_document("log") is None and not s.pipeline.db.incomplete()
     finally:
-        del engine.precompute_many
+        del chunks.precompute_many
         s.close()
 
 

@@ -7,12 +7,13 @@ import functools
 import pytest
 import torch
 
-from blend_engine.engine import FULL_PREFILL_SOURCE, BlendEngine, EngineConfig
+from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import MemoryStore
-from blend_engine.kv_store.controller import BandwidthController
 from blend_engine.kv_store.factory import build_loader, build_store
 from blend_engine.model import ModelRunner
+from blend_engine.scheduler.controller import BandwidthController
+from blend_engine.scheduler.plans import RatioSource
 from blend_engine.types import BlendPlan
 from tests import helpers
 
@@ -155,7 +156,7 @@ def test_controller_serves_full_prefill_when_loading_is_too_slow():
         eng.ensure_cached(p)
     served = eng.prefill(plan(ratio=None))
     full = eng.prefill(BlendPlan(passages=PASSAGES, question=QUESTION, mode="full_prefill"))
-    assert served.report.mode == "full_prefill" and served.report.ratio_source == FULL_PREFILL_SOURCE
+    assert served.report.mode == "full_prefill" and served.report.ratio_source == RatioSource.FULL_PREFILL.value
     assert served.report.recompute_ratio == 1.0 and served.report.layer_load_ms == ()
     assert torch.equal(served.logits, full.logits)
     assert ctl.state().full_prefill_choices == 1 and ctl.state().observations == 1
@@ -174,7 +175,7 @@ def test_batched_precompute_equals_one_at_a_time():
 def test_int8_dequantized_after_the_move_equals_the_host_decode(tmp_path, monkeypatch, tier):
     """The device path (int8 packed as stored, dequantized where the model runs), forced on the CPU,
     gives the logits and selection of the host decode; from disk with a corrupted chunk repaired."""
-    import blend_engine.engine as engine_mod
+    import blend_engine.executor.prefill as prefill_mod
     from blend_engine.transfer import LayerPacker
 
     def run(moves_int8: bool):
@@ -183,7 +184,7 @@ def test_int8_dequantized_after_the_move_equals_the_host_decode(tmp_path, monkey
                 super().__init__(*args, **kwargs)
                 self.moves_int8 = moves_int8
 
-        monkeypatch.setattr(engine_mod, "LayerPacker", Packer)
+        monkeypatch.setattr(prefill_mod, "LayerPacker", Packer)
         fp = fingerprint("int8")
         store = (MemoryStore(1 << 26, kv_format="int8", fingerprint=fp) if tier == "memory"
                  else build_store(kv_format="int8", disk_dir=tmp_path / str(moves_int8), fingerprint=fp))

@@ -16,16 +16,17 @@ value on the host (no sync inside the layer loop).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from blend_engine.attention import flex_attend, selected_block_mask
+from blend_engine.executor.attention import flex_attend, selected_block_mask
 from blend_engine.explain import ScoreProbe
 from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
+from blend_engine.scheduler.budget import kept
+from blend_engine.scheduler.plans import competing, sink_count
 from blend_engine.types import SelectionPolicy
 
 # ModelRunner.window_masks: (query positions [S], key count) -> (layer -> window mask [S, N] or None)
@@ -107,33 +108,33 @@ class RankSpace:
     keeps the forced rows plus the best competitors. No host sync, no data-dependent shape.
     """
 
-    def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float,
+    def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float, sink_tokens: int = 0,
                  device: torch.device | str = "cpu", probe: ScoreProbe | None = None) -> None:
         self.scale = scale
-        self.device = device
         self.probe = probe  # explain: keeps the check layer's scores (device tensors, no sync)
         cached_offsets = {s.offset for s in cached}
         self.n = layout.n_tokens
-        self.kind = [_OTHER] * self.n  # per position, on the host
-        compete, always = [], []
-        self.passages: list[tuple[int, int]] = []
+        kind = [_OTHER] * self.n  # per position, on the host
+        compete: list[int] = []
+        always: list[int] = []
+        self.passages: list[tuple[int, int]] = []  # the competing chunks' spans
         for seg in layout.segments:
-            span = list(range(seg.offset, seg.end))
             if seg.offset not in cached_offsets:
-                always += span
-            elif seg.kind == "passage":
-                compete += span
+                always += range(seg.offset, seg.end)
+                kind[seg.offset:seg.end] = [_FORCED] * (seg.end - seg.offset)
+            elif competing(seg, True):
+                compete += range(seg.offset, seg.end)
                 self.passages.append((seg.offset, seg.end))
-        for i in always:
-            self.kind[i] = _FORCED
-        for i in compete:
-            self.kind[i] = _COMPETE
-        self.compete = torch.tensor(compete, dtype=torch.long, device=device)  # [P]
-        self.always = torch.tensor(always, dtype=torch.long, device=device)  # [U]
+                sinks = sink_count(seg, sink_tokens)
+                kind[seg.offset:seg.end] = [_FORCED] * sinks + [_COMPETE] * (seg.end - seg.offset - sinks)
+        self.compete = torch.tensor(compete, dtype=torch.long, device=device)  # [P] cached chunk tokens, sinks too
+        self.always = torch.tensor(always, dtype=torch.long, device=device)  # [U] uncached tokens
+        self.n_forced, self.n_compete = kind.count(_FORCED), kind.count(_COMPETE)
+        table = {_OTHER: float("-inf"), _COMPETE: 0.0, _FORCED: float("inf")}
+        self.base = torch.tensor([table[c] for c in kind], dtype=torch.float32).to(device)  # [N] score offsets
         last = layout.segments[-1]
         self.n_query = last.end - last.offset  # the question: always recomputed, the last Q positions
         self.query = torch.arange(last.offset, last.end, device=device)  # [Q]
-        self._base: dict[int, tuple[torch.Tensor, int, int]] = {}
         P = len(self.passages)
         pid = torch.full((self.n,), P, dtype=torch.long)  # [N]; P: in no cached passage
         for i, (s, e) in enumerate(self.passages):
@@ -143,35 +144,25 @@ class RankSpace:
         self._mass_sum: torch.Tensor | None = None  # query_mass "running": summed over selecting layers
         self._mass_count = 0
 
-    def base(self, sink_tokens: int) -> tuple[torch.Tensor, int, int]:
-        """(score offset per position [N]: +inf forced, -inf never, 0 competing; #forced; #competing)."""
-        if sink_tokens not in self._base:
-            kind = list(self.kind)
-            for s, e in self.passages:
-                kind[s:min(s + sink_tokens, e)] = [_FORCED] * (min(s + sink_tokens, e) - s)
-            table = {_OTHER: float("-inf"), _COMPETE: 0.0, _FORCED: float("inf")}
-            base = torch.tensor([table[c] for c in kind], dtype=torch.float32).to(self.device)  # [N]
-            self._base[sink_tokens] = (base, kind.count(_FORCED), kind.count(_COMPETE))
-        return self._base[sink_tokens]
-
-    def select(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None) -> torch.Tensor:
+    def select(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None,
+               multiplier: float = 1.0) -> torch.Tensor:
         """Positions to keep recomputing, sorted [S']. See `select_rows`."""
-        return self.select_rows(q, k, v, K, V, ratio, policy, current)[0]
+        return self.select_rows(q, k, v, K, V, ratio, policy, current, multiplier)[0]
 
-    def select_rows(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy,
-                    current: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions to keep recomputing [S'], their rows in `current`), both sorted.
+    def select_rows(self, q, k, v, K, V, ratio: float, policy: SelectionPolicy, current: torch.Tensor | None,
+                    multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions to keep recomputing [S'], their rows in `current`), both sorted: every forced
+        position plus `budget.kept(competitors, ratio, multiplier)` competitors.
 
         q [Hq, S, D], k, v [H, S, D]: fresh values for `current` (None = all N positions);
         K, V [H, C, D]: the blended cache of this layer before the fresh values are written.
         `current` always holds every forced position (they are kept at every narrowing).
         """
-        base, n_forced, n_compete = self.base(policy.sink_tokens)
-        n_keep = min(len(self.compete), math.ceil(ratio * len(self.compete) - 1e-9))
+        n_forced, n_compete = self.n_forced, self.n_compete
         S = self.n if current is None else current.shape[0]
         present = n_compete if current is None else S - n_forced  # competitors in the current set
-        take = n_forced + (min(n_keep, present) if policy.use_deviation else 0)
-        rows_base = base if current is None else base[current]  # [S]
+        take = n_forced + (min(kept(n_compete, ratio, multiplier), present) if policy.use_deviation else 0)
+        rows_base = self.base if current is None else self.base[current]  # [S]
         if policy.use_deviation and take > n_forced:
             old_k = K[:, :S] if current is None else K[:, current]  # [H, S, D]
             old_v = V[:, :S] if current is None else V[:, current]  # [H, S, D]

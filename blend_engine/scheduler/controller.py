@@ -21,11 +21,14 @@ serves the request by full prefill and says so (`ratio_source` "controller:full_
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from blend_engine.kv_store.base import KVStore, StoreStats
+from blend_engine.scheduler.budget import PrefillWork
+
+if TYPE_CHECKING:
+    from blend_engine.kv_store.base import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -34,33 +37,6 @@ PRIOR_TOKEN_LAYER_S = 30e-6  # seconds per token per layer: a ~100M model on a f
 PRIOR_LAYER_FIXED_S = 0.0  # seconds per layer whatever its size (kernel launches, norms, the python loop)
 _FAST = float("inf")
 _GRID = 0.01  # ratio resolution
-
-
-@dataclass(frozen=True)
-class PrefillWork:
-    """What one blend prefill has to do, known before it starts (from the layout and cache lookups)."""
-
-    n_tokens: int  # N: the whole prompt
-    n_cached: int  # P: tokens of cached passages that hit (the competitors)
-    n_forced: int  # tokens always recomputed above the check layer (uncached, sinks)
-    n_layers: int
-    bytes_per_layer: int  # bytes loaded per layer (hits only)
-    check_layer: int = 1
-    check_multiplier: float = 1.0
-    schedule: tuple[tuple[int, float], ...] = ()
-
-    def tokens_per_layer(self, ratio: float) -> list[int]:
-        """Tokens computed at each layer at this ratio, as the engine selects them: all N up to and
-        including the check layer, then the forced tokens plus ratio x multiplier of the cached."""
-        mult, sched = self.check_multiplier, dict(self.schedule)
-        out = []
-        for layer in range(self.n_layers):
-            if layer <= self.check_layer:
-                out.append(self.n_tokens)
-                continue
-            mult = sched.get(layer, mult)
-            out.append(self.n_forced + min(self.n_cached, math.ceil(ratio * mult * self.n_cached - 1e-9)))
-        return out
 
 
 @dataclass(frozen=True)
@@ -142,18 +118,18 @@ class BandwidthController:
     def _update_tiers(self, store: KVStore) -> None:
         """Fold the tiers' read counters (bytes, seconds) since the last look into the estimates."""
         stats = store.stats()
-        tiers = [StoreStats(**{k: v for k, v in t.items() if k in StoreStats.__dataclass_fields__})
-                 for t in stats.extra.get("tiers", [])] or [stats]
         deltas: dict[str, int] = {}
-        for t in tiers:
-            seen_b, seen_s = self._tier_seen.get(t.name, (0, 0.0))
-            db, ds = t.bytes_read - seen_b, t.read_seconds - seen_s
-            self._tier_seen[t.name] = (t.bytes_read, t.read_seconds)
+        tiers = [(t["name"], t["bytes_read"], t["read_seconds"]) for t in stats.extra.get("tiers", [])] or \
+            [(stats.name, stats.bytes_read, stats.read_seconds)]
+        for name, bytes_read, read_seconds in tiers:
+            seen_b, seen_s = self._tier_seen.get(name, (0, 0.0))
+            db, ds = bytes_read - seen_b, read_seconds - seen_s
+            self._tier_seen[name] = (bytes_read, read_seconds)
             if db <= 0:
                 continue
-            deltas[t.name] = db
+            deltas[name] = db
             bw = db / ds if ds > 0 else _FAST
-            self._tier_bw[t.name] = bw if bw == _FAST else _ewma(self._tier_bw.get(t.name), bw, self.alpha)
+            self._tier_bw[name] = bw if bw == _FAST else _ewma(self._tier_bw.get(name), bw, self.alpha)
         total = sum(deltas.values())
         if total:
             for name in set(self._tier_share) | set(deltas):

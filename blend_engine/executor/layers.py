@@ -12,18 +12,19 @@ value on the host: the caller reads the final positions once, after it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from blend_engine.cancel import checkpoint
+from blend_engine.executor.placement import Placer
+from blend_engine.executor.selection import RankSpace, Selection
 from blend_engine.explain import ScoreProbe
 from blend_engine.kv_store import ChunkKV
 from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
-from blend_engine.placement import Placer
-from blend_engine.selection import RankSpace, Selection
+from blend_engine.scheduler.budget import narrowing
 from blend_engine.transfer import PackedLayer, cuda_ready
 from blend_engine.types import SelectionPolicy
 
@@ -120,11 +121,15 @@ def run_layers(runner: ModelRunner, job: LayerJob) -> LayerOutput:
     """Run every layer once (see `LayerJob`). At the last layer only the last position's output
     is needed (its logits), so only it attends and runs the MLP there; every selected token's K/V
     are still written."""
-    return _LayerLoop(runner, job).run()
+    loop = LayerLoop(runner, job)
+    for _ in loop.steps():
+        pass
+    return loop.output()
 
 
-class _LayerLoop:
-    """The state of one pass: the current selection (None = every position) and hidden states."""
+class LayerLoop:
+    """The state of one pass: the current selection (None = every position) and hidden states.
+    `steps()` runs one layer per step, so a scheduler can interleave other work between layers."""
 
     def __init__(self, r: ModelRunner, job: LayerJob) -> None:
         self.r, self.job = r, job
@@ -136,19 +141,21 @@ class _LayerLoop:
         self.windows = r.window_masks(self.pos, N)  # layer -> [N, N] or None, one per window size
         self.sel = None if job.recompute is None else self._selection(job.recompute)  # None = all tokens
         self.hidden = r.embed(job.ids if self.sel is None else job.ids[self.sel.pos])  # [N or S, E]
-        self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, job.ids.device, job.probe)
+        policy = job.policy or SelectionPolicy()
+        self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, policy.sink_tokens, job.ids.device, job.probe)
                        if job.check_layer is not None else None)
-        self.schedule = dict(job.policy.schedule) if job.policy is not None else {}
+        self.narrowing = narrowing(policy)  # layer -> multiplier where the selection is made or narrowed
         self.placer = Placer(r, list(job.cached), job.rotate)
+        self.clock = LayerClock(r.device)
+        self.sizes: list[int] = []
 
     def _selection(self, positions: torch.Tensor) -> Selection:
         return Selection(positions, self.cos_all, self.sin_all, self.n, self.r.window_masks, attention=self.job.attention)
 
-    def run(self) -> LayerOutput:
+    def steps(self) -> Iterator[int]:
+        """Run the layers one per step; each step yields the number of tokens that layer computed."""
         timer, n_layers = self.job.timer, self.r.shape.n_layers
         layers = iter(self.job.stream) if self.job.stream is not None else None
-        clock = LayerClock(self.r.device)
-        sizes: list[int] = []
         for layer in range(n_layers):
             checkpoint(f"at layer {layer}")  # a timed-out or abandoned request stops here, not after the prefill
             t0 = time.perf_counter()
@@ -159,12 +166,16 @@ class _LayerLoop:
             if packed is not None and not self._all_overwritten(layer):
                 self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
             timer.assemble += time.perf_counter() - t1
-            clock.mark()
+            self.clock.mark()
             self._layer(layer, K, V, last=layer == n_layers - 1)
-            sizes.append(self.n if self.sel is None else self.sel.pos.shape[0])
-            clock.mark()
+            self.sizes.append(self.n if self.sel is None else self.sel.pos.shape[0])
+            self.clock.mark()
+            yield self.sizes[-1]
+
+    def output(self) -> LayerOutput:
+        """After the last step: the filled cache, the last hidden state, the final selection."""
         selected = None if self.sel is None else self.sel.pos  # [S]
-        return LayerOutput(self.cache, self.hidden[-1:], selected, tuple(sizes), clock)
+        return LayerOutput(self.cache, self.hidden[-1:], selected, tuple(self.sizes), self.clock)
 
     def _all_overwritten(self, layer: int) -> bool:
         return self.sel is None and self.job.check_layer is not None and layer < self.job.check_layer
@@ -187,8 +198,8 @@ class _LayerLoop:
         job, N = self.job, self.n
         q, k, v = self.r.qkv(layer, self.hidden, self.cos_all, self.sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
         if job.check_layer is not None and layer == job.check_layer:
-            ratio = job.ratio * job.policy.check_multiplier
-            picked, rows = self.ranked.select_rows(q, k, v, K, V, ratio, job.policy, None)  # [S]
+            picked, rows = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, None,
+                                                   self.narrowing[layer])  # [S]
             self.sel = self._selection(picked)
             q, self.hidden = q[:, rows], self.hidden[rows]  # [Hq, S, D], [S, E]
         K[:, :N], V[:, :N] = k, v
@@ -199,9 +210,9 @@ class _LayerLoop:
         job, sel = self.job, self.sel
         q, k, v = self.r.qkv(layer, self.hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
         keep = None
-        if self.ranked is not None and layer in self.schedule:
-            ratio = job.ratio * self.schedule[layer]
-            narrowed, keep = self.ranked.select_rows(q, k, v, K, V, ratio, job.policy, sel.pos)  # [S']
+        if self.ranked is not None and layer in self.narrowing:
+            narrowed, keep = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, sel.pos,
+                                                     self.narrowing[layer])  # [S']
         K[:, sel.pos], V[:, sel.pos] = k, v
         if keep is not None:
             q, self.hidden = q[:, keep], self.hidden[keep]  # [Hq, S', D], [S', E]

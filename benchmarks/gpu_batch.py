@@ -1,0 +1,75 @@
+"""The GPU check's batched run (`gpu_check` part 4): 1, 16 and 64 concurrent requests on the engine
+loop (continuous batching), each blending ~8K tokens (its own passages' KV in pinned RAM, ratio
+0.15) and decoding `max_tokens` tokens through end-of-sequence. Per level: answers/s, output
+tokens/s, p50/p99 TTFT and inter-token latency, the largest decode batch seen."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.gpu_common import QUESTIONS, HeldStore, Setup, cache_kv, make_passages
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.model import ModelRunner
+from blend_engine.scheduler.batch import BatchLimits
+from blend_engine.types import BlendPlan, GenerationConfig
+
+
+def time_batched(setup: Setup, runner: ModelRunner, clients: tuple[int, ...], n_tokens: int,
+                 max_tokens: int = 32, n_contexts: int = 4) -> dict:
+    """`n_contexts` different ~n_tokens contexts (their KV cached in pinned RAM), requests cycling over
+    them with different questions, `c` at once for each c in `clients`."""
+    fmt = "bf16" if runner.dtype == torch.bfloat16 else "fp16"
+    dt = torch.bfloat16 if fmt == "bf16" else torch.float16
+    pin = setup.device.type == "cuda"
+    store = HeldStore("pinned", lambda t: t.to("cpu", dt).pin_memory() if pin else t.to("cpu", dt))
+    limits = BatchLimits(max_batch=max(clients), kv_budget_bytes=1 << 40)
+    engine = BlendEngine(runner, store, EngineConfig(kv_format=fmt, batch=limits))
+    contexts = [make_passages(engine, n_tokens - 64, seed=100 + i) for i in range(n_contexts)]
+    for passages in contexts:
+        cache_kv(engine, passages, [store])
+    gen = GenerationConfig(max_tokens=max_tokens, ignore_eos=True)
+    plans = [BlendPlan(tuple(contexts[i % n_contexts]), QUESTIONS[i % len(QUESTIONS)], recompute_ratio=0.15)
+             for i in range(max(clients))]
+    engine.run(plans[0], GenerationConfig(max_tokens=2))  # warm-up (kernels, allocator)
+    rows = [_level(engine, plans[:c], gen) for c in clients]
+    engine.close()
+    return {"tokens": engine.layout(plans[0]).n_tokens, "max_tokens": max_tokens, "rows": rows}
+
+
+def _level(engine: BlendEngine, plans: list[BlendPlan], gen: GenerationConfig) -> dict:
+    stamps: list[list[float]] = [[] for _ in plans]
+    start = threading.Barrier(len(plans) + 1)
+
+    def one(i: int) -> None:
+        g = engine.generate(plans[i], gen)
+        start.wait()
+        for _ in g.deltas():
+            stamps[i].append(time.perf_counter())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    seen = engine.loop.max_batch_seen
+    engine.loop.max_batch_seen = 0
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    ttft = [s[0] - t0 for s in stamps if s]
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:])]
+    tokens = sum(len(s) for s in stamps)
+    row = {"clients": len(plans), "seconds": seconds, "answers_per_s": len(plans) / seconds,
+           "tokens_per_s": tokens / seconds, "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+           "itl_p50_ms": _pct(gaps, 50), "itl_p99_ms": _pct(gaps, 99), "max_batch_seen": engine.loop.max_batch_seen}
+    engine.loop.max_batch_seen = max(seen, engine.loop.max_batch_seen)
+    return row
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else float("nan")
+

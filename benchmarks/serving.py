@@ -1,0 +1,226 @@
+"""Serving under concurrency: 1, 2, 4, 8 and 16 clients streaming /v1/query on retrieved
+sample-corpus questions (top_k 5), at max_tokens 32 and 128, against `python -m app` with its
+default settings (continuous batching: BLENDSERVE_MAX_BATCH, BLENDSERVE_BATCH_KV_MB).
+
+Per level: answers/s, output tokens/s, p50/p99 time to first token, p50/p99 inter-token latency
+(gaps between streamed deltas), and 503s. Answers decode to max_tokens (`ignore_eos`, as vLLM's
+benchmarks do), so the token counts are the ones asked for.
+
+    python -m benchmarks.serving [--clients 1,2,4,8,16] [--max-tokens 32,128] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks.data import load_examples
+from benchmarks.throughput import REPO, free_port, wait_ready
+
+logger = logging.getLogger(__name__)
+OUT = REPO / "benchmarks" / "results" / "serving"
+
+
+@dataclass(frozen=True)
+class ServingRow:
+    max_tokens: int
+    clients: int
+    requests: int
+    answered: int
+    rejected_503: int
+    errors: int
+    seconds: float
+    answers_per_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+@dataclass
+class _Sample:
+    ttft_ms: float
+    gaps_ms: list[float]
+    tokens: int
+
+
+@contextmanager
+def service(data_dir: Path) -> Iterator[str]:
+    """`python -m app` with its defaults (the sample corpus ingested on first start into `data_dir`)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
+    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_PORT": str(port), "BLENDSERVE_LOG_LEVEL": "warning",
+                "PYTHONPATH": str(REPO)})
+    log = open(data_dir / "server.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, 900, proc)
+        _wait_ingested(url)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wait_ingested(url: str, timeout_s: float = 900) -> None:
+    """The first start ingests the sample corpus in the background: wait until its passages are in."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        n = httpx.get(f"{url}/readyz", timeout=10).json().get("index", {}).get("passages", 0)
+        if n > 0 and n == last:
+            return
+        last = n
+        time.sleep(5)
+    raise TimeoutError("the sample corpus was not ingested in time")
+
+
+def questions(n: int) -> list[str]:
+    """HotpotQA dev questions whose paragraphs make up the bundled sample corpus."""
+    return [ex.question for ex in load_examples("hotpotqa", n)]
+
+
+async def _one(http: httpx.AsyncClient, url: str, body: dict) -> _Sample | int:
+    """One streamed query: its sample, or the HTTP status it was refused with."""
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    async with http.stream("POST", f"{url}/v1/query", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return r.status_code
+        event = None
+        tokens = 0
+        async for line in r.aiter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event == "delta":
+                stamps.append(time.perf_counter())
+            elif line.startswith("data: ") and event == "done":
+                tokens = json.loads(line[6:])["stats"]["completion_tokens"]
+            elif line.startswith("data: ") and event == "error":
+                return 500
+    if not stamps:
+        return 500
+    return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens)
+
+
+async def _level(url: str, bodies: list[dict], clients: int) -> tuple[float, list]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    out: list = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            out.append(await _one(http, url, queue.get_nowait()))
+
+    async with httpx.AsyncClient(timeout=3600) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        return time.perf_counter() - t0, out
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int) -> ServingRow:
+    n = max(clients * rounds, 4)
+    bodies = [{"question": qs[i % len(qs)], "top_k": 5, "max_tokens": max_tokens, "temperature": 0.0,
+               "stream": True, "ignore_eos": True} for i in range(n)]
+    seconds, results = asyncio.run(_level(url, bodies, clients))
+    samples = [r for r in results if isinstance(r, _Sample)]
+    gaps = [g for s in samples for g in s.gaps_ms]
+    ttft = [s.ttft_ms for s in samples]
+    row = ServingRow(max_tokens, clients, n, len(samples), sum(r == 503 for r in results),
+                     sum(isinstance(r, int) and r != 503 for r in results), seconds, len(samples) / seconds,
+                     sum(s.tokens for s in samples) / seconds, _pct(ttft, 50), _pct(ttft, 99), _pct(gaps, 50),
+                     _pct(gaps, 99))
+    logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s, TTFT p50 %.0f ms, ITL p50 %.0f ms, "
+                "503s %d", max_tokens, clients, row.answers_per_s, row.tokens_per_s, row.ttft_p50_ms, row.itl_p50_ms,
+                row.rejected_503)
+    return row
+
+
+def table(rows: list[ServingRow]) -> str:
+    head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | 503s |\n"
+            "|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r.max_tokens} | {r.clients} | {r.answers_per_s:.3f} | {r.tokens_per_s:.1f} | "
+        f"{r.ttft_p50_ms:,.0f} / {r.ttft_p99_ms:,.0f} | {r.itl_p50_ms:,.0f} / {r.itl_p99_ms:,.0f} | "
+        f"{r.rejected_503} |\n" for r in rows)
+
+
+def plot(rows: list[ServingRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for mt in sorted({r.max_tokens for r in rows}):
+        sel = [r for r in rows if r.max_tokens == mt]
+        x = [r.clients for r in sel]
+        axes[0].plot(x, [r.tokens_per_s for r in sel], marker="o", label=f"max_tokens {mt}")
+        axes[1].plot(x, [r.answers_per_s for r in sel], marker="o", label=f"max_tokens {mt}")
+        axes[2].plot(x, [r.itl_p50_ms for r in sel], marker="o", label=f"max_tokens {mt}")
+    for ax, title in zip(axes, ("output tokens/s", "answers/s", "inter-token latency p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,2,4,8,16")
+    p.add_argument("--max-tokens", default="32,128")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client at each level (at least 4 in all)")
+    p.add_argument("--questions", type=int, default=40)
+    p.add_argument("--data-dir", type=Path, default=None, help="reuse an ingested data dir (default: a temporary one)")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    qs = questions(args.questions)
+    rows: list[ServingRow] = []
+    with tempfile.TemporaryDirectory(prefix="blendserve-serving-") as tmp:
+        data_dir = args.data_dir or Path(tmp)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with service(data_dir) as url:
+            measure(url, qs, 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
+            for mt in (int(x) for x in args.max_tokens.split(",")):
+                for clients in (int(x) for x in args.clients.split(",")):
+                    rows.append(measure(url, qs, clients, mt, args.rounds))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    (args.out / "serving.md").write_text(table(rows))
+    plot(rows, args.out / "serving.png")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

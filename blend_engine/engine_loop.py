@@ -1,0 +1,285 @@
+"""The engine loop: one thread owns the model and serves every request in continuous batches.
+
+    caller threads                         the loop thread
+    --------------                         ---------------
+    Generation.deltas()                    each step (`scheduler.batch.BatchScheduler`):
+      layout, keys, plan (no tensors)  ->    drop cancelled requests
+      then wait for deltas            <-     admit / advance one prefill (bounded layers)
+                                             ONE batched decode step for all the others
+    run_task(fn) (ingestion precompute) ->   one task between steps
+
+Per request the loop keeps its prefill run, cache, sampler, stop decoder and tokens (`_Request`);
+a failed or cancelled request leaves the batch at the next step without touching the others.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from blend_engine.cancel import Cancelled, cancel_scope, current_check
+from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.prefill import PrefillRun, PrefillState
+from blend_engine.generation import Delta, Generation
+from blend_engine.layout import PromptLayout
+from blend_engine.sampling import Sampler, StreamDecoder
+from blend_engine.scheduler.batch import BatchLimits, BatchScheduler
+from blend_engine.scheduler.plans import ModePlan
+from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request planned on its caller's thread: what the loop needs to start its prefill."""
+
+    layout: PromptLayout
+    keys: tuple[str | None, ...]
+    mp: ModePlan
+    policy: SelectionPolicy
+
+
+@dataclass
+class _Request:
+    """The loop's state of one request (tensors included); dropped when it ends."""
+
+    rid: int
+    handle: Generation
+    prep: Prepared
+    should_stop: Callable[[], bool]
+    t0: float
+    kv_bytes: int
+    run: PrefillRun | None = None
+    steps: Iterator[int] | None = None
+    state: PrefillState | None = None
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    next_token: int = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.handle.cancelled or self.should_stop()
+
+
+class EngineLoop:
+    """Started on first use; `close()` fails what is still queued or running."""
+
+    def __init__(self, engine: Any, limits: BatchLimits) -> None:
+        self.engine = engine  # BlendEngine: its runner, chunk cache, loader, controller (duck-typed: no cycle)
+        self.scheduler = BatchScheduler(limits)
+        self._cond = threading.Condition()
+        self._incoming: deque[_Request] = deque()
+        self._tasks: deque[tuple[Callable[[], Any], Callable[[], bool] | None, concurrent.futures.Future]] = deque()
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0  # decode steps run (for stats and tests)
+        self.max_batch_seen = 0
+
+    # ================================================================== caller side
+    def submit(self, handle: Generation, prep: Prepared, kv_bytes: int) -> None:
+        check = current_check()
+        req = _Request(next(self._ids), handle, prep, check or (lambda: False), time.perf_counter(), kv_bytes)
+        with self._cond:
+            if self._closed:
+                raise Cancelled("the engine is shutting down")
+            self._incoming.append(req)
+            self._start()
+            self._cond.notify()
+
+    def run_task(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between steps (ingestion's precompute), under the caller's
+        cancellation; directly when called from the loop itself or before the loop started."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise Cancelled("the engine is shutting down")
+            self._tasks.append((fn, current_check(), fut))
+            self._cond.notify()
+        return fut.result()
+
+    def stats(self) -> dict:
+        return {"running": self.scheduler.running, "waiting": self.scheduler.waiting + len(self._incoming),
+                "kv_bytes": self.scheduler.kv_bytes, "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    # ================================================================== the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._incoming and not self._tasks and not self.scheduler.has_work:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                while self._incoming:
+                    req = self._incoming.popleft()
+                    self._requests[req.rid] = req
+                    self.scheduler.add(req.rid, req.kv_bytes)
+                task = self._tasks.popleft() if self._tasks else None
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
+                logger.exception("engine step failed")
+            if task is not None:
+                with torch.inference_mode():
+                    self._run_task(*task)
+        self._fail_all(Cancelled("the engine is shutting down"))
+
+    def _step(self) -> None:
+        for req in [r for r in self._requests.values() if r.stopped]:
+            self._drop(req, Cancelled("request cancelled"))
+        plan = self.scheduler.schedule()
+        for rid in plan.admit:
+            self._guard(self._requests[rid], self._begin)
+        if plan.prefill is not None and plan.prefill in self._requests:
+            self._guard(self._requests[plan.prefill], lambda r: self._advance(r, plan.prefill_tokens))
+        decoding = [self._requests[rid] for rid in plan.decode if rid in self._requests]
+        if decoding:
+            self._decode(decoding)
+
+    def _guard(self, req: _Request, fn: Callable[[_Request], None]) -> None:
+        """Run one request's share of a step; its failure (or cancellation) ends it alone."""
+        try:
+            with cancel_scope(lambda: req.stopped):
+                fn(req)
+        except BaseException as exc:  # noqa: BLE001 - handed to the request's caller
+            self._drop(req, exc)
+
+    # ------------------------------------------------------------------ prefill
+    def _begin(self, req: _Request) -> None:
+        eng, prep = self.engine, req.prep
+        req.run = eng.start_run(req.handle.plan, prep, req.handle.gen.max_tokens)
+        req.steps = req.run.steps()
+
+    def _advance(self, req: _Request, budget: int | None) -> None:
+        """Run prefill layers until they computed `budget` tokens (None: to the end)."""
+        done = 0
+        for tokens in req.steps:
+            done += tokens
+            if budget is not None and done >= budget:
+                return
+        req.state = self.engine.complete_run(req.handle.plan, req.prep, req.run)
+        req.handle.state = req.state
+        gen = req.handle.gen
+        req.sampler = Sampler(gen.temperature, gen.top_p, gen.seed)
+        req.decoder = StreamDecoder(self.engine.runner.tokenizer, gen.stop)
+        self.scheduler.prefilled(req.rid)
+        self._take(req, req.state.logits[None, :])  # [1, V]
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, reqs: list[_Request]) -> None:
+        caches = [r.state.cache for r in reqs]
+        try:
+            logits = decode_batch(self.engine.runner, caches, [r.next_token for r in reqs],
+                                  [c.length for c in caches])  # [B, V]
+        except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
+            for r in reqs:
+                self._drop(r, exc)
+            return
+        self.steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(reqs))
+        for b, req in enumerate(reqs):
+            self._guard(req, lambda r, b=b: self._take(r, logits[b:b + 1]))
+
+    def _take(self, req: _Request, logits: torch.Tensor) -> None:
+        """Sample the next token from logits [1, V], stream it, and end the request when it stops."""
+        gen, eos = req.handle.gen, self.engine.runner.eos_token_ids
+        tok = req.sampler(logits[0])
+        if req.handle.ttft_ms is None:
+            req.handle.ttft_ms = (time.perf_counter() - req.t0) * 1e3
+        if tok in eos and not gen.ignore_eos:
+            return self._end(req, "stop")
+        req.tokens.append(tok)
+        lp = self._logprob(logits[0], tok, gen.logprobs) if gen.logprobs is not None else ()
+        req.logprobs.extend(lp)
+        text, hit_stop = req.decoder.push(tok)
+        if text or lp:
+            req.handle.emit(Delta(text, lp))
+        if hit_stop:
+            return self._end(req, "stop")
+        if len(req.tokens) >= gen.max_tokens:
+            return self._end(req, "length")
+        req.next_token = tok
+
+    def _logprob(self, logits: torch.Tensor, tok: int, k: int) -> tuple[TokenLogprob, ...]:
+        """The sampled token's log probability and the k most likely alternatives, from logits [V]."""
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        text = self.engine.runner.decode
+        top = torch.topk(logp, k) if k else None
+        alts = tuple((text([int(i)]), float(v)) for v, i in zip(top.values, top.indices)) if top is not None else ()
+        return (TokenLogprob(tok, text([tok]), float(logp[tok]), alts),)
+
+    def _end(self, req: _Request, finish: str) -> None:
+        """The answer is complete: store the KV of chunks that missed, then hand over the result."""
+        tail = req.decoder.flush()
+        if tail:
+            req.handle.emit(Delta(tail))
+        total_ms = (time.perf_counter() - req.t0) * 1e3
+        self.scheduler.finish(req.rid)
+        self._requests.pop(req.rid, None)
+        state = req.state
+        self.engine.chunks.store_missing(state.layout, state.missing, req.handle.plan.cache_salt)
+        store_ms = (time.perf_counter() - req.t0) * 1e3 - total_ms
+        req.handle.end(BlendResult(
+            text=req.decoder.text, token_ids=tuple(req.tokens), finish_reason=finish, report=state.report,
+            ttft_ms=req.handle.ttft_ms if req.handle.ttft_ms is not None else total_ms, total_ms=total_ms,
+            store_ms=store_ms, explanation=state.explanation, logprobs=tuple(req.logprobs)))
+
+    # ------------------------------------------------------------------ endings
+    def _drop(self, req: _Request, exc: BaseException) -> None:
+        """End a request that failed or was cancelled; the rest of the batch is untouched."""
+        self.scheduler.finish(req.rid)
+        self._requests.pop(req.rid, None)
+        if req.run is not None and req.state is None:
+            req.run.close()
+        if not isinstance(exc, Cancelled):
+            logger.warning("request %d failed: %s", req.rid, exc)
+        req.handle.fail(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            pending = list(self._incoming)
+            self._incoming.clear()
+            tasks = list(self._tasks)
+            self._tasks.clear()
+        for req in [*self._requests.values(), *pending]:
+            self._drop(req, exc)
+        for _, _, fut in tasks:
+            fut.set_exception(exc)
+
+    @staticmethod
+    def _run_task(fn: Callable[[], Any], check: Callable[[], bool] | None, fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            with cancel_scope(check or (lambda: False)):
+                fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(exc)
+
