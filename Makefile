@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-engine bench-store bench-ingest bench-loader gpu-prepare bench-peer-install bench-peer clean
+.PHONY: install run test lint bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare bench-peer-install bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,9 @@ bench-store: $(STAMP)
 
 bench-ingest: $(STAMP)
 	$(PY) -m benchmarks.ingest
+
+bench-serving: $(STAMP)
+	$(PY) -m benchmarks.serving
 
 bench-loader: $(STAMP)
 	$(PY) -m benchmarks.loader

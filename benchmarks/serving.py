@@ -83,15 +83,13 @@ def service(data_dir: Path) -> Iterator[str]:
 
 
 def _wait_ingested(url: str, timeout_s: float = 900) -> None:
-    """The first start ingests the sample corpus in the background: wait until its passages are in."""
+    """The first start ingests the sample corpus as a background job (`readyz.ingestion`): wait for it."""
     deadline = time.monotonic() + timeout_s
-    last = -1
     while time.monotonic() < deadline:
-        n = httpx.get(f"{url}/readyz", timeout=10).json().get("index", {}).get("passages", 0)
-        if n > 0 and n == last:
+        job = httpx.get(f"{url}/readyz", timeout=10).json().get("ingestion")
+        if job is None or job["status"] in ("done", "failed", "cancelled"):
             return
-        last = n
-        time.sleep(5)
+        time.sleep(2)
     raise TimeoutError("the sample corpus was not ingested in time")
 
 

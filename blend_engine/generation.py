@@ -48,9 +48,13 @@ class Generation:
 
     # ------------------------------------------------------------------ caller side
     def __iter__(self) -> Iterator[str]:
-        for delta in self.deltas():
-            if delta.text:
-                yield delta.text
+        deltas = self.deltas()
+        try:
+            for delta in deltas:
+                if delta.text:
+                    yield delta.text
+        finally:
+            deltas.close()  # closed early: the request leaves the batch at the next step
 
     def deltas(self) -> Iterator[Delta]:
         """Submit the request (on first use), then yield its deltas until it ends."""

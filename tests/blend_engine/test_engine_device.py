@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 import blend_engine.executor.prefill as prefill_mod
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.attention import selected_block_mask
+from blend_engine.executor.decode import decode_batch
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
@@ -166,6 +167,28 @@ def test_every_mode_runs_on_a_device_model_with_cpu_side_kv(family, tier, depth,
         if mode != "full_prefill":
             assert state.report.cache_hits == len(PASSAGES) + 1 and state.report.cache_misses == 0
         assert len(host_sync_counter) <= 1, f"{mode}: more than one device->host sync per request"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_batched_decode_step_runs_on_the_device_without_host_syncs(family, host_sync_counter):
+    """Three requests of other prompt lengths in one decode step (ragged attention, window masks on
+    mistral), then a lone one: device tensors only, token ids and positions uploaded, no value read."""
+    runner = _device_runner(family)
+    engine = BlendEngine(runner, MemoryStore(1 << 20), EngineConfig(kv_format="fp16"))
+    caches = []
+    for passages in (PASSAGES, PASSAGES[:1], PASSAGES[1:]):
+        plan = BlendPlan(passages, QUESTION, mode="full_prefill")
+        host_sync_counter.n_tokens = engine.layout(plan).n_tokens
+        caches.append(engine.prefill(plan, max_new_tokens=3).cache)
+    lengths = [c.length for c in caches]
+    assert len(set(lengths)) == 3
+    with DeviceChecker() as checker:
+        logits = decode_batch(runner, caches, [5, 6, 7], lengths)
+        one = engine.decode_step(caches[0], 8)
+    assert logits.shape == (3, CONFIG["vocab_size"]) and logits.device == runner.device and one.device == runner.device
+    assert [c.length for c in caches] == [lengths[0] + 2, lengths[1] + 1, lengths[2] + 1]
+    assert {shape for _, shape in checker.uploads} <= {(3,), (1,)}  # ids and positions only, nothing per layer
+    assert host_sync_counter == []  # the decode step reads nothing back (the prefills' positions stand in above)
 
 
 @pytest.fixture
