@@ -50,12 +50,16 @@ def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatc
                         "bool_mask_expanded_kv_ms": 1.0, "float_mask_ms": 1.0, "blocks_ms": 1.0, "full_causal_ms": 1.0})
     monkeypatch.setattr(gc, "time_ingestion", lambda *_a: {"passages": 8, "passage_tokens": 256, "batch": 8,
                         "one_at_a_time_passages_per_s": 1.0, "batched_passages_per_s": 2.0})
+    monkeypatch.setattr(gc, "time_batched", lambda *_a: {"tokens": 512, "max_tokens": 8, "rows": [
+        {"clients": 2, "answers_per_s": 1.0, "tokens_per_s": 8.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0,
+         "itl_p50_ms": 1.0, "itl_p99_ms": 2.0, "max_batch_seen": 2}]})
     result = gc.run(tmp_path, smoke=True, smollm=None, lengths=[512], reps=1)
     assert set(result["errors"]) == {"correctness", "ttft 512"} and not result["correctness"]["pass"]
     assert result["attention"] and result["ingestion"]["batched_passages_per_s"] == 2.0
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "out of memory" in saved["errors"]["ttft 512"]
     assert "ttft 512 failed" in (tmp_path / "gpu_check.md").read_text()
+    assert "| 2 | 1.00 | 8.0 |" in (tmp_path / "gpu_check.md").read_text()  # the batched run's table
 
 
 def test_a_failing_variant_or_flex_timing_is_recorded_in_its_row():
