@@ -180,3 +180,16 @@ def test_a_few_documents_with_their_own_ids_are_ingested_first():
     assert [d.doc_id for d in head] == ["b", "c"]  # "a" is repeated: both its parts go in one ingestion
     assert [d.text for d in rest] == ["x", "z"]
     assert first_slice(docs, 0) == ([], docs)
+
+
+def test_uploading_a_changed_file_replaces_its_passages_and_their_kv(client):
+    engine = svc(client).stack.engine
+    first = wait_job(client, client.post("/v1/documents/upload", files=[
+        ("files", ("changing.txt", b"The ferry leaves at nine."))]).json()["id"])
+    old = client.get("/v1/documents/changing.txt").json()["passages"]
+    assert first["status"] == "done" and engine.store.contains(old[0]["kv_key"])
+    second = wait_job(client, client.post("/v1/documents/upload", files=[
+        ("files", ("changing.txt", b"The ferry now leaves at ten."))]).json()["id"])
+    new = client.get("/v1/documents/changing.txt").json()["passages"]
+    assert second["status"] == "done" and [p["text"] for p in new] == ["The ferry now leaves at ten."]
+    assert not engine.store.contains(old[0]["kv_key"]) and engine.store.contains(new[0]["kv_key"])
