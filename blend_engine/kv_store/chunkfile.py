@@ -117,10 +117,10 @@ class OpenFiles:
 
     def __init__(self, direct: bool = False) -> None:
         self.direct = direct and hasattr(os, "O_DIRECT")
-        self._fds: dict[Path, tuple[int, bool]] = {}
+        self._fds: dict[str, tuple[int, bool]] = {}
         self._lock = threading.Lock()
 
-    def get(self, path: Path) -> tuple[int, bool] | None:
+    def get(self, path: str) -> tuple[int, bool] | None:
         """(fd, opened with O_DIRECT) of the file; None when it does not exist."""
         with self._lock:
             if path in self._fds:
@@ -135,7 +135,7 @@ class OpenFiles:
             self._fds[path] = got
         return got
 
-    def _open(self, path: Path) -> tuple[int, bool] | None:
+    def _open(self, path: str) -> tuple[int, bool] | None:
         try:
             if self.direct:
                 try:
@@ -143,13 +143,13 @@ class OpenFiles:
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    logger.warning("O_DIRECT is not supported for %s; reading through the page cache", path.parent)
+                    logger.warning("O_DIRECT is not supported for %s; reading through the page cache", path)
                     self.direct = False
             return os.open(path, os.O_RDONLY), False
         except FileNotFoundError:
             return None
 
-    def forget(self, path: Path) -> None:
+    def forget(self, path: str) -> None:
         """Close a file (it was replaced or found bad): the next read opens it again."""
         with self._lock:
             got = self._fds.pop(path, None)

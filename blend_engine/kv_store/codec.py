@@ -20,6 +20,7 @@ stay readable: a meta without the field is a crc32 meta. See docs/results.md, "L
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from collections.abc import Sequence
@@ -59,8 +60,8 @@ class ChunkMeta:
         if len(self.checksums) != self.n_layers:
             raise ValueError(f"{len(self.checksums)} checksums for {self.n_layers} layers")
 
-    @property
-    def layer_nbytes(self) -> int:
+    @functools.cached_property
+    def layer_nbytes(self) -> int:  # cached: read on every layer read
         return layer_nbytes(self.fmt, self.n_heads, self.n_tokens, self.head_dim)
 
     @property

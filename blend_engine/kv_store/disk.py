@@ -49,6 +49,7 @@ _STALE_TMP_S = 3600.0
 class _DiskEntry:
     meta: ChunkMeta | None = None  # parsed lazily from the file header
     data_offset: int = 0
+    path: str | None = None  # the file's path, kept for the hot read path
 
 
 class DiskStore(BlobStore):
@@ -136,7 +137,7 @@ class DiskStore(BlobStore):
         e.meta, e.data_offset = meta, offset
         return meta
 
-    def _locate(self, key: str, layer: int, touch: bool) -> tuple[ChunkMeta, int] | None:
+    def _locate(self, key: str, layer: int, touch: bool) -> tuple[ChunkMeta, int, str] | None:
         """(meta, file offset of the layer's blob); counts a miss, or a hit when layer 0 is touched."""
         with self._lock:
             e = self._entry(key)
@@ -149,7 +150,9 @@ class DiskStore(BlobStore):
                 self._lru.touch(key)
                 self._stats.hits += 1
                 self._index.touch(key)
-            return meta, e.data_offset + layer * meta.layer_nbytes
+            if e.path is None:
+                e.path = str(self.path(key))
+            return meta, e.data_offset + layer * meta.layer_nbytes, e.path
 
     def _replaced(self, key: str, layer: int, meta: ChunkMeta, why: str, retry: bool) -> bool:
         """After a bad read: True when another writer replaced the file (read it again); otherwise
@@ -183,8 +186,8 @@ class DiskStore(BlobStore):
             found = self._locate(key, layer, touch=attempt == 0)
             if found is None:
                 return None
-            meta, offset = found
-            blob = self._read(key, offset, meta.layer_nbytes, into, files, again=attempt > 0)
+            meta, offset, path = found
+            blob = self._read(path, offset, meta.layer_nbytes, into, files, again=attempt > 0)
             if blob is not None and meta.verify(layer, blob):
                 with self._lock:
                     self._stats.bytes_read += len(blob)
@@ -194,16 +197,16 @@ class DiskStore(BlobStore):
                 return None
         return None
 
-    def _read(self, key: str, offset: int, n: int, into, files: OpenFiles | None, again: bool):
-        """n bytes of the key's file at offset: None when it is gone, b"" on a short read."""
-        path = self.path(key)
+    @staticmethod
+    def _read(path: str, offset: int, n: int, into, files: OpenFiles | None, again: bool):
+        """n bytes of the file at offset: None when it is gone, b"" on a short read."""
         if into is None:
-            return read_at(path, offset, n)
+            return read_at(Path(path), offset, n)
         own = files is None
         files = files or OpenFiles()
         try:
             if again:
-                files.forget(path)  # the file may have been replaced since this request opened it
+                files.forget(path)  # the file may have been replaced since this stream opened it
             got = files.get(path)
             if got is None:
                 return None
@@ -284,7 +287,7 @@ class DiskStore(BlobStore):
             if files is None:
                 advise_willneed(path)
                 continue
-            got = files.get(path)
+            got = files.get(str(path))
             if got is not None and not got[1]:  # O_DIRECT reads skip the page cache
                 os.posix_fadvise(got[0], 0, 0, os.POSIX_FADV_WILLNEED)
 

@@ -19,9 +19,9 @@ into the region through `files`, the stream's open descriptors (`chunkfile.OpenF
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,13 +33,19 @@ ALIGN = 4096
 _target = threading.local()
 
 
-@contextmanager
-def reading_into(region: memoryview, files) -> Iterator[None]:
-    """Within the block, this thread's `get_blob` calls read into `region` through `files`."""
-    _target.value = (region, files)
-    try:
-        yield
-    finally:
+class reading_into:  # noqa: N801 - used as a context manager, like contextlib's
+    """Within the block, this thread's `get_blob` calls read into `region` through `files`.
+    (A class, not a generator: it runs once per chunk and layer.)"""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, region: memoryview, files) -> None:
+        self._target = (region, files)
+
+    def __enter__(self) -> None:
+        _target.value = self._target
+
+    def __exit__(self, *exc) -> None:
         _target.value = None
 
 
@@ -53,6 +59,7 @@ def region_size(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN + ALIGN
 
 
+@functools.cache
 def pinnable() -> bool:
     """Page-locked host memory is worth allocating only where a CUDA device will copy from it."""
     return torch.cuda.is_available()
@@ -60,7 +67,7 @@ def pinnable() -> bool:
 
 def address(buf) -> int:
     """The address of a bytes-like object's first byte."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0] if len(buf) else 0
 
 
 def is_pinned(blob) -> bool:
