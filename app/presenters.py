@@ -8,6 +8,7 @@ loop); `/v1/chat/completions` reuses that body for its `passages` and `blend` fi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,12 @@ from app.schemas import (
     ChatChoice,
     ChatChoiceMessage,
     ChatCompletionResponse,
+    ChoiceLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     Explain,
+    LogprobEntry,
     PassageExplain,
     PassageOut,
     PromptTokensDetails,
@@ -29,10 +33,12 @@ from app.schemas import (
     SourceOut,
     SystemExplain,
     Timings,
+    TopLogprob,
     Usage,
 )
 from app.service import PassageRef, QueryOutcome
 from blend_engine.explain import Explanation, SegmentExplanation, token_pieces
+from blend_engine.types import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,28 @@ class Answered:
     body: QueryResponse
 
 
-def present(outcome: QueryOutcome, tokenizer: Any, explain_max_tokens: int) -> Answered:
+def present(outcome: QueryOutcome, tokenizer: Any, explain_max_tokens: int, logprobs: bool = False) -> Answered:
     """The outcome with its HTTP body. Runs on the worker thread (the tokenizer decodes explain's tokens)."""
     explain = (explain_response(tokenizer, outcome.explanation, outcome.passages, explain_max_tokens)
                if outcome.explanation is not None else None)
-    return Answered(outcome, query_response(outcome, explain))
+    return Answered(outcome, query_response(outcome, explain, logprobs))
+
+
+def chat_logprobs(tokens: Sequence[TokenLogprob]) -> ChoiceLogprobs:
+    """OpenAI's chat format: per token its text, logprob, UTF-8 bytes and the most likely alternatives."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return ChoiceLogprobs(content=[LogprobEntry(**entry(t.text, t.logprob),
+                                                top_logprobs=[TopLogprob(**entry(x, lp)) for x, lp in t.top])
+                                   for t in tokens])
+
+
+def completion_logprobs(tokens: Sequence[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions format; `text_offset` counts characters from `offset`."""
+    offsets = list(itertools.accumulate((len(t.text) for t in tokens), initial=offset))[:-1]
+    return CompletionLogprobs(tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                              top_logprobs=[dict(t.top) for t in tokens], text_offset=offsets)
 
 
 def passages_out(refs: Sequence[PassageRef]) -> list[PassageOut]:
@@ -61,7 +84,7 @@ def sources_out(refs: Sequence[PassageRef]) -> list[SourceOut]:
             for n, p in enumerate(refs, 1)]
 
 
-def query_response(outcome: QueryOutcome, explain: Explain | None = None) -> QueryResponse:
+def query_response(outcome: QueryOutcome, explain: Explain | None = None, logprobs: bool = False) -> QueryResponse:
     """The `/v1/query` body (`QueryExplainedResponse` when the request asked for explain)."""
     r = outcome.report
     extra = {"explain": explain} if explain is not None else {}
@@ -70,6 +93,7 @@ def query_response(outcome: QueryOutcome, explain: Explain | None = None) -> Que
         answer=outcome.answer,
         passages=passages_out(outcome.passages),
         sources=sources_out(outcome.passages),
+        logprobs=chat_logprobs(outcome.choices[0].logprobs) if logprobs and outcome.choices else None,
         mode=r.mode,
         finish_reason=outcome.finish_reason,
         timings=Timings(
@@ -160,14 +184,15 @@ def openai_extras(answered: Answered) -> dict:
             "notes": list(answered.outcome.notes), "blend": blend_extra(answered)}
 
 
-def chat_response(answered: Answered, head: dict) -> ChatCompletionResponse:
+def chat_response(answered: Answered, head: dict, logprobs: bool = False) -> ChatCompletionResponse:
     outcome = answered.outcome
-    choices = [ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason)
-               for c in outcome.choices]
+    choices = [ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason,
+                          logprobs=chat_logprobs(c.logprobs) if logprobs else None) for c in outcome.choices]
     return ChatCompletionResponse(**head, choices=choices, usage=usage(outcome), **openai_extras(answered))
 
 
-def completion_response(answered: Answered, head: dict) -> CompletionResponse:
+def completion_response(answered: Answered, head: dict, logprobs: bool = False) -> CompletionResponse:
     outcome = answered.outcome
-    choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in outcome.choices]
+    choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                logprobs=completion_logprobs(c.logprobs) if logprobs else None) for c in outcome.choices]
     return CompletionResponse(**head, choices=choices, usage=usage(outcome), **openai_extras(answered))

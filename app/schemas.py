@@ -123,14 +123,14 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = None
 
 
-class TokenLogprob(TopLogprob):
+class LogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob] = []
 
 
 class ChoiceLogprobs(BaseModel):
     """OpenAI's chat `logprobs`: one entry per generated token."""
 
-    content: list[TokenLogprob] | None = None
+    content: list[LogprobEntry] | None = None
     refusal: None = None
 
 

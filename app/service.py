@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -12,9 +14,10 @@ from typing import Any
 
 from app.conversation import exchanges_to_drop
 from app.worker import Cancelled, EngineWorker, Job
+from blend_engine.cancel import cancel_scope
 from blend_engine.errors import InputError, StorageError
 from blend_engine.explain import Explanation
-from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode, Turn
+from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode, TokenLogprob, Turn
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
 
@@ -108,7 +111,6 @@ class QuerySpec:
     search: str | None = None  # what retrieval searches for (None: the question)
     numbered: bool = True  # `[n]` before passage n, so that answers can cite it
     n: int = 1  # completions sampled for the one prompt
-    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
     cache_salt: str | None = None  # the request's KV namespace (with the API key's, `tenancy`)
 
 
@@ -134,6 +136,7 @@ class Choice:
     text: str
     finish_reason: str
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class StreamDelta:
 
     index: int
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this text came from, when asked
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class QueryOutcome:
 
 
 # ====================================================================== worker-thread code
+_DONE = object()  # the end of a stream of deltas
 def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]]:
     engine = stack.engine
     if spec.documents is not None:
@@ -219,21 +224,46 @@ def _choice_config(gen: GenerationConfig, index: int) -> GenerationConfig:
     return gen if index == 0 or gen.seed is None else replace(gen, seed=gen.seed + index)
 
 
-def _generate(engine, plan: BlendPlan, gen: GenerationConfig, index: int, job: Job,
-              emit: Callable[[StreamDelta], None] | None):
-    generation = engine.generate(plan, _choice_config(gen, index))
-    it = iter(generation)
+def _drain(generation, index: int, out: queue.Queue, should_stop: Callable[[], bool]) -> None:
+    """One choice's deltas into `out`, then `_DONE` (an exception in its place when it failed). Runs
+    under the request's cancellation scope, which the engine carries along with the submission."""
     try:
-        for text in it:
-            if job.cancelled:
-                raise Cancelled("request cancelled while generating")
-            if emit is not None:
-                emit(StreamDelta(index, text))
+        with cancel_scope(should_stop):
+            for delta in generation.deltas():
+                out.put((index, delta))
+    except BaseException as exc:  # noqa: BLE001 - handed to the request's thread
+        out.put((index, exc))
+    out.put((index, _DONE))
+
+
+def _generate(engine, plan: BlendPlan, gen: GenerationConfig, n: int, job: Job,
+              emit: Callable[[StreamDelta], None] | None) -> list:
+    """Sample `n` completions of one prompt, submitted together (the engine loop batches them), each
+    drained on a thread of its own; deltas reach `emit` as they come. A cancelled job (timeout, client
+    gone) stops them at their next layer or token."""
+    generations = [engine.generate(plan, _choice_config(gen, i)) for i in range(n)]
+    out: queue.Queue = queue.Queue()
+    should_stop = lambda: job.cancelled  # noqa: E731
+    for i, g in enumerate(generations):
+        threading.Thread(target=_drain, args=(g, i, out, should_stop), name=f"choice-{i}", daemon=True).start()
+    running, failure = n, None
+    try:
+        while running:
+            index, item = out.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, BaseException):
+                failure = failure or item
+            elif emit is not None and not job.cancelled and (item.text or item.logprobs):
+                emit(StreamDelta(index, item.text, item.logprobs))
     finally:
-        it.close()
-    if generation.result is None:
-        raise Cancelled("generation did not finish")
-    return generation.result
+        for g in generations:
+            g.cancel()  # no-op once finished
+    if job.cancelled:
+        raise Cancelled("request cancelled while generating")
+    if failure is not None:
+        raise failure
+    return [g.result for g in generations]
 
 
 def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> QueryOutcome:
@@ -250,15 +280,15 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], No
         mode, fallback = _gated_mode(stack, spec.mode)
         plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain,
-                         turns=spec.turns, numbered=spec.numbered)
+                         turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
         plan, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
-        results = [_generate(stack.engine, plan, spec.gen, i, job, emit) for i in range(spec.n)]
+        results = _generate(stack.engine, plan, spec.gen, spec.n, job, emit)
     except InputError as exc:  # the engine's and the plan's input errors (context overflow, ...)
         raise BadRequest(str(exc)) from exc
     except StorageError as exc:  # not the caller's fault: a logged, counted 5xx
         raise storage_fault(exc) from exc
     result = results[0]
-    choices = tuple(Choice(i, r.text, r.finish_reason, len(r.token_ids)) for i, r in enumerate(results))
+    choices = tuple(Choice(i, r.text, r.finish_reason, len(r.token_ids), r.logprobs) for i, r in enumerate(results))
     return QueryOutcome(
         answer=result.text,
         passages=passages,
@@ -280,7 +310,6 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], No
 
 
 # ====================================================================== event-loop side
-_DONE = object()
 
 
 class StreamHandle:

@@ -58,7 +58,8 @@ class Frames(Protocol):
 
 def answer(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> Answered:
     """The worker job of both query endpoints: run the query, then build its HTTP body."""
-    return present(run_query(stack, spec, job, emit), stack.engine.runner.tokenizer, spec.explain_max_tokens)
+    return present(run_query(stack, spec, job, emit), stack.engine.runner.tokenizer, spec.explain_max_tokens,
+                   logprobs=spec.gen.logprobs is not None)
 
 
 async def run_to_completion(svc: AppState, spec: QuerySpec, name: str, endpoint: str) -> Answered:

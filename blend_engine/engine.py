@@ -90,7 +90,8 @@ class BlendEngine:
     # ================================================================== the chunk cache
     def layout(self, plan: BlendPlan) -> PromptLayout:
         system = plan.system_prompt if plan.system_prompt is not None else self.config.system_prompt
-        return build_layout(self.runner.encode, self.runner.tokenizer, system, plan.passages, plan.question)
+        return build_layout(self.runner.encode, self.runner.tokenizer, system, plan.passages, plan.question,
+                            plan.turns, plan.numbered)
 
     def passage_tokens(self, passage: str) -> list[int]:
         return self.chunks.passage_tokens(passage)

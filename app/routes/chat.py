@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from app.auth import Tenant
 from app.conversation import ConversationError, from_messages
 from app.openai_fields import message_texts, refuse_unsupported
-from app.presenters import Answered, chat_response, openai_extras, usage
+from app.presenters import Answered, chat_logprobs, chat_response, openai_extras, usage
 from app.routes.common import Head, openai_spec
 from app.schemas import ChatCompletionRequest, ChatCompletionResponse
 from app.service import QuerySpec, StreamDelta
@@ -32,15 +32,16 @@ class ChatFrames:
         self.n = n
         self.include_usage = include_usage
 
-    def _chunk(self, index: int, delta: dict, finish: str | None = None, **extra) -> str:
+    def _chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None, **extra) -> str:
         return sse({**self.head, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                                              "logprobs": None}], **extra})
+                                              "logprobs": logprobs}], **extra})
 
     def opening(self) -> Iterable[str]:
         return tuple(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n))
 
     def delta(self, delta: StreamDelta) -> str:
-        return self._chunk(delta.index, {"content": delta.text})
+        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        return self._chunk(delta.index, {"content": delta.text}, logprobs=logprobs)
 
     def closing(self, answered: Answered) -> Iterator[str]:
         choices = answered.outcome.choices
@@ -82,7 +83,7 @@ async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenan
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, ChatFrames(head, spec.n, include_usage))
     answered = await run_to_completion(svc, spec, "chat", ENDPOINT)
-    return chat_response(answered, head.fields("chat.completion"))
+    return chat_response(answered, head.fields("chat.completion"), logprobs=spec.gen.logprobs is not None)
 
 
 @router.get("/v1/models")

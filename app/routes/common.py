@@ -29,10 +29,10 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
         question=question, top_k=req.top_k, documents=documents,
         mode=Mode.parse(req.mode or settings.default_mode), recompute_ratio=ratio,
         gen=GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop),
-                             seed=seed, ignore_eos=ignore_eos),
+                             seed=seed, ignore_eos=ignore_eos, logprobs=logprobs),
         system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.explain_max_tokens,
         retrieval=req.retrieval, filters=NO_FILTERS if req.filters is None else Filters(**req.filters.model_dump()),
-        turns=turns, search=search, n=n, logprobs=logprobs, cache_salt=cache_namespace(tenant, req.cache_salt),
+        turns=turns, search=search, n=n, cache_salt=cache_namespace(tenant, req.cache_salt),
     )
 
 

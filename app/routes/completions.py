@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from app.auth import Tenant
 from app.openai_fields import refuse_unsupported
-from app.presenters import Answered, completion_response, openai_extras, usage
+from app.presenters import Answered, completion_logprobs, completion_response, openai_extras, usage
 from app.routes.common import Head, openai_spec
 from app.schemas import CompletionRequest, CompletionResponse
 from app.service import StreamDelta
@@ -28,16 +28,20 @@ class CompletionFrames:
     def __init__(self, head: Head, include_usage: bool) -> None:
         self.head = head.fields("text_completion")
         self.include_usage = include_usage
+        self.offsets: dict[int, int] = {}  # per choice: characters sent so far (the logprobs' text_offset)
 
-    def _chunk(self, index: int, text: str, finish: str | None = None, **extra) -> str:
+    def _chunk(self, index: int, text: str, finish: str | None = None, logprobs=None, **extra) -> str:
         return sse({**self.head, "choices": [{"index": index, "text": text, "finish_reason": finish,
-                                              "logprobs": None}], **extra})
+                                              "logprobs": logprobs}], **extra})
 
     def opening(self) -> Iterable[str]:
         return ()
 
     def delta(self, delta: StreamDelta) -> str:
-        return self._chunk(delta.index, delta.text)
+        offset = self.offsets.get(delta.index, 0)
+        self.offsets[delta.index] = offset + len(delta.text)
+        logprobs = completion_logprobs(delta.logprobs, offset) if delta.logprobs else None
+        return self._chunk(delta.index, delta.text, logprobs=logprobs)
 
     def closing(self, answered: Answered) -> Iterator[str]:
         choices = answered.outcome.choices
@@ -75,4 +79,4 @@ async def completions(req: CompletionRequest, svc: State, tenant: Tenant):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, CompletionFrames(head, include_usage))
     answered = await run_to_completion(svc, spec, "completions", ENDPOINT)
-    return completion_response(answered, head.fields("text_completion"))
+    return completion_response(answered, head.fields("text_completion"), logprobs=spec.gen.logprobs is not None)

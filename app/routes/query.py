@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from fastapi import APIRouter
 
 from app.auth import Tenant
-from app.presenters import Answered
+from app.presenters import Answered, chat_logprobs
 from app.routes.common import build_spec
 from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
 from app.service import StreamDelta
@@ -26,7 +26,8 @@ class QueryFrames:
         return ()
 
     def delta(self, delta: StreamDelta) -> str:
-        return sse({"text": delta.text}, "delta")
+        extra = {"logprobs": chat_logprobs(delta.logprobs).content} if delta.logprobs else {}
+        return sse({"text": delta.text, **extra}, "delta")
 
     def closing(self, answered: Answered) -> Iterable[str]:
         return (sse(answered.body, "done"),)

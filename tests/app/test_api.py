@@ -168,7 +168,8 @@ def test_query_with_retrieval(client, mode):
     if mode == "full_prefill":
         assert stats["recomputed_tokens"] == stats["context_tokens"] and stats["recompute_ratio"] == 1.0
     if mode in ("blend", "full_reuse"):
-        assert stats["cache_hits"] == 3 and stats["cache_misses"] == 0  # system prefix + 2 ingested passages
+        # system prefix, markers [1] [2] (stored at ingestion with it), the 2 ingested passages
+        assert stats["cache_hits"] == 5 and stats["cache_misses"] == 0
         assert stats["recomputed_tokens"] < stats["context_tokens"]
 
 
@@ -216,7 +217,7 @@ def test_query_with_inline_documents(client, mode):
         assert all(engine.store.contains(k) for k in keys)  # stored after answering
         assert body["timings"]["kv_store_ms"] > 0  # ... and that time is reported
         again = client.post("/v1/query", json=payload).json()
-        assert again["stats"]["cache_misses"] == 0 and again["stats"]["cache_hits"] == 3
+        assert again["stats"]["cache_misses"] == 0 and again["stats"]["cache_hits"] == 5  # + markers [1] [2]
         assert again["timings"]["kv_store_ms"] < body["timings"]["kv_store_ms"]
         if mode == "blend":
             assert again["stats"]["recompute_ratio"] == pytest.approx(0.3)
@@ -244,10 +245,12 @@ def check_explain(body: dict, tokenizer=None) -> dict:
     assert [(p["id"], p["title"]) for p in ex["passages"]] == [(p["id"], p["title"]) for p in body["passages"]]
     # counted the same way: every prompt position in the final recomputed set
     assert ex["passage_recomputed_tokens"] == sum(p["recomputed_tokens"] for p in ex["passages"])
+    others = ex["markers"] + ex["turns"]  # the [n] markers and a conversation's earlier messages
+    assert len(ex["markers"]) == len(ex["passages"])
     assert ex["system"]["recomputed_tokens"] + ex["passage_recomputed_tokens"] + ex["question"]["recomputed_tokens"] \
-        == stats["recomputed_tokens"]
+        + sum(o["recomputed_tokens"] for o in others) == stats["recomputed_tokens"]
     assert ex["system"]["n_tokens"] + sum(p["n_tokens"] for p in ex["passages"]) + ex["question"]["n_tokens"] \
-        == stats["context_tokens"]
+        + sum(o["n_tokens"] for o in others) == stats["context_tokens"]
     listed = sum(len(p["tokens"]) for p in ex["passages"]) + len(ex["question"]["tokens"])
     assert listed == ex["explained_tokens"] <= ex["max_tokens"]
     for p in ex["passages"]:
@@ -493,7 +496,7 @@ def test_ingest_get_and_delete_a_document(client):
 
     q = client.post("/v1/query", json={"question": "Which is the tallest volcano on Mars?", "top_k": 1,
                                        "max_tokens": 2}).json()
-    assert q["passages"][0]["id"] == passages[0]["id"] and q["stats"]["cache_hits"] == 2
+    assert q["passages"][0]["id"] == passages[0]["id"] and q["stats"]["cache_hits"] == 3  # sys, [1], the passage
 
     again = client.post("/v1/documents", json={"documents": [doc]}).json()  # idempotent
     assert again["new_passages"] == 0 and again["skipped"] == 1

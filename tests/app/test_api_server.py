@@ -141,7 +141,7 @@ def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
     answer = resp.choices[0].message.content
     assert "Paris" in answer
     assert [p["title"] for p in resp.model_extra["passages"]] == ["France"]
-    assert resp.model_extra["blend"]["stats"]["cache_hits"] == 2  # system prefix + the passage
+    assert resp.model_extra["blend"]["stats"]["cache_hits"] == 3  # system prefix, marker [1], the passage
 
     stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
                                             stream=True, extra_body={"top_k": 1})

@@ -148,3 +148,38 @@ def test_tenant_keys_authenticate(tmp_path, tiny_stack_factory):
         make_settings(tmp_path / "d2", tenant_keys={"a": "same", "b": "same"})
     with pytest.raises(ValueError, match="API_KEY"):
         make_settings(tmp_path / "d3", api_key="k", tenant_keys={"a": "k"})
+
+
+def test_query_logprobs(client):
+    q = {"question": "What is the capital of Germany?", "max_tokens": 4, "top_k": 2, "recompute_ratio": 0.3,
+         "logprobs": True, "top_logprobs": 2}
+    body = client.post("/v1/query", json=q).json()
+    assert len(body["logprobs"]["content"]) == body["stats"]["completion_tokens"] == 4
+    assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in body["logprobs"]["content"])
+    events = client.post("/v1/query", json={**q, "stream": True}).text
+    streamed = [t for line in events.splitlines() if line.startswith("data: ") and '"text"' in line
+                and line.startswith('data: {"text"') for t in json.loads(line[6:]).get("logprobs", [])]
+    assert [t["token"] for t in streamed] == [t["token"] for t in body["logprobs"]["content"]]
+    assert client.post("/v1/query", json={**q, "logprobs": False, "top_logprobs": None}).json()["logprobs"] is None
+
+
+def test_tenants_and_cache_salts_never_share_kv(tmp_path, tiny_stack_factory):
+    settings = make_settings(tmp_path / "data", api_key="shared", tenant_keys={"acme": "acme-key", "globex": "g-key"})
+    with serving(settings, tiny_stack_factory) as c:
+        r = c.post("/v1/documents", json={"documents": DOCS}, headers={"Authorization": "Bearer shared"})
+        assert r.status_code == 201, r.text
+        q = {"question": "What is the capital of France?", "max_tokens": 1, "top_k": 2, "recompute_ratio": 0.3}
+
+        def stats(key: str, **extra) -> tuple[int, int]:
+            s = c.post("/v1/query", json={**q, **extra}, headers={"Authorization": f"Bearer {key}"}).json()["stats"]
+            return s["cache_hits"], s["cache_misses"]
+
+        chunks = 1 + 2 + 2  # the system prefix, two markers, two passages
+        assert stats("shared") == (chunks, 0)  # the default namespace: what ingestion stored
+        assert stats("acme-key") == (0, chunks)  # acme sees none of it...
+        assert stats("acme-key") == (chunks, 0)  # ...then its own
+        assert stats("g-key") == (0, chunks)  # and globex not acme's
+        assert stats("shared", cache_salt="s1") == (0, chunks)  # a salt is a namespace of its own
+        assert stats("shared", cache_salt="s1") == (chunks, 0)
+        assert stats("acme-key", cache_salt="s1") == (0, chunks)  # per tenant, too
+        assert stats("shared") == (chunks, 0)  # and the default one is as it was
