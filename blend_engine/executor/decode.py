@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from blend_engine.model import ModelRunner
-from blend_engine.transfer import cuda_ready
+from blend_engine.transfer import upload as upload_host
 
 from .layers import KVCache
 
@@ -24,10 +24,7 @@ from .layers import KVCache
 def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """A small host list as a long tensor on the device: pinned and non-blocking on CUDA, so the
     decode step never waits for the host (the copy is ordered on the stream before its readers)."""
-    host = torch.tensor(list(values), dtype=torch.long)  # [B]
-    if cuda_ready(device):
-        return host.pin_memory().to(device, non_blocking=True)  # [B]
-    return host.to(device)  # [B]
+    return upload_host(torch.tensor(list(values), dtype=torch.long), device)  # [B]
 
 
 @torch.inference_mode()

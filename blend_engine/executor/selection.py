@@ -27,6 +27,7 @@ from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import kept
 from blend_engine.scheduler.plans import competing, sink_count
+from blend_engine.transfer import upload
 from blend_engine.types import SelectionPolicy
 
 # ModelRunner.window_masks: (query positions [S], key count) -> (layer -> window mask [S, N] or None)
@@ -127,11 +128,13 @@ class RankSpace:
                 self.passages.append((seg.offset, seg.end))
                 sinks = sink_count(seg, sink_tokens)
                 kind[seg.offset:seg.end] = [_FORCED] * sinks + [_COMPETE] * (seg.end - seg.offset - sinks)
-        self.compete = torch.tensor(compete, dtype=torch.long, device=device)  # [P] cached chunk tokens, sinks too
-        self.always = torch.tensor(always, dtype=torch.long, device=device)  # [U] uncached tokens
+        # built on the host once per request, each moved by one non-blocking upload (pinned on CUDA)
+        device = torch.device(device)
+        self.compete = upload(torch.tensor(compete, dtype=torch.long), device)  # [P] cached chunk tokens, sinks too
+        self.always = upload(torch.tensor(always, dtype=torch.long), device)  # [U] uncached tokens
         self.n_forced, self.n_compete = kind.count(_FORCED), kind.count(_COMPETE)
         table = {_OTHER: float("-inf"), _COMPETE: 0.0, _FORCED: float("inf")}
-        self.base = torch.tensor([table[c] for c in kind], dtype=torch.float32).to(device)  # [N] score offsets
+        self.base = upload(torch.tensor([table[c] for c in kind], dtype=torch.float32), device)  # [N] score offsets
         last = layout.segments[-1]
         self.n_query = last.end - last.offset  # the question: always recomputed, the last Q positions
         self.query = torch.arange(last.offset, last.end, device=device)  # [Q]
@@ -139,8 +142,8 @@ class RankSpace:
         pid = torch.full((self.n,), P, dtype=torch.long)  # [N]; P: in no cached passage
         for i, (s, e) in enumerate(self.passages):
             pid[s:e] = i
-        self.pid = pid.to(device)  # [N]
-        self.passage_len = torch.tensor([float(e - s) for s, e in self.passages], device=device)  # [P]
+        self.pid = upload(pid, device)  # [N]
+        self.passage_len = upload(torch.tensor([float(e - s) for s, e in self.passages]), device)  # [P]
         self._mass_sum: torch.Tensor | None = None  # query_mass "running": summed over selecting layers
         self._mass_count = 0
 

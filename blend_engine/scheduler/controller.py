@@ -16,10 +16,14 @@ Grounded in measurement (CacheBlend section 5.3):
 one layer's load; the prefill then costs about load_0 + sum_i max(compute_i, load_i+1). When even
 that is slower than full prefill (sum_i t(N)), it answers `full_prefill=True`: the engine then
 serves the request by full prefill and says so (`ratio_source` "controller:full_prefill").
+A fallback is not forever: after `probe_every` full-prefill answers in a row the next request is
+served by blend anyway (a probe), so the load and compute estimates are measured again (a tier
+that got faster, a page cache that warmed up) instead of staying at what made blend lose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -98,7 +102,7 @@ class BandwidthController:
 
     def __init__(self, floor: float = 0.15, cap: float = 0.5, alpha: float = 0.3,
                  prior_bandwidth: float = PRIOR_BANDWIDTH, prior_token_layer_s: float = PRIOR_TOKEN_LAYER_S,
-                 prior_layer_fixed_s: float = PRIOR_LAYER_FIXED_S) -> None:
+                 prior_layer_fixed_s: float = PRIOR_LAYER_FIXED_S, probe_every: int = 16) -> None:
         if not 0 <= floor <= cap <= 1:
             raise ValueError(f"need 0 <= floor <= cap <= 1, got floor={floor}, cap={cap}")
         self.floor, self.cap, self.alpha = floor, cap, alpha
@@ -112,6 +116,8 @@ class BandwidthController:
         self._tier_share: dict[str, float] = {}
         self._observations = 0
         self._full_prefill = 0
+        self._fallbacks = 0  # full-prefill answers since blend last ran
+        self.probe_every = probe_every  # 0: never probe
         self._last_ratio = floor
 
     # ------------------------------------------------------------------ estimates
@@ -161,10 +167,22 @@ class BandwidthController:
             except Exception as exc:  # stats are advisory; fall back on the other estimates
                 logger.warning("controller could not read store stats: %s", exc)
             bw, cost = self._estimate()
-            choice = self.plan(work, bw, cost)
+            choice = self._probe(self.plan(work, bw, cost))
             self._last_ratio = choice.ratio
             self._full_prefill += choice.full_prefill
             return choice
+
+    def _probe(self, choice: RatioChoice) -> RatioChoice:
+        """After `probe_every` fallbacks in a row, serve this request by blend (lock held)."""
+        if not choice.full_prefill:
+            self._fallbacks = 0
+            return choice
+        self._fallbacks += 1
+        if not self.probe_every or self._fallbacks <= self.probe_every:
+            return choice
+        self._fallbacks = 0
+        logger.info("controller: blend again after %d full prefills, to measure it anew", self.probe_every)
+        return dataclasses.replace(choice, full_prefill=False)
 
     def plan(self, work: PrefillWork, bandwidth: float, cost: tuple[float, float]) -> RatioChoice:
         """The choice for `work` under a bandwidth (bytes/s) and per-layer cost (fixed s, s per token)."""

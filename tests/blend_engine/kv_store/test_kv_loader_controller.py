@@ -160,6 +160,20 @@ def test_controller_serves_full_prefill_when_loading_is_slower():
     assert not fast.full_prefill and fast.predicted_ms < fast.full_prefill_ms
 
 
+def test_controller_probes_blend_again_after_a_run_of_fallbacks():
+    """Loading is priced slower than recomputing: full prefill, but every third choice after two
+    fallbacks in a row is served by blend, so the load is measured again."""
+    c = BandwidthController(floor=0.15, cap=0.5, prior_bandwidth=3e6 / 0.05, prior_token_layer_s=1e-5,
+                            prior_layer_fixed_s=1e-3, probe_every=2)
+    store = MemoryStore(1 << 20)
+    served = [c.choose(WORK, store).full_prefill for _ in range(6)]
+    assert served == [True, True, False, True, True, False]
+    assert c.state().full_prefill_choices == 4
+    never = BandwidthController(floor=0.15, cap=0.5, prior_bandwidth=3e6 / 0.05, prior_token_layer_s=1e-5,
+                                prior_layer_fixed_s=1e-3, probe_every=0)
+    assert all(never.choose(WORK, store).full_prefill for _ in range(4))
+
+
 def test_controller_reads_tier_bandwidth_before_any_report(tmp_path):
     from blend_engine.kv_store.disk import DiskStore
     from blend_engine.kv_store.tiered import TieredStore
