@@ -16,8 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ import httpx
 import numpy as np
 
 from benchmarks.data import load_examples
-from benchmarks.throughput import REPO, free_port, wait_ready
+from benchmarks.throughput import REPO, app_process, free_port
 
 logger = logging.getLogger(__name__)
 OUT = REPO / "benchmarks" / "results" / "serving"
@@ -66,20 +64,9 @@ def service(data_dir: Path) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
     env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_PORT": str(port), "BLENDSERVE_LOG_LEVEL": "warning",
                 "PYTHONPATH": str(REPO)})
-    log = open(data_dir / "server.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, 900, proc)
+    with app_process(env, data_dir / "server.log", 900) as url:
         _wait_ingested(url)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _wait_ingested(url: str, timeout_s: float = 900) -> None:

@@ -59,10 +59,22 @@ def running_service(workers: int | None = None, threads: int | None = None, read
                "BLENDSERVE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_LOG_LEVEL": "warning",
                **({"BLENDSERVE_WORKERS": str(workers)} if workers else {}),
                **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-        log = open(Path(tmp) / "server.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
         try:
+            with app_process(env, Path(tmp) / "server.log", ready_timeout_s) as url:
+                yield url
+        finally:
+            if keep_log is not None:
+                shutil.copyfile(Path(tmp) / "server.log", keep_log)
+
+
+@contextmanager
+def app_process(env: dict[str, str], log_path: Path, ready_timeout_s: float) -> Iterator[str]:
+    """`python -m app` from the repository with `env` (its port in BLENDSERVE_PORT), its output
+    appended to `log_path`; yields its base URL once /readyz answers 200, stops it on the way out."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{env['BLENDSERVE_PORT']}"
             wait_ready(url, ready_timeout_s, proc)
             yield url
         finally:
@@ -71,9 +83,6 @@ def running_service(workers: int | None = None, threads: int | None = None, read
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            log.close()
-            if keep_log is not None:
-                shutil.copyfile(Path(tmp) / "server.log", keep_log)
 
 
 def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers: dict | None = None,
