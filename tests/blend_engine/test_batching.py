@@ -95,7 +95,7 @@ def test_cancelling_one_member_changes_no_other_members_tokens(engine, alone):
     plans = PLANS[:8]
     got = _together(engine, plans, cancel=3)
     assert isinstance(got[3], Cancelled)
-    assert [r.token_ids for i, r in enumerate(got) if i != 3] == [t for i, t in enumerate(alone) if i != 3]
+    assert [r.token_ids for i, r in enumerate(got) if i != 3] == [t for i, t in enumerate(alone[:8]) if i != 3]
     assert engine.loop.scheduler.running == 0 and engine.loop.scheduler.kv_bytes == 0  # nothing left behind
 
 
