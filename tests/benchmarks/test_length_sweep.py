@@ -55,3 +55,19 @@ def test_sweep_scores_variants_against_cached_references(tiny_runner, tmp_path, 
     monkeypatch.setattr(engine, "generate", no_prefill)
     again = lengths.sweep(engine, "tiny", rows, [0, 40], variants, tmp_path / "c.json")
     assert [lengths.summarize(c) for c in again] == summaries
+
+
+def test_two_runs_sharing_a_cache_file_keep_each_others_results(tmp_path):
+    import torch
+
+    a, b = lengths.RefCache(tmp_path / "c.json"), lengths.RefCache(tmp_path / "c.json")
+    a.data["q1"] = {"ref": {"answer": "x"}, "runs": {"v1": {"kl": 0.1}}}
+    a.logits["q1"] = torch.zeros(3)
+    a.save()
+    b.data["q1"] = {"ref": {"answer": "x", "reordered_top1": 1.0}, "runs": {"v2": {"kl": 0.2}}}
+    b.data["q2"] = {"ref": {"answer": "y"}, "runs": {}}
+    b.logits["q2"] = torch.ones(3)
+    b.save()  # b never saw a's v1: the save merges instead of overwriting
+    merged = lengths.RefCache(tmp_path / "c.json")
+    assert set(merged.data) == {"q1", "q2"} and set(merged.data["q1"]["runs"]) == {"v1", "v2"}
+    assert merged.data["q1"]["ref"]["reordered_top1"] == 1.0 and set(merged.logits) == {"q1", "q2"}
