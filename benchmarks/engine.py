@@ -59,7 +59,10 @@ ABLATION: dict[str, SelectionPolicy] = {
     "k gradual 4x > 3x > 2x > 1.5x > 1x by layer 8, query-weighted (default until the 4-layer one)": SelectionPolicy(
         metric="k", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
     "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted (previous default)": previous_default_policy(),
-    "k@2 gradual 4x > 2x > 1.5x > 1x by layer 5, query-weighted, sinks 8 (default)": default_policy(),
+    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted, sinks 8 (default)": default_policy(),
+    "k@2 gradual 4x > 2x > 1.5x > 1x by layer 5, query-weighted, sinks 8": SelectionPolicy(
+        check_layer=2, metric="k", check_multiplier=4.0, schedule=((3, 2.0), (4, 1.5), (5, 1.0)), sink_tokens=8,
+        query_weighted=True),
     "k gradual 4x > 2x > 1x by layer 4, query-weighted": SelectionPolicy(
         metric="k", check_multiplier=4.0, schedule=((2, 2.0), (4, 1.0)), query_weighted=True),
 }
