@@ -51,13 +51,14 @@ class StepPlan:
 
 
 class BatchScheduler:
-    """Waiting queue, the prefilling request, the decoding batch and their KV bytes. Not thread-safe:
-    the engine loop alone calls it."""
+    """Waiting queue, the prefilling request, the decoding batch and their KV bytes. The engine loop
+    alone changes it; the introspection properties read plain ints (safe from a metrics scrape)."""
 
     def __init__(self, limits: BatchLimits) -> None:
         self.limits = limits
         self._waiting: deque[tuple[int, int]] = deque()  # (request id, KV bytes)
         self._kv: dict[int, int] = {}  # running request -> KV bytes
+        self._kv_total = 0  # their sum, kept as an int: read from other threads without iterating
         self._prefilling: int | None = None
         self._decoding: list[int] = []
 
@@ -75,7 +76,7 @@ class BatchScheduler:
     def finish(self, rid: int) -> None:
         """`rid` is done (last token, cancelled, failed), wherever it was: its KV budget is free."""
         self._waiting = deque((r, b) for r, b in self._waiting if r != rid)
-        self._kv.pop(rid, None)
+        self._kv_total -= self._kv.pop(rid, 0)
         if self._prefilling == rid:
             self._prefilling = None
         if rid in self._decoding:
@@ -98,13 +99,14 @@ class BatchScheduler:
             return ()
         self._waiting.popleft()
         self._kv[rid] = need
+        self._kv_total += need
         self._prefilling = rid
         return (rid,)
 
     # ------------------------------------------------------------------ introspection
     @property
     def kv_bytes(self) -> int:
-        return sum(self._kv.values())
+        return self._kv_total
 
     @property
     def waiting(self) -> int:
