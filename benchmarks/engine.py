@@ -36,7 +36,7 @@ from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
-from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy, previous_default_policy
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, previous_default_policy
 from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ ABLATION: dict[str, SelectionPolicy] = {
     "k gradual 4x > 3x > 2x > 1.5x > 1x by layer 8, query-weighted (default until the 4-layer one)": SelectionPolicy(
         metric="k", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
     "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted (previous default)": previous_default_policy(),
-    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted, sinks 8 (default)": default_policy(),
+    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted, sinks 8": SelectionPolicy(
+        metric="k", check_multiplier=4.0, schedule=((2, 2.0), (3, 1.5), (4, 1.0)), sink_tokens=8, query_weighted=True),
     "k@2 gradual 4x > 2x > 1.5x > 1x by layer 5, query-weighted, sinks 8": SelectionPolicy(
         check_layer=2, metric="k", check_multiplier=4.0, schedule=((3, 2.0), (4, 1.5), (5, 1.0)), sink_tokens=8,
         query_weighted=True),

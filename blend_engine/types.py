@@ -79,22 +79,20 @@ class SelectionPolicy:
 
 
 def default_policy() -> SelectionPolicy:
-    """The default, chosen by its worst case over passage lengths within the TTFT budget (issue #28;
-    `python -m benchmarks.engine --lengths 0,200,400,600`, docs/results.md): K deviation at layer 1,
-    weighted by the attention the question pays each token, keeping 4x the ratio, narrowed to 2x,
-    1.5x and 1x of it at layers 2, 3 and 4 (gradual filtering), plus the first 8 tokens of every
-    passage (EPIC sinks, on top of the ratio). Tuned on the first 3 questions of each dev set at
-    one-paragraph, ~200-, ~400- and ~600-word passages, its worst first-token KL ratio to full reuse
-    at ratio 0.15 was 0.31x (the previous default, without sinks: 0.35x; the same with the check at
-    layer 2: 0.30x, but +13% TTFT at 4K on a quiet machine, over the issue's 10% budget, where the
-    sinks alone cost +4.6%: 2,057 vs 1,966 ms)."""
-    return SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0,
-                           schedule=((2, 2.0), (3, 1.5), (4, 1.0)), sink_tokens=8, query_weighted=True)
+    """The default: the policy chosen before issue #28 (`previous_default_policy`), kept after its
+    length sweep (`python -m benchmarks.engine --lengths 0,200,400,600`, docs/results.md). The
+    sweep's best worst cases add 8 EPIC sink tokens per passage (tune-half worst KL ratio 0.310x,
+    with the check at layer 2 0.301x, against 0.353x, on 3 questions a cell), but the sinks force
+    the first 8 tokens of every cached segment: +4.6% TTFT at 4K (+13-14% with the check at layer
+    2, over the issue's 10% budget), and in a chat prompt of short turns and `[n]` markers they
+    recompute most of the prompt (97 of 167 tokens at turn 3). They stay options in the ablation."""
+    return previous_default_policy()
 
 
 def previous_default_policy() -> SelectionPolicy:
-    """The default before issue #28 (check layer 1, narrowed by layer 4, no sinks): kept for the
-    benchmarks' comparisons."""
+    """The default chosen before issue #28 by ablation on short dev paragraphs: K deviation at layer
+    1, weighted by the attention the question pays each token, keeping 4x the ratio, narrowed to 2x,
+    1.5x and 1x of it at layers 2, 3 and 4 (gradual filtering); no sinks."""
     return SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0,
                            schedule=((2, 2.0), (3, 1.5), (4, 1.0)), query_weighted=True)
 
