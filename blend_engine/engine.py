@@ -122,10 +122,6 @@ class BlendEngine:
         key, cached = self.cache_ids(ids)
         return key, len(ids), cached
 
-    def store_missing(self, state: PrefillState, salt: str | None = None) -> int:
-        """After answering: store the alone-KV of chunks that missed the cache."""
-        return self.loop.run_task(lambda: self.chunks.store_missing(state.layout, state.missing, salt))
-
     def bytes_per_layer(self, n_tokens: int) -> int:
         s = self.runner.shape
         return layer_nbytes(self.config.kv_format, s.n_kv_heads, n_tokens, s.head_dim)
