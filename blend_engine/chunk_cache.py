@@ -86,22 +86,21 @@ class ChunkCache:
                    salt: str | None = None) -> list[bool]:
         """`cache_ids` for many chunks, the missing ones computed `batch_size` per forward
         (`precompute_many`), cancellation checked between forwards. Per chunk: stored now."""
+        keys = [self.key_of(ids, salt) for ids in token_lists]
         todo: dict[str, list[int]] = {}
-        for ids in token_lists:
-            key = self.key_of(ids, salt)
+        for key, ids in zip(keys, token_lists):
             if key not in todo and not self.store.contains(key):
                 todo[key] = list(ids)
         stored: set[str] = set()
         items = list(todo.items())
         for start in range(0, len(items), batch_size):
             checkpoint("between precompute batches")
-            keys, lists = zip(*items[start:start + batch_size])
-            for key, kv in zip(keys, self.precompute_many(lists, batch_size)):
+            group_keys, lists = zip(*items[start:start + batch_size])
+            for key, kv in zip(group_keys, self.precompute_many(lists, batch_size)):
                 if self.store.put(key, kv):
                     stored.add(key)
         out = []
-        for ids in token_lists:  # a chunk repeated in the input is stored once, counted once
-            key = self.key_of(ids, salt)
+        for key in keys:  # a chunk repeated in the input is stored once, counted once
             out.append(key in stored)
             stored.discard(key)
         return out
