@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from blend_engine.types import Mode
+from retrieval import lexical
 
 SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "sample_corpus" / "hotpotqa_sample.jsonl"
 
@@ -71,9 +72,19 @@ class Settings(BaseSettings):
     placement: Literal["score", "best_last"] = "best_last"
     retrieval: Literal["dense", "lexical", "hybrid"] = Field(
         "hybrid", description="dense = embeddings (FAISS); lexical = full-text search in the passage store (SQLite "
-                              "FTS5 / PostgreSQL); hybrid = both, fused by reciprocal rank; a request may override it")
-    hybrid_candidates: int = Field(50, ge=1, le=1000, description="hits each list brings to the fusion (and the "
-                                                                   "reranker scores)")
+                              "FTS5 / PostgreSQL); hybrid = both, fused (hybrid_fusion); a request may override it")
+    hybrid_candidates: int = Field(lexical.CANDIDATES, ge=1, le=1000,
+                                   description="hits each list brings to the fusion (and the reranker scores)")
+    hybrid_fusion: Literal["rrf", "convex"] = Field(
+        lexical.FUSION, description="convex = weighted sum of the min-max normalised dense and lexical scores of "
+                                    "every candidate; rrf = reciprocal rank fusion (per-list weights)")
+    hybrid_dense_weight: float = Field(lexical.DENSE_WEIGHT, ge=0, le=1,
+                                       description="the dense list's weight in the fusion, the lexical one's is 1 "
+                                                   "minus it (rrf: 0.5 = plain RRF)")
+    hybrid_rrf_k: int = Field(lexical.RRF_K, ge=0, le=10_000, description="reciprocal rank fusion's k (rrf only)")
+    lexical_title_weight: float = Field(lexical.TITLE_WEIGHT, gt=0, le=100,
+                                        description="what a word of a passage's title counts in the lexical score, "
+                                                    "one of its text counting 1 (BM25F-style)")
     reranker: Path | None = Field(None, description="a local sentence-transformers CrossEncoder folder that "
                                                     "rescores the candidates; unset = no reranking")
     sample_corpus: Path | None = SAMPLE_CORPUS

@@ -25,6 +25,7 @@ from corpus_tools.ingest import IngestSummary
 from corpus_tools.pipeline import IngestPipeline
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams
+from retrieval.lexical import Fusion
 from retrieval.passages import open_passage_store
 from retrieval.retriever import Retriever, open_index
 from retrieval.sync import IndexSync
@@ -99,6 +100,12 @@ def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> Ble
     return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))
 
 
+def fusion_of(settings: Settings) -> Fusion:
+    """How hybrid retrieval fuses its two lists (BLENDSERVE_HYBRID_*)."""
+    return Fusion(settings.hybrid_fusion, settings.hybrid_dense_weight, settings.hybrid_rrf_k,
+                  settings.hybrid_candidates)
+
+
 def build_reranker(settings: Settings):
     """The CrossEncoder named by BLENDSERVE_RERANKER (a local folder), or None."""
     if settings.reranker is None:
@@ -124,8 +131,8 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     logger.info("index: %d vectors (%s; loaded=%s, reconciled +%d -%d; passage store %s at generation %d)",
                 len(index), index.kind, info["loaded"], info["added"], info["removed"], db.describe(),
                 info["generation"])
-    retriever = Retriever(embedder, index, db, settings.placement, mode=settings.retrieval,
-                          candidates=settings.hybrid_candidates, reranker=build_reranker(settings))
+    retriever = Retriever(embedder, index, db, settings.placement, mode=settings.retrieval, fusion=fusion_of(settings),
+                          title_weight=settings.lexical_title_weight, reranker=build_reranker(settings))
     pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size,
                               settings.precompute_batch)
     sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s, start_info=info)

@@ -107,9 +107,17 @@ class PassageStore(ABC):
     def schema_version(self) -> int: ...
 
     @abstractmethod
-    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS,
+                       title_weight: float = 1.0) -> list[tuple[int, float]]:
         """The k passages best matching any of `terms` (full-text search in the store): (vec_id, score),
-        best first, higher is better; [] when there are no terms."""
+        best first, higher is better; [] when there are no terms. A word matched in a passage's title
+        counts `title_weight` times one matched in its text."""
+
+    @abstractmethod
+    def lexical_scores(self, terms: Sequence[str], vec_ids: Sequence[int],
+                       title_weight: float = 1.0) -> dict[int, float]:
+        """The `lexical_search` score of each of `vec_ids` (0.0 where its passage matches none of the terms or
+        is absent), so a fusion can score a dense hit the lexical search did not return."""
 
     def describe(self) -> str:
         """Where the store lives, without credentials (for logs and /readyz)."""

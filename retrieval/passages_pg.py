@@ -29,6 +29,7 @@ from retrieval.schema import (
     added_columns,
     embedding_column,
     schema,
+    search_rebuild,
     search_schema,
 )
 
@@ -37,6 +38,18 @@ logger = logging.getLogger(__name__)
 CHANNEL = "blendserve_changes"  # NOTIFY channel: a write that logged changes wakes every replica's sync
 WRITE_LOCK = 0x626C656E64  # pg_advisory_xact_lock key serializing change-log writers ("blend")
 SCHEMA_LOCK = 0x736368656D  # ... and schema creation/migration ("schem")
+
+# ts_rank with a weight per tsvector class {D, C, B, A}: text words are B, title words A (schema version 6).
+# Text at D's default 0.1 keeps the scores of the unweighted column; the title counts `title_weight` times it.
+_RANK = "ts_rank(?::real[], p.search, q)"
+_TEXT_RANK_WEIGHT = 0.1
+
+
+def _weights(title_weight: float) -> tuple[list[float]]:
+    """ts_rank's weights argument for a title word counting `title_weight` times a text word."""
+    w = _TEXT_RANK_WEIGHT
+    return ([w, w, w, w * float(title_weight)],)
+
 
 def redact_url(url: str) -> str:
     """postgresql://host:port/dbname, without user or password."""
@@ -155,22 +168,36 @@ class PgPassageStore(PassageStore):
             conn.execute(f"ALTER TABLE passages ADD COLUMN IF NOT EXISTS {embedding_column('postgresql')}")
             for _, _, stmt in added_columns("postgresql"):
                 conn.execute(stmt.replace("ADD COLUMN", "ADD COLUMN IF NOT EXISTS", 1))
-            for stmt in search_schema("postgresql"):  # the generated column indexes existing rows as it is added
+            for stmt in (*search_rebuild("postgresql", found), *search_schema("postgresql")):
+                # the generated column indexes existing rows as it is added
                 conn.execute(stmt)
             conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "
                          "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
         logger.info("passage store %s: schema version %d (was %d)", self._where, SCHEMA_VERSION, found)
 
-    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS,
+                       title_weight: float = 1.0) -> list[tuple[int, float]]:
         """Full-text search on the generated `search` column (GIN index), any of the terms, ranked by ts_rank.
         The terms are letters and digits only (`lexical.query_terms`), so `|` between them is the only operator."""
         if not terms or k <= 0:
             return []
         where, args = filters.sql()
-        rows = self._fetch(f"SELECT p.vec_id, ts_rank(p.search, q) AS score FROM passages p, "
+        rows = self._fetch(f"SELECT p.vec_id, {_RANK} AS score FROM passages p, "
                            f"to_tsquery('{TEXT_SEARCH_CONFIG}', ?) q WHERE p.search @@ q AND {where} "
-                           "ORDER BY score DESC, p.vec_id LIMIT ?", (" | ".join(terms), *args, int(k)))
+                           "ORDER BY score DESC, p.vec_id LIMIT ?",
+                           (*_weights(title_weight), " | ".join(terms), *args, int(k)))
         return [(int(v), float(score)) for v, score in rows]
+
+    def lexical_scores(self, terms: Sequence[str], vec_ids: Sequence[int],
+                       title_weight: float = 1.0) -> dict[int, float]:
+        out = dict.fromkeys((int(v) for v in vec_ids), 0.0)
+        if not terms or not out:
+            return out
+        rows = self._fetch(f"SELECT p.vec_id, {_RANK} FROM passages p, to_tsquery('{TEXT_SEARCH_CONFIG}', ?) q "
+                           "WHERE p.vec_id = ANY(?) AND p.search @@ q",
+                           (*_weights(title_weight), " | ".join(terms), list(out)))
+        out.update((int(v), float(score)) for v, score in rows)
+        return out
 
     # ------------------------------------------------------------------ statements
     def _fetch(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:

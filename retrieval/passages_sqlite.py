@@ -25,6 +25,11 @@ from retrieval.schema import (
 )
 
 
+def _match(terms: Sequence[str]) -> str:
+    """An FTS5 query matching any of the terms, each a quoted phrase (no operator survives)."""
+    return " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+
+
 class _SqliteRunner:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
@@ -89,16 +94,32 @@ class PassageDB(PassageStore):
     def describe(self) -> str:
         return f"sqlite:{self.path}"
 
-    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
-        """FTS5 with BM25 (title and text, porter stemming): any of the terms, each a quoted phrase."""
+    def lexical_search(self, terms: Sequence[str], k: int, filters: Filters = NO_FILTERS,
+                       title_weight: float = 1.0) -> list[tuple[int, float]]:
+        """FTS5 with BM25 (title and text, porter stemming; a title hit counts `title_weight` times a text
+        hit, BM25F-style): any of the terms, each a quoted phrase."""
         if not terms or k <= 0:
             return []
-        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
         where, args = filters.sql()
-        rows = self._fetch(f"SELECT p.vec_id, bm25({FTS_TABLE}) AS rank FROM {FTS_TABLE} JOIN passages p "
+        rows = self._fetch(f"SELECT p.vec_id, bm25({FTS_TABLE}, ?, 1.0) AS rank FROM {FTS_TABLE} JOIN passages p "
                            f"ON p.vec_id = {FTS_TABLE}.rowid WHERE {FTS_TABLE} MATCH ? AND {where} "
-                           "ORDER BY rank, p.vec_id LIMIT ?", (match, *args, int(k)))
+                           "ORDER BY rank, p.vec_id LIMIT ?", (float(title_weight), _match(terms), *args, int(k)))
         return [(int(v), -float(rank)) for v, rank in rows]  # bm25() is lower-is-better
+
+    def lexical_scores(self, terms: Sequence[str], vec_ids: Sequence[int],
+                       title_weight: float = 1.0) -> dict[int, float]:
+        """The `lexical_search` score of each of `vec_ids` (0.0 where a passage matches none of the terms)."""
+        out = dict.fromkeys((int(v) for v in vec_ids), 0.0)
+        if not terms or not out:
+            return out
+        ids = list(out)
+        for start in range(0, len(ids), 500):
+            part = ids[start:start + 500]
+            rows = self._fetch(f"SELECT rowid, bm25({FTS_TABLE}, ?, 1.0) FROM {FTS_TABLE} WHERE {FTS_TABLE} MATCH ? "
+                               f"AND rowid IN ({', '.join('?' * len(part))})",
+                               (float(title_weight), _match(terms), *part))
+            out.update((int(v), -float(rank)) for v, rank in rows)
+        return out
 
     def close(self) -> None:
         with self._lock:

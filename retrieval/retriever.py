@@ -1,5 +1,5 @@
 """Question -> passages: dense (embed, search the FAISS index), lexical (full-text search in the passage
-store) or hybrid (both, fused by reciprocal rank), optionally reranked; fetch rows, order them for the prompt."""
+store) or hybrid (both, fused: `lexical.Fusion`), optionally reranked; fetch rows, order them for the prompt."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
-from retrieval.lexical import NO_FILTERS, RETRIEVAL_MODES, RRF_K, Filters, fuse, query_terms
+from retrieval.lexical import NO_FILTERS, RETRIEVAL_MODES, TITLE_WEIGHT, Filters, Fusion, convex, fuse, query_terms
 from retrieval.passages import PassageRow, PassageStore
 from retrieval.text import format_passage
 
@@ -53,21 +53,29 @@ def embed_text(row_title: str, row_text: str) -> str:
 
 
 class Retriever:
-    """`mode` (dense, lexical or hybrid) is the default a request may override; `candidates` is how many
-    hits each list contributes to the fusion (and the reranker sees); `reranker` rescores the fused list."""
+    """`mode` (dense, lexical or hybrid) is the default a request may override; `fusion` says how hybrid
+    merges the two lists and how many hits each contributes (`fusion.candidates`, which the reranker also
+    sees); `title_weight` is what a title hit counts in the lexical score, a text hit counting 1 (BM25F
+    style); `reranker` rescores the fused list."""
 
     def __init__(self, embedder: Embedder, index: VectorIndex, db: PassageStore, placement: str = "best_last",
-                 mode: str = "dense", candidates: int = 50, reranker=None) -> None:
+                 mode: str = "dense", fusion: Fusion | None = None, title_weight: float = TITLE_WEIGHT, reranker=None) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+        if not title_weight > 0:
+            raise ValueError(f"title_weight must be > 0, not {title_weight}")
         self.embedder = embedder
         self.index = index
         self.db = db
         self.placement = placement
         self.mode = check_mode(mode)
-        self.candidates = candidates
+        self.fusion = fusion if fusion is not None else Fusion()
+        self.title_weight = float(title_weight)
         self.reranker = reranker
-        self.rrf_k = RRF_K
+
+    @property
+    def candidates(self) -> int:
+        return self.fusion.candidates
 
     def search(self, question: str, k: int, mode: str | None = None,
                filters: Filters = NO_FILTERS) -> list[RetrievedPassage]:
@@ -82,11 +90,9 @@ class Retriever:
         if mode == "dense":
             ranked = self.dense(question, depth, filters)
         elif mode == "lexical":
-            ranked = self.db.lexical_search(query_terms(question), depth, filters)
+            ranked = self.lexical(question, depth, filters)
         else:
-            dense = self.dense(question, depth, filters)
-            lexical = self.db.lexical_search(query_terms(question), depth, filters)
-            ranked = fuse([[i for i, _ in dense], [i for i, _ in lexical]], self.rrf_k)[:depth]
+            ranked = self.hybrid(question, depth, filters)
         rows = self.db.by_vec_ids([i for i, _ in ranked])
         found = [_to_result(rows[i], s) for i, s in ranked if i in rows]
         if len(found) < len(ranked):
@@ -96,9 +102,36 @@ class Retriever:
             found = self.reranker.rerank(question, found)
         return place(found[:k], self.placement)
 
+    def lexical(self, question: str, k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """(vec_id, lexical score) of the k best full-text matches that pass the filters, best first."""
+        return self.db.lexical_search(query_terms(question), k, filters, title_weight=self.title_weight)
+
+    def hybrid(self, question: str, k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """(vec_id, fused score): the dense and the lexical top `k`, fused by `self.fusion`, best first."""
+        q = self.embedder.encode([question])  # [1, dim]
+        dense = self.dense_by_vector(q, k, filters)
+        terms = query_terms(question)
+        lexical = self.db.lexical_search(terms, k, filters, title_weight=self.title_weight)
+        w = self.fusion.dense_weight
+        if self.fusion.method == "rrf":
+            return fuse([[i for i, _ in dense], [i for i, _ in lexical]], self.fusion.rrf_k, (w, 1.0 - w))[:k]
+        dense_scores, lexical_scores = dict(dense), dict(lexical)  # every candidate scored by both sides:
+        lexical_only = [i for i in lexical_scores if i not in dense_scores]
+        if lexical_only:
+            floor = min(dense_scores.values(), default=0.0)  # a row without a stored embedding: the lowest seen
+            for i, vec in self.db.vectors(lexical_only).items():
+                dense_scores[i] = float(vec @ q[0]) if vec is not None and vec.shape == q[0].shape else floor
+        dense_only = [i for i in dense_scores if i not in lexical_scores]
+        if dense_only:
+            lexical_scores.update(self.db.lexical_scores(terms, dense_only, title_weight=self.title_weight))
+        return convex(dense_scores, lexical_scores, w)[:k]
+
     def dense(self, question: str, k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
         """(vec_id, cosine) of the k nearest passages that pass the filters, best first."""
-        q = self.embedder.encode([question])  # [1, dim]
+        return self.dense_by_vector(self.embedder.encode([question]), k, filters)  # [1, dim]
+
+    def dense_by_vector(self, q: np.ndarray, k: int, filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+        """`dense` for an embedded question `q` [1, dim]."""
         if filters.empty:
             return _hits(*self.index.search(q, k))
         depth = min(k * OVERFETCH, max(len(self.index), 1))

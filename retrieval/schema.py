@@ -1,8 +1,9 @@
 """The passage store's tables, defined once and rendered for SQLite and for PostgreSQL.
 
-Schema version 5 (1: passages only, no meta table; 2: + embedding column, change log,
+Schema version 6 (1: passages only, no meta table; 2: + embedding column, change log,
 store_meta; 3: + staged; 4: + lexical search of `passages`, `search_schema`; 5: + `location`, a
-passage's page or heading path, on `passages` and `staged`, `ADDED_COLUMNS`):
+passage's page or heading path, on `passages` and `staged`, `ADDED_COLUMNS`; 6: PostgreSQL's search
+column weights title words A and text words B, so a title match can count more, `SEARCH_REBUILD`):
 
 - `passages`: one row per visible passage; `vec_id` is its FAISS id, `embedding` its vector;
 - `staged`: the same columns, rows of documents being ingested (never read by retrieval; a
@@ -12,7 +13,7 @@ passage's page or heading path, on `passages` and `staged`, `ADDED_COLUMNS`):
 - lexical search (version 4): SQLite, an FTS5 table `passages_fts` over `passages` (external content,
   its rowid the passage's `vec_id`, kept current by triggers, backfilled by `rebuild` on migration);
   PostgreSQL, a generated `search` tsvector column with a GIN index (filled by PostgreSQL for
-  existing rows when the column is added).
+  existing rows when the column is added; since version 6 the title's words weighted A, the text's B).
 
 A column names a kind (`text`, `int`, `id64`, `float`, `bytes`, `serial`); `TYPES` gives each
 kind's type in each dialect, so both stores create the same tables. The rendered text is the
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 Dialect = Literal["sqlite", "postgresql"]
 
@@ -144,18 +145,27 @@ SEARCH = {
     ),
     "postgresql": (
         "ALTER TABLE passages ADD COLUMN IF NOT EXISTS search tsvector GENERATED ALWAYS AS "
-        f"(to_tsvector('{TEXT_SEARCH_CONFIG}'::regconfig, title || ' ' || text)) STORED",
+        f"(setweight(to_tsvector('{TEXT_SEARCH_CONFIG}'::regconfig, title), 'A') || "
+        f"setweight(to_tsvector('{TEXT_SEARCH_CONFIG}'::regconfig, text), 'B')) STORED",
         "CREATE INDEX IF NOT EXISTS passages_search ON passages USING GIN (search)",
     ),
 }
 # SQLite's FTS5 index of rows that were stored before it existed (a migration from version <= 3).
 FTS_BACKFILL = f"INSERT INTO {FTS_TABLE}({FTS_TABLE}) VALUES ('rebuild')"
+# Version 6: a PostgreSQL store of version 4 or 5 drops its unweighted search column (and its index with it)
+# before `search_schema` adds the weighted one. SQLite's FTS5 table keeps title and text apart already.
+SEARCH_REBUILD = {"sqlite": (), "postgresql": ("ALTER TABLE passages DROP COLUMN IF EXISTS search",)}
 
 
 def added_columns(dialect: Dialect) -> tuple[tuple[str, str, str], ...]:
     """(table, column name, `ALTER TABLE ... ADD COLUMN ...`) for each column added since version 3."""
     return tuple((t.name, c.name, f"ALTER TABLE {t.name} ADD COLUMN {c.sql(dialect)}")
                  for t in (PASSAGES, STAGED) for c in ADDED_COLUMNS)
+
+
+def search_rebuild(dialect: Dialect, found: int) -> tuple[str, ...]:
+    """The statements a store of schema version `found` runs before `search_schema` (version 6's rebuild)."""
+    return SEARCH_REBUILD[dialect] if 4 <= found < 6 else ()
 
 
 def search_schema(dialect: Dialect) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ def _words(sql: str) -> str:
 
 
 def test_each_dialect_renders_the_version_3_text():
-    assert SCHEMA_VERSION == 5  # 3's tables + search_schema (4) + added_columns (5)
+    assert SCHEMA_VERSION == 6  # 3's tables + search_schema (4) + added_columns (5) + weighted search (6)
     assert list(schema("sqlite")) == [s.strip() for s in V3["sqlite"]]
     assert [_words(s) for s in schema("postgresql")] == [_words(s) for s in V3["postgresql"]]
     assert [f"ALTER TABLE passages ADD COLUMN {embedding_column('sqlite')}"] == V3["sqlite_migration"]
