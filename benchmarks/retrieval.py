@@ -12,26 +12,52 @@ first k, averaged over questions. No KV is computed (retrieval only), so no mode
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.data import Example, load_examples
+from retrieval import lexical
 from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
-from retrieval.lexical import RETRIEVAL_MODES
+from retrieval.lexical import FUSIONS, RETRIEVAL_MODES, RRF_K, Fusion
 from retrieval.passages import PassageDB, PassageRow, passage_id, vec_id_of
 from retrieval.retriever import Retriever, embed_text
 
 KS = (5, 10)
+CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "retrieval-embeddings"  # git-ignored
 
 
-def build_store(examples: list[Example], db: PassageDB, embedder: Embedder) -> VectorIndex:
-    """Every paragraph once (as ingestion keys it), embedded; the index over them."""
+def cached_encode(embedder: Embedder, texts: list[str], cache_dir: Path | None = CACHE_DIR) -> np.ndarray:
+    """The passages' embeddings [N, dim], read from `cache_dir` when this embedder already embedded exactly
+    these texts (keyed by the embedder's name and a hash of the texts), else embedded now and saved there."""
+    if cache_dir is None:
+        return embedder.encode(texts, progress=True)
+    digest = hashlib.sha256(embedder.name.encode())
+    for t in texts:
+        digest.update(hashlib.sha256(t.encode()).digest())
+    path = cache_dir / f"{digest.hexdigest()[:32]}.npy"
+    if path.exists():
+        vecs = np.load(path)
+        if vecs.shape == (len(texts), embedder.dim):
+            return vecs  # [N, dim]
+    vecs = embedder.encode(texts, progress=True)  # [N, dim]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, vecs)
+    tmp.replace(path)
+    return vecs
+
+
+def build_store(examples: list[Example], db: PassageDB, embedder: Embedder,
+                cache_dir: Path | None = CACHE_DIR) -> VectorIndex:
+    """Every paragraph once (as ingestion keys it), embedded (or read from the cache); the index over them."""
     rows: dict[str, PassageRow] = {}
     for ex in examples:
         for p in ex.paragraphs:
@@ -39,7 +65,7 @@ def build_store(examples: list[Example], db: PassageDB, embedder: Embedder) -> V
             pid = passage_id(doc_id, p.title, p.text)
             rows.setdefault(pid, PassageRow(pid, vec_id_of(pid), doc_id, 0, p.title, p.text, ex.dataset, 0, pid))
     ordered = list(rows.values())
-    vecs = embedder.encode([embed_text(r.title, r.text) for r in ordered], progress=True)  # [N, dim]
+    vecs = cached_encode(embedder, [embed_text(r.title, r.text) for r in ordered], cache_dir)  # [N, dim]
     db.upsert(ordered, dict(zip((r.vec_id for r in ordered), vecs)))
     index = VectorIndex(embedder.dim, IndexParams(), embedder.name)
     index.add(np.fromiter((r.vec_id for r in ordered), dtype=np.int64, count=len(ordered)), vecs)
@@ -78,30 +104,67 @@ def recall(examples: list[Example], retriever: Retriever, mode: str, label: str 
     return {"mode": label or mode, **recalls, "ms_per_query": round(ms, 1)}
 
 
+def grid() -> list[tuple[str, str, Fusion, float]]:
+    """(label, mode, fusion, title weight) of every configuration the development grid measures: the
+    lexical title weight; RRF's k, per-list weight and candidates; the convex combination's weight and
+    candidates; then each fusion with the title weight."""
+    out = [(f"lexical title_weight={t}", "lexical", Fusion(), t) for t in (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0)]
+    out += [(f"hybrid rrf k={k} dense_weight={w} candidates={c}", "hybrid", Fusion("rrf", w, k, c), 1.0)
+            for k in (10, 30, 60) for w in (0.3, 0.4, 0.5, 0.6, 0.7) for c in (20, 50, 100)]
+    out += [(f"hybrid convex dense_weight={w} candidates={c}", "hybrid", Fusion("convex", w, RRF_K, c), 1.0)
+            for w in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9) for c in (20, 50, 100)]
+    out += [(f"hybrid rrf k={k} dense_weight={w} candidates=50 title_weight={t}", "hybrid", Fusion("rrf", w, k, 50), t)
+            for k, w in ((60, 0.5), (10, 0.6)) for t in (2.0, 3.0, 5.0, 10.0)]
+    out += [(f"hybrid convex dense_weight={w} candidates=50 title_weight={t}", "hybrid", Fusion("convex", w, RRF_K, 50),
+             t) for w in (0.5, 0.6, 0.7, 0.8, 0.9) for t in (2.0, 3.0, 5.0, 10.0)]
+    return out
+
+
+def embed_questions(embedder: Embedder, examples: list[Example], cache_dir: Path | None) -> QueryMemo:
+    """The embedder with every question embedded up front, in batches (and cached as the passages are)."""
+    memo = QueryMemo(embedder)
+    questions = list(dict.fromkeys(ex.question for ex in examples))
+    memo.memo.update((q, v[None, :]) for q, v in zip(questions, cached_encode(embedder, questions, cache_dir)))
+    return memo
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", choices=("hotpotqa", "musique"), default="hotpotqa",
                     help="musique: the development set for the fusion's settings (--grid), kept apart from hotpotqa")
     ap.add_argument("--n", type=int, default=500, help="questions (the hotpotqa file holds 500, musique 181)")
-    ap.add_argument("--grid", action="store_true", help="also hybrid at RRF k in (10, 30, 60) x candidates in "
-                                                        "(20, 50, 100)")
+    ap.add_argument("--grid", action="store_true", help="also the development grid (`grid`): title weights, RRF k x "
+                                                        "weight x candidates, convex weight x candidates")
     ap.add_argument("--data-dir", type=Path, default=None, help="the shared data (default: benchmarks.data)")
-    ap.add_argument("--candidates", type=int, default=50, help="hits per list fused in hybrid (BLENDSERVE_HYBRID_CANDIDATES)")
+    ap.add_argument("--fusion", choices=FUSIONS, default=lexical.FUSION, help="hybrid's fusion (BLENDSERVE_HYBRID_FUSION)")
+    ap.add_argument("--dense-weight", type=float, default=lexical.DENSE_WEIGHT,
+                    help="the dense list's weight in the fusion (BLENDSERVE_HYBRID_DENSE_WEIGHT)")
+    ap.add_argument("--rrf-k", type=int, default=RRF_K, help="RRF's k (BLENDSERVE_HYBRID_RRF_K)")
+    ap.add_argument("--candidates", type=int, default=lexical.CANDIDATES,
+                    help="hits per list fused in hybrid (BLENDSERVE_HYBRID_CANDIDATES)")
+    ap.add_argument("--title-weight", type=float, default=lexical.TITLE_WEIGHT,
+                    help="a title hit's weight in the lexical score (BLENDSERVE_LEXICAL_TITLE_WEIGHT)")
+    ap.add_argument("--no-cache", action="store_true", help=f"embed the passages again, not from {CACHE_DIR}")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
+    fusion = Fusion(args.fusion, args.dense_weight, args.rrf_k, args.candidates)
     examples = load_examples(args.dataset, args.n, args.data_dir)
     embedder = Embedder()
     with tempfile.TemporaryDirectory(prefix="bench-retrieval-") as tmp:
         db = PassageDB(Path(tmp) / "passages.sqlite3")
         t0 = time.perf_counter()
-        index = build_store(examples, db, embedder)
+        cache = None if args.no_cache else CACHE_DIR
+        index = build_store(examples, db, embedder, cache)
         print(f"{args.dataset}: {len(examples)} questions, {len(index)} passages stored and embedded in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        retriever = Retriever(QueryMemo(embedder), index, db, placement="score", candidates=args.candidates)
+        retriever = Retriever(embed_questions(embedder, examples, cache), index, db, placement="score", fusion=fusion,
+                              title_weight=args.title_weight)
         rows = [recall(examples, retriever, mode) for mode in RETRIEVAL_MODES]
-        for rrf_k, depth in ([(k, c) for k in (10, 30, 60) for c in (20, 50, 100)] if args.grid else []):
-            retriever.rrf_k, retriever.candidates = rrf_k, depth
-            rows.append(recall(examples, retriever, "hybrid", f"hybrid k={rrf_k} candidates={depth}"))
+        shipped = (retriever.fusion, retriever.title_weight)
+        for label, mode, variant, title_weight in (grid() if args.grid else []):
+            retriever.fusion, retriever.title_weight = variant, title_weight
+            rows.append(recall(examples, retriever, mode, label))
+        retriever.fusion, retriever.title_weight = shipped
         db.close()
     print("| retrieval | recall@5 | recall@10 | ms / query (dense: the first search embeds the question) |")
     print("|---|---|---|---|")
@@ -109,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['mode']} | {r['recall@5']:.3f} | {r['recall@10']:.3f} | {r['ms_per_query']} |")
     if args.out:
         args.out.write_text(json.dumps({"dataset": args.dataset, "questions": len(examples), "passages": len(index),
+                                        "fusion": asdict(fusion), "title_weight": args.title_weight,
                                         "rows": rows}, indent=1))
     return 0
 
