@@ -36,14 +36,6 @@ def cuda_ready(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on the device: pinned and non-blocking on CUDA, so the host never waits
-    for the device (the copy is ordered on the current stream before its readers); plain elsewhere."""
-    if cuda_ready(device):
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 @functools.cache
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """The one host-to-device copy stream of a CUDA device, shared by every request on it."""

@@ -16,15 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from blend_engine.model import ModelRunner
-from blend_engine.transfer import upload as upload_host
 
 from .layers import KVCache
-
-
-def upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A small host list as a long tensor on the device: pinned and non-blocking on CUDA, so the
-    decode step never waits for the host (the copy is ordered on the stream before its readers)."""
-    return upload_host(torch.tensor(list(values), dtype=torch.long), device)  # [B]
+from .uploads import upload_ints
 
 
 @torch.inference_mode()
@@ -38,8 +32,8 @@ def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequ
     for cache, p in zip(caches, input_pos):
         if p >= cache.capacity:
             raise ValueError("KV cache capacity exhausted")
-    ids = upload(token_ids, r.device)  # [B]
-    pos = upload(input_pos, r.device)  # [B]
+    ids = upload_ints(token_ids, r.device)  # [B], the step's two uploads: pinned, non-blocking
+    pos = upload_ints(input_pos, r.device)  # [B]
     hidden = r.embed(ids)  # [B, E]
     cos, sin = r.rope(pos)  # [B, D] each
     windows = [r.window_masks(pos[b:b + 1], p + 1) for b, p in enumerate(input_pos)]  # per seq: layer -> mask

@@ -16,6 +16,8 @@ from blend_engine.layout import Segment
 from blend_engine.model import ModelRunner
 from blend_engine.transfer import PackedLayer
 
+from .uploads import upload
+
 
 class Placer:
     """Writes one layer of cached chunks into the request's cache at their new positions.
@@ -32,10 +34,10 @@ class Placer:
         self._contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         self._start = spans[0][0] if spans else 0
         self._end = spans[-1][1] if spans else 0
-        self._index = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device) if spans else None  # [Tc]
+        self._index = upload(torch.cat([torch.arange(a, b) for a, b in spans]), runner.device) if spans else None  # [Tc]
         self._rot = None
         if rotate and spans:
-            deltas = torch.cat([torch.full((b - a,), a) for a, b in spans])  # [Tc]
+            deltas = upload(torch.cat([torch.full((b - a,), a) for a, b in spans]), runner.device)  # [Tc]
             self._rot = runner.rotation(deltas, torch.float32)  # [Tc, D] each, fp32 on the device
 
     def place(self, K: torch.Tensor, V: torch.Tensor, packed: PackedLayer) -> None:

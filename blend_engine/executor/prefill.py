@@ -28,6 +28,7 @@ from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, BlendReport, Mode, SelectionPolicy
 
 from .layers import KVCache, LayerJob, LayerLoop, LayerOutput, Timer
+from .uploads import upload, upload_ints
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ class PrefillState:
 
 
 def span_positions(spans: tuple[Span, ...], device: torch.device) -> torch.Tensor:
-    """Integer spans [start, end) as one sorted position tensor [S] on the device."""
-    return torch.cat([torch.arange(a, b) for a, b in spans]).to(device, non_blocking=True)  # [S]
+    """Integer spans [start, end) as one sorted position tensor [S] on the device (one upload)."""
+    return upload(torch.cat([torch.arange(a, b) for a, b in spans]), device)  # [S]
 
 
 class PrefillRun:
@@ -57,7 +58,7 @@ class PrefillRun:
                  rebuild: Callable[[tuple[int, ...]], ChunkKV]) -> None:
         self.t_start = time.perf_counter()
         self.runner, self.plan, self.layout, self.mp, self.policy = runner, plan, layout, mp, policy
-        ids = torch.tensor(layout.token_ids(), dtype=torch.long, device=runner.device)  # [N]
+        ids = upload_ints(layout.token_ids(), runner.device)  # [N]
         self.probe = ScoreProbe() if plan.explain else None
         # tiers before loading promotes them
         self.tiers = {k: tier_of(mp.store, k) for _, k in mp.cached} if plan.explain else {}

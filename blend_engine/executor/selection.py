@@ -22,12 +22,12 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from blend_engine.executor.attention import flex_attend, selected_block_mask
+from blend_engine.executor.uploads import upload
 from blend_engine.explain import ScoreProbe
 from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import kept
 from blend_engine.scheduler.plans import competing, sink_count
-from blend_engine.transfer import upload
 from blend_engine.types import SelectionPolicy
 
 # ModelRunner.window_masks: (query positions [S], key count) -> (layer -> window mask [S, N] or None)
@@ -128,7 +128,7 @@ class RankSpace:
                 self.passages.append((seg.offset, seg.end))
                 sinks = sink_count(seg, sink_tokens)
                 kind[seg.offset:seg.end] = [_FORCED] * sinks + [_COMPETE] * (seg.end - seg.offset - sinks)
-        # built on the host once per request, each moved by one non-blocking upload (pinned on CUDA)
+        # built on the host once per request, each moved by one pinned non-blocking upload (`uploads`)
         device = torch.device(device)
         self.compete = upload(torch.tensor(compete, dtype=torch.long), device)  # [P] cached chunk tokens, sinks too
         self.always = upload(torch.tensor(always, dtype=torch.long), device)  # [U] uncached tokens

@@ -9,10 +9,19 @@ dispatch, inside transformers' own rotary embedding, so they cannot run a model.
   boolean indexing, `nonzero`, `torch.unique`): exactly the host syncs that stall a GPU pipeline;
 - `DeviceChecker` (a dispatch mode) raises on any op mixing a CPU tensor with a device tensor,
   except explicit transfers (`.to`, `copy_`) and 0-dim scalars. This is stricter than CUDA.
+- it also raises on every *blocking* upload: a `.to(device)` or `copy_` whose host source is not
+  page-locked or that is not `non_blocking`, and a `torch.tensor(host data, device=...)` (which
+  bypasses dispatch: a function mode catches it). On CUDA each of these synchronises the stream,
+  so the host waits for every queued kernel. Pinning has no meaning without CUDA, so the
+  executor's one pinning function (`executor.uploads.pinned`) is replaced by a stand-in that
+  copies the tensor and remembers it; a source counts as pinned only if it came from there.
+  Exempt: the layer packer (`transfer.LayerPacker`), whose copies run on the copy stream on CUDA
+  and which takes a plain transfer path on any other device (tested in test_transfer.py).
 
-So a prefill that completes here is device-correct and free of host syncs, except the one named
-sync per request (`executor.prefill._to_host`, after the layer loop), which the test replaces by a
-counting stand-in answering from shapes alone.
+So a prefill or decode step that completes here is device-correct and free of host syncs and
+blocking uploads, except the one named sync per request (`executor.prefill._to_host`, after the
+layer loop) and the one per decode step (`sampling._to_host`, the sampled tokens), which the tests
+replace by counting stand-ins answering from shapes alone.
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ import threading
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import blend_engine.executor.prefill as prefill_mod
+import blend_engine.executor.uploads as uploads_mod
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.attention import selected_block_mask
 from blend_engine.executor.decode import decode_batch
@@ -73,28 +84,99 @@ class DeviceMix(AssertionError):
     pass
 
 
+class BlockingUpload(AssertionError):
+    pass
+
+
+_pinned_storages: dict[int, torch.Tensor] = {}  # storage address -> the stand-in's pinned copy, kept alive
+_exempt = threading.local()  # .depth > 0 while the layer packer runs on this thread
+
+
+def _fake_pinned(host: torch.Tensor) -> torch.Tensor:
+    """`executor.uploads.pinned` without CUDA: a copy that counts as page-locked from now on."""
+    copy = host.clone()
+    _pinned_storages[copy.untyped_storage().data_ptr()] = copy
+    return copy
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() in _pinned_storages
+
+
+def _bound(func, args, kwargs) -> dict:
+    """An aten op's arguments by name (defaults included)."""
+    schema = func._schema.arguments
+    named = {a.name: a.default_value for a in schema if a.has_default_value()}
+    named.update(zip([a.name for a in schema], args))
+    named.update(kwargs)
+    return named
+
+
+def _upload_of(func, args, kwargs) -> tuple[torch.Tensor, bool] | None:
+    """(host source, non_blocking) when this transfer op copies host memory to a device, else None."""
+    b = _bound(func, args, kwargs)
+    if func is torch.ops.aten.copy_.default:
+        src, dst = b["src"], b["self"].device
+    elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device):
+        src, dst = b["self"], b.get("device")
+    else:
+        return None
+    if not isinstance(src, torch.Tensor) or src.device.type != "cpu" or dst is None or torch.device(dst).type == "cpu":
+        return None
+    return src, bool(b.get("non_blocking"))
+
+
+class _NoHostTensorOnDevice(TorchFunctionMode):
+    """`torch.tensor` / `as_tensor` / `asarray` of host data straight onto a device: a blocking,
+    pageable upload that never reaches the dispatcher."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor, torch.asarray) and not getattr(_exempt, "depth", 0):
+            device = kwargs.get("device")
+            data = args[0] if args else kwargs.get("data")
+            on_host = not isinstance(data, torch.Tensor) or data.device.type == "cpu"
+            if device is not None and torch.device(device).type != "cpu" and on_host:
+                raise BlockingUpload(f"{func.__name__}(host data, device={device}): a blocking upload")
+        return func(*args, **kwargs)
+
+
 class DeviceChecker(TorchDispatchMode):
-    """Raises on an op that mixes CPU and device tensors (other than transfers) or reads values.
+    """Raises on an op that mixes CPU and device tensors (other than transfers), reads values, or
+    uploads host memory blocking (pageable, or without non_blocking).
     `uploads`: (dtype, shape) of every host-to-device transfer, in order."""
 
     def __init__(self) -> None:
         super().__init__()
         self.uploads: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._functions = _NoHostTensorOnDevice()
+
+    def __enter__(self):
+        self._functions.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._functions.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SYNCS:
             raise DeviceMix(f"host sync: {func}")
+        upload = _upload_of(func, args, kwargs) if func in _TRANSFERS else None
+        if upload is not None:
+            if not (_is_pinned(upload[0]) and upload[1]) and not getattr(_exempt, "depth", 0):
+                raise BlockingUpload(f"{func} from {'pinned' if _is_pinned(upload[0]) else 'pageable'} host memory, "
+                                     f"non_blocking={upload[1]}: the host waits for the device")
+            self.uploads.append((upload[0].dtype, tuple(upload[0].shape)))
         if func not in _TRANSFERS:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             devices = {t.device.type for t in tensors if t.dim() > 0}
             if "cpu" in devices and len(devices) > 1:
                 raise DeviceMix(f"{func} mixes devices {sorted(devices)}")
-        out = func(*args, **kwargs)
-        if func in _TRANSFERS and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" \
-                and isinstance(out, torch.Tensor) and out.device.type != "cpu":
-            self.uploads.append((args[0].dtype, tuple(args[0].shape)))
-        return out
+        return func(*args, **kwargs)
 
 
 def _model(family: str):
@@ -124,6 +206,24 @@ def _store(tier: str, tmp_path, family: str, fmt: str = "fp16"):
     for key, kv in _real_kv(family, fmt).items():
         assert store.put(key, kv)
     return store
+
+
+@pytest.fixture(autouse=True)
+def fake_pinning(monkeypatch):
+    """Pinning stands in for CUDA's (`_fake_pinned`); the layer packer is exempt from the upload check."""
+    monkeypatch.setattr(uploads_mod, "pinned", _fake_pinned)
+    pack = LayerPacker.__call__
+
+    def exempt(self, layer_kv):
+        _exempt.depth = getattr(_exempt, "depth", 0) + 1
+        try:
+            return pack(self, layer_kv)
+        finally:
+            _exempt.depth -= 1
+
+    monkeypatch.setattr(LayerPacker, "__call__", exempt)
+    yield
+    _pinned_storages.clear()
 
 
 @pytest.fixture
@@ -253,4 +353,22 @@ def test_the_checker_catches_syncs_and_device_mixes():
             with pytest.raises((DeviceMix, RuntimeError, NotImplementedError)):
                 bad()
         assert (t + torch.tensor(1.0)).device == t.device  # 0-dim scalars are fine, as on CUDA
-        assert torch.zeros(4).to(t.device).device == t.device  # explicit transfers are fine
+
+
+def test_the_checker_refuses_blocking_uploads_and_passes_pinned_non_blocking_ones():
+    """Every way of moving host memory to the device that makes CUDA wait: pageable, or blocking."""
+    t = torch.zeros(4, device="meta")
+    host = torch.arange(4.0)
+    with DeviceChecker() as checker:
+        for bad in (lambda: host.to(t.device), lambda: host.to(t.device, non_blocking=True),
+                    lambda: _fake_pinned(host).to(t.device), lambda: t.copy_(host),
+                    lambda: t.copy_(_fake_pinned(host)), lambda: t.__setitem__(slice(None), host),
+                    lambda: torch.tensor([1.0, 2.0], device=t.device),
+                    lambda: torch.as_tensor(host, device=t.device)):
+            with pytest.raises(BlockingUpload):
+                bad()
+        assert checker.uploads == []
+        assert _fake_pinned(host).to(t.device, non_blocking=True).device == t.device
+        assert t.copy_(_fake_pinned(host), non_blocking=True).device == t.device
+        assert uploads_mod.upload(host, t.device).device == t.device  # the executor's way
+        assert checker.uploads == [(torch.float32, (4,))] * 3
