@@ -31,7 +31,7 @@ from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Delta, Generation
 from blend_engine.layout import PromptLayout
-from blend_engine.sampling import Sampler, StreamDecoder
+from blend_engine.sampling import HostLogits, Sampler, StreamDecoder, read_logits
 from blend_engine.scheduler.batch import BatchLimits, BatchScheduler
 from blend_engine.scheduler.plans import ModePlan
 from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
@@ -190,7 +190,8 @@ class EngineLoop:
         req.sampler = Sampler(gen.temperature, gen.top_p, gen.seed)
         req.decoder = StreamDecoder(self.engine.runner.tokenizer, gen.stop)
         self.scheduler.prefilled(req.rid)
-        self._take(req, req.state.logits[None, :])  # [1, V]
+        host = self._read([req], req.state.logits[None, :])  # [1, V]
+        self._take(req, host.top[0], host.rows.get(0))
 
     # ------------------------------------------------------------------ decode
     def _decode(self, reqs: list[_Request]) -> None:
@@ -198,6 +199,7 @@ class EngineLoop:
         try:
             logits = decode_batch(self.engine.runner, caches, [r.next_token for r in reqs],
                                   [c.length for c in caches])  # [B, V]
+            host = self._read(reqs, logits)
         except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
             for r in reqs:
                 self._drop(r, exc)
@@ -205,18 +207,25 @@ class EngineLoop:
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(reqs))
         for b, req in enumerate(reqs):
-            self._guard(req, lambda r, b=b: self._take(r, logits[b:b + 1]))
+            self._guard(req, lambda r, b=b: self._take(r, host.top[b], host.rows.get(b)))
 
-    def _take(self, req: _Request, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [1, V], stream it, and end the request when it stops."""
+    @staticmethod
+    def _read(reqs: list[_Request], logits: torch.Tensor) -> HostLogits:
+        """The step's one device->host read of logits [B, V]: the full row only where a sampler
+        draws from it or logprobs are asked for."""
+        return read_logits(logits, [not r.sampler.greedy or r.handle.gen.logprobs is not None for r in reqs])
+
+    def _take(self, req: _Request, top: int, row: torch.Tensor | None) -> None:
+        """Take the next token (`Sampler.pick` of the row's argmax `top` and its host logits [V]),
+        stream it, and end the request when it stops."""
         gen, eos = req.handle.gen, self.engine.runner.eos_token_ids
-        tok = req.sampler(logits[0])
+        tok = req.sampler.pick(top, row)
         if req.handle.ttft_ms is None:
             req.handle.ttft_ms = (time.perf_counter() - req.t0) * 1e3
         if tok in eos and not gen.ignore_eos:
             return self._end(req, "stop")
         req.tokens.append(tok)
-        lp = self._logprob(logits[0], tok, gen.logprobs) if gen.logprobs is not None else ()
+        lp = self._logprob(row, tok, gen.logprobs) if gen.logprobs is not None else ()
         req.logprobs.extend(lp)
         text, hit_stop = req.decoder.push(tok)
         if text or lp:
@@ -228,7 +237,7 @@ class EngineLoop:
         req.next_token = tok
 
     def _logprob(self, logits: torch.Tensor, tok: int, k: int) -> tuple[TokenLogprob, ...]:
-        """The sampled token's log probability and the k most likely alternatives, from logits [V]."""
+        """The sampled token's log probability and the k most likely alternatives, from host logits [V]."""
         logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
         text = self.engine.runner.decode
         top = torch.topk(logp, k) if k else None
