@@ -147,20 +147,27 @@ class BlendEngine:
 
     def complete_run(self, plan: BlendPlan, prep: Prepared, run: PrefillRun) -> PrefillState:
         state = run.finish()
-        if plan.mode is Mode.PREFIX_CACHE:
-            self.prefix_cache.save(prep.layout.segments, prep.keys, state.cache)
         if self.controller is not None and prep.mp.learns:
             self.controller.observe(state.report, self.bytes_per_layer(prep.mp.cached_tokens))
         return state
 
+    def save_prefix(self, plan: BlendPlan, prep: Prepared, state: PrefillState) -> None:
+        """prefix_cache mode: keep this prompt's leading segments' in-context KV. The engine loop
+        calls it after the first token; the copies complete off the critical path (`PrefixCache.save`)."""
+        if plan.mode is Mode.PREFIX_CACHE:
+            self.prefix_cache.save(prep.layout.segments, prep.keys, state.cache)
+
     @torch.inference_mode()
     def prefill(self, plan: BlendPlan, max_new_tokens: int = 0) -> PrefillState:
-        """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests)."""
+        """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests); the
+        prefix cache's save is issued once the logits are there."""
         prep = self.prepare(plan, max_new_tokens)
         run = self.start_run(plan, prep, max_new_tokens)
         for _ in run.steps():
             pass
-        return self.complete_run(plan, prep, run)
+        state = self.complete_run(plan, prep, run)
+        self.save_prefix(plan, prep, state)
+        return state
 
     @torch.inference_mode()
     def decode_step(self, cache: KVCache, token_id: int, input_pos: int | None = None) -> torch.Tensor:
@@ -187,3 +194,4 @@ class BlendEngine:
         """Stop the engine loop (queued and running requests fail with Cancelled). Safe to call twice."""
         with self._close_lock:
             self.loop.close()
+            self.prefix_cache.close()

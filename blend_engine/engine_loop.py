@@ -67,6 +67,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     next_token: int = 0
+    prefix_saved: bool = False  # prefix_cache mode: its save was issued (after the first token)
 
     @property
     def stopped(self) -> bool:
@@ -191,7 +192,20 @@ class EngineLoop:
         req.decoder = StreamDecoder(self.engine.runner.tokenizer, gen.stop)
         self.scheduler.prefilled(req.rid)
         host = self._read([req], req.state.logits[None, :])  # [1, V]
-        self._take(req, host.top[0], host.rows.get(0))
+        self._take(req, host.top[0], host.rows.get(0))  # the first token is out (it may also be the last)
+        self._save_prefix(req)
+
+    def _save_prefix(self, req: _Request) -> None:
+        """prefix_cache mode: issue the save once, after the first token and before the result is
+        handed over (so the caller's next request finds it); a failure to issue it is logged, never
+        the request's (its answer does not depend on it)."""
+        if req.prefix_saved:
+            return
+        req.prefix_saved = True
+        try:
+            self.engine.save_prefix(req.handle.plan, req.prep, req.state)
+        except Exception:  # noqa: BLE001
+            logger.exception("request %d: saving its prefix cache entries failed", req.rid)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, reqs: list[_Request]) -> None:
@@ -253,6 +267,7 @@ class EngineLoop:
         self.scheduler.finish(req.rid)
         self._requests.pop(req.rid, None)
         state = req.state
+        self._save_prefix(req)  # a first token that ended the request: its save still precedes the result
         self.engine.chunks.store_missing(state.layout, state.missing, req.handle.plan.cache_salt)
         store_ms = (time.perf_counter() - req.t0) * 1e3 - total_ms
         req.handle.end(BlendResult(

@@ -9,20 +9,30 @@ before it, so it is reused only by a prompt that starts with exactly the same se
 Entries sit where they were computed (no RoPE move). The system prompt alone at position 0 is
 exact in context too, so it is seeded from the chunk store. The byte budget is a setting
 (`BLENDSERVE_PREFIX_CACHE_MB`); `stats()` reports its use.
+
+Saving is off the critical path: the engine calls `save` after the request's first token, which
+issues one non-blocking copy per new segment to host memory (`executor.offload`) and hands it to
+this cache's saver thread; that thread waits for the copy and stores the entry. Until then the
+entry is pending: `match` waits for a pending entry it needs (on the caller's thread, never the
+engine loop's), so the next request reuses it as if it had been stored at once.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
+from blend_engine.executor.layers import KVCache
+from blend_engine.executor.offload import HostCopy, copy_to_host
 from blend_engine.keys import chain_key
 from blend_engine.kv_store import KVStore, MemoryStore
 from blend_engine.kv_store.base import StoreStats
+from blend_engine.kv_store.codec import layer_nbytes
 from blend_engine.layout import Segment
 
-if TYPE_CHECKING:
-    from blend_engine.executor.layers import KVCache
+logger = logging.getLogger(__name__)
 
 
 class PrefixCache:
@@ -31,6 +41,9 @@ class PrefixCache:
     def __init__(self, budget_bytes: int, kv_format: str, chunks: KVStore) -> None:
         self.store = MemoryStore(budget_bytes, kv_format=kv_format, name="prefix")
         self._chunks = chunks  # the chunk store: the system prompt's alone-KV seeds the chain
+        self._lock = threading.Lock()
+        self._pending: dict[str, concurrent.futures.Future] = {}  # in-context key -> its save in flight
+        self._saver: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first save
 
     @staticmethod
     def chain(segs: Sequence[Segment], keys: Sequence[str | None]) -> Iterator[tuple[Segment, str, bool]]:
@@ -47,6 +60,7 @@ class PrefixCache:
         """(longest run of leading segments whose in-context KV is held, tokens it covers)."""
         matched: list[tuple[Segment, str]] = []
         for (seg, ck, first), key in zip(self.chain(segs, keys), keys):
+            self._settle(ck)
             if first and not self.store.contains(ck):  # sys alone at 0 is exact in context
                 kv = self._chunks.get(key)
                 if kv is not None:
@@ -57,10 +71,49 @@ class PrefixCache:
         return matched, (matched[-1][0].end if matched else 0)
 
     def save(self, segs: Sequence[Segment], keys: Sequence[str | None], cache: KVCache) -> None:
-        """Keep every leading segment's in-context KV from a finished prefill's cache."""
+        """Keep every leading segment's in-context KV from a finished prefill's cache: one
+        non-blocking copy per segment not yet held, stored by the saver thread when it completes.
+        Call it after the first token; the cache's prompt positions must not change afterwards
+        (decoding writes only after them)."""
         for seg, ck, _ in self.chain(segs, keys):
-            if not self.store.contains(ck):
-                self.store.put(ck, cache.segment(seg.offset, seg.end))
+            with self._lock:
+                if ck in self._pending or self.store.contains(ck) or not self._fits(cache, seg):
+                    continue
+                self._pending[ck] = self._start().submit(self._store, ck, copy_to_host(cache, seg.offset, seg.end))
+
+    def close(self) -> None:
+        """Finish the saves in flight and stop the saver thread."""
+        with self._lock:
+            saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.shutdown(wait=True)
 
     def stats(self) -> StoreStats:
         return self.store.stats()
+
+    def _fits(self, cache: KVCache, seg: Segment) -> bool:
+        """Whether the budget could hold this entry at all (else it is not worth copying)."""
+        H, _, D = cache.k[0].shape
+        return self.store.can_hold(len(cache.k) * layer_nbytes(self.store.kv_format, H, seg.end - seg.offset, D))
+
+    def _start(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._saver is None:
+            self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-save")
+        return self._saver
+
+    def _store(self, ck: str, copy: HostCopy) -> None:
+        """On the saver thread: wait for the copy, store the entry (a failure is logged: the entry is missed)."""
+        try:
+            self.store.put(ck, copy.kv())
+        except Exception:  # noqa: BLE001 - a lost save must not fail the request that answered
+            logger.exception("saving prefix cache entry %s failed", ck)
+        finally:
+            with self._lock:
+                self._pending.pop(ck, None)
+
+    def _settle(self, ck: str) -> None:
+        """Wait for this entry's save if one is in flight."""
+        with self._lock:
+            pending = self._pending.get(ck)
+        if pending is not None:
+            pending.result()

@@ -1,0 +1,103 @@
+"""prefix_cache mode saves after the first token, off the critical path (#27 item 6).
+
+The save of a request's in-context KV is held back by a gate in the copy's completion
+(`HostCopy.kv`, where the saver thread waits for the device on CUDA), so "the answer did not wait
+for the save" is an order of recorded events, never a time: the first token, then the save issued,
+then the whole answer, all while the copy has not completed. The next request opens the gate when
+it asks for the pending entry, and must reuse it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.executor.offload import HostCopy
+from blend_engine.generation import Generation
+from blend_engine.kv_store import MemoryStore
+from blend_engine.prefix_cache import PrefixCache
+from blend_engine.types import BlendPlan, GenerationConfig
+from tests.helpers import PASSAGES, QUESTION
+
+PLAN = BlendPlan(PASSAGES, QUESTION, mode="prefix_cache")
+
+
+@pytest.fixture
+def engine(tiny_runner):
+    eng = BlendEngine(tiny_runner, MemoryStore(1 << 30, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """What happened, in order: "token", "end" (the caller's side), "save" issued, "copied" (the
+    saver thread past the copy's completion), "wait" (a request asking for an entry in flight).
+    The copy completes only once `events.gate` is set."""
+    class Events(list):
+        gate = threading.Event()
+
+    log = Events()
+
+    def wrap(cls, name, label, before=None):
+        orig = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            if before is not None:
+                before(self, *args)
+            if label is not None:
+                log.append(label)
+            return orig(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapped)
+
+    wrap(Generation, "emit", "token")
+    wrap(Generation, "end", "end")
+    wrap(PrefixCache, "save", "save")
+    wrap(HostCopy, "kv", "copied", before=lambda self: log.gate.wait(60))
+
+    def settle(self, ck):
+        if ck in self._pending:  # the next request needs an entry still being saved: let it finish
+            log.append("wait")
+            log.gate.set()
+
+    wrap(PrefixCache, "_settle", None, before=settle)
+    return log
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_the_first_token_and_the_answer_do_not_wait_for_the_save_and_the_next_request_reuses_it(
+        engine, events, max_tokens):
+    gen = GenerationConfig(max_tokens=max_tokens, ignore_eos=True, logprobs=0)  # logprobs: every token a delta
+    first = engine.generate(PLAN, gen)
+    deltas = first.deltas()
+    next(deltas)
+    assert events[0] == "token" and "copied" not in events  # the first token is out before any save
+    list(deltas)
+    assert first.result is not None and len(first.result.token_ids) == max_tokens
+    mine = [e for e in events if e in ("token", "save", "end")]
+    assert mine[:2] == ["token", "save"] and mine[-1] == "end"  # issued after the first token, before the result
+    assert "copied" not in events and engine.prefix_cache.stats().entries == 0  # the answer did not wait for it
+
+    second = engine.run(PLAN, gen)  # finds the entries in flight, waits for them, reuses them
+    assert "wait" in events and events.count("copied") == len(PASSAGES) + 1  # the system prompt and each passage
+    layout = first.state.layout
+    assert second.report.prefix_tokens_reused == layout.segments[-2].end
+    assert second.token_ids == first.result.token_ids
+    keys = engine.prepare(PLAN, max_tokens).keys
+    for seg, ck, _ in PrefixCache.chain(layout.segments, keys):  # the entry is the first request's KV, bit for bit
+        want, got = first.state.cache.segment(seg.offset, seg.end), engine.prefix_cache.store.get(ck)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+def test_a_prefill_on_the_calling_thread_saves_after_its_logits_and_the_next_one_reuses_it(engine, events):
+    """`BlendEngine.prefill` (benchmarks, tests) issues the save at its end; the copy completes later."""
+    events.gate.set()
+    first = engine.prefill(PLAN)
+    assert events[:1] == ["save"]
+    again = engine.prefill(PLAN)
+    assert again.report.prefix_tokens_reused == first.layout.segments[-2].end
+    assert (again.logits - first.logits).abs().max().item() < 1e-4
