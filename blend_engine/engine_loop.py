@@ -10,6 +10,8 @@
 
 Per request the loop keeps its prefill run, cache, sampler, stop decoder and tokens (`_Request`);
 a failed or cancelled request leaves the batch at the next step without touching the others.
+A decode step reads the device once (`sampling.read_logits`: every row's token, and the rows that
+sampling or logprobs need); a prefix_cache request's save is issued after its first token.
 """
 
 from __future__ import annotations
