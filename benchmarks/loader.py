@@ -10,9 +10,9 @@ them (a 4K-token context), fp16 and int8. Per format:
 - disk, cold: the same with the files' pages dropped before every run (`posix_fadvise
   DONTNEED` on them; with `--drop-caches`, as root, the whole page cache too);
 - disk, O_DIRECT: the tier with `direct_io` against a raw O_DIRECT read of the same files;
-- memory: the memory tier's stream with every blob copied into its staging region by the reader
-  threads (the host side of a device upload from pageable memory; a CUDA host's pinned tier needs
-  no host copy at all) against one thread's plain memcpy of as many bytes.
+- memory: the memory tier's stream with every blob copied into its staging region by the
+  stream's thread, one pass per layer (the host side of a device upload from pageable memory; a
+  CUDA host's pinned tier needs no host copy at all) against one thread's plain memcpy of as many bytes.
 
     python -m benchmarks.loader [--chunks 16] [--reps 5] [--formats fp16,int8] [--dir DIR] [--drop-caches]   (make bench-loader)
 

@@ -4,6 +4,11 @@
 - get_blob(key, layer): (meta, that layer's verified blob) or None (miss, corrupt -> dropped);
 - put_blobs(key, meta, blobs): store every layer's blob; False when skipped.
 
+and one optional one, for tiers that keep their blobs in memory: held_blobs(keys, layer), per key
+the blob only when it is already in memory (no I/O), else None. A layer stream asks it first, on
+its own thread, for all its chunks at once, and copies what it gets into the staging slot in one
+pass (no reader-pool round trip per blob); the rest it reads through the pool with get_blob.
+
 A layer stream calls get_blob inside `staging.reading_into(region, files)`: a tier that reads bytes
 from elsewhere (the disk) puts them into that staging region, through the stream's open files; a
 tier that holds them (memory) returns its own buffer.
@@ -56,6 +61,11 @@ class BlobStore(KVStore):
 
     @abstractmethod
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool: ...
+
+    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, Blob] | None]:
+        """Per key, (meta, blob) when this store holds the layer in memory (no I/O to get it),
+        counted as a read; else None, counted as nothing. Default: all None (get_blob reads them)."""
+        return [None] * len(keys)
 
     def can_hold(self, nbytes: int) -> bool:
         """Whether a chunk of this many bytes fits the tier's budget at all (evicting others). Default: yes."""

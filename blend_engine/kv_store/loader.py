@@ -14,8 +14,10 @@ packer does) and the store is a `BlobStore`, each layer is read into the ring's 
 chunk's layer blob lands in its region by one read (the disk tier; `get_blob` inside
 `staging.reading_into`) or stays in the tier's own buffer (the memory tier), verified, and the
 item handed to `pack` is a `staging.StagedLayer`.
-The chunks of a layer are read by `READERS` pool threads at once (the reads and checksums release
-the GIL), through descriptors opened once per stream.
+Per layer, the chunks a tier holds in memory (`held_blob`) are taken on the stream's own thread in
+one pass (copied into the slot when the consumer gathers: one memcpy each, no pool round trip per
+blob), while the others are read `READERS` at a time (the stream's thread and the pool's; the
+reads and checksums release the GIL), through descriptors opened once per stream.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from blend_engine.kv_store.base import ChunkKV, KVStore
 from blend_engine.kv_store.blob import BlobStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
-from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
+from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, is_pinned, reading_into
 
 logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]
@@ -55,6 +57,7 @@ class LoadTrace:
 
     read_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
+    held_s: list[float] = field(default_factory=list)  # staged streams: copying held blobs into the slot
     repaired: list[str] = field(default_factory=list)
 
 
@@ -75,6 +78,7 @@ class LayerStream:
         self._ring: StagingRing | None = ring if isinstance(store, BlobStore) and isinstance(ring, StagingRing) else None
         self._files = store.open_files() if self._ring is not None else None
         self._metas: list[ChunkMeta] | None = None
+        self._not_held: set[int] = set()  # chunks no tier held in memory at layer 0: read through the pool
 
     def _fix(self, key: str) -> None:
         """Recompute a chunk from its text, store it again, and use it as the store would return it."""
@@ -111,24 +115,50 @@ class LayerStream:
     # ------------------------------------------------------------------ staged reads
     def _read_staged(self, layer: int) -> StagedLayer:
         """Every chunk's layer blob into its region of the next staging slot (or the tier's own
-        buffer), `READERS` at a time; a missing or corrupt chunk is repaired afterwards, here."""
+        buffer). Chunks a tier holds in memory are taken on this thread, in one pass, while the
+        others are read `READERS` at a time on the pool; a missing or corrupt chunk is repaired
+        afterwards, here."""
         if self._metas is None:
             self._metas = [self._stored_meta(key) for key in self._keys]
         slot = self._ring.next([m.layer_nbytes for m in self._metas])
-        n, k = len(self._keys), min(READERS, len(self._keys))
-        groups = [range(n * g // k, n * (g + 1) // k) for g in range(k)]
-        if len(groups) > 1:
-            parts = list(reader_pool().map(lambda g: self._read_group(layer, g, slot), groups))
-        else:
-            parts = [self._read_group(layer, g, slot) for g in groups]
-        got = [x for part in parts for x in part]
+        got: list[tuple[ChunkMeta, object] | None] = [None] * len(self._keys)
+        ask = [i for i, key in enumerate(self._keys) if i not in self._not_held and key not in self._fixed]
+        for i, held in zip(ask, self._store.held_blobs([self._keys[i] for i in ask], layer) if ask else ()):
+            got[i] = held
+            if held is None and layer == 0:
+                self._not_held.add(i)  # not in memory at layer 0: read through the pool from now on
+        rest = [i for i, x in enumerate(got) if x is None]
+        k = min(READERS, len(rest))
+        groups = [rest[len(rest) * g // k:len(rest) * (g + 1) // k] for g in range(k)]
+        pending = [reader_pool().submit(self._read_group, layer, g, slot) for g in groups[1:]]  # in flight...
+        t0 = time.perf_counter()
+        for i, held in enumerate(got):  # ...while the held blobs are copied in (one pass, this thread)
+            if held is not None:
+                got[i] = self._checked(held, i, slot, held=True)
+        self.trace.held_s.append(time.perf_counter() - t0)
+        parts = [(groups[0], self._read_group(layer, groups[0], slot))] if groups else []
+        parts += [(g, f.result()) for g, f in zip(groups[1:], pending)]
+        for g, part in parts:
+            for i, x in zip(g, part):
+                got[i] = x
         for i, key in enumerate(self._keys):
             if got[i] is None:  # missing or corrupt mid-stream: recompute from text, re-store, go on
                 self._fix(key)
                 got[i] = self._fixed_blob(key, layer)
         return StagedLayer(layer, tuple(m for m, _ in got), tuple(b for _, b in got), slot)
 
-    def _read_group(self, layer: int, chunks: range, slot: StagingSlot) -> list[tuple[ChunkMeta, object] | None]:
+    def _checked(self, got: tuple[ChunkMeta, object] | None, i: int, slot: StagingSlot, held: bool = False):
+        """A tier's answer for chunk i: None when it does not fit its region; else (meta, blob),
+        the blob copied into the slot when the consumer gathers (`held`: a tier's own buffer)."""
+        if got is None or got[0].layer_nbytes != slot.sizes[i] or len(got[1]) != slot.sizes[i]:
+            return None
+        if not self._ring.gather:
+            return got
+        if held and not is_pinned(got[1]):
+            return got[0], slot.copy_in(i, got[1])
+        return got[0], slot.adopt(i, got[1])
+
+    def _read_group(self, layer: int, chunks: Sequence[int], slot: StagingSlot) -> list[tuple[ChunkMeta, object] | None]:
         out: list[tuple[ChunkMeta, object] | None] = []
         for i in chunks:
             key = self._keys[i]
@@ -137,10 +167,7 @@ class LayerStream:
                 continue
             with reading_into(slot.region(i), self._files):
                 got = self._store.get_blob(key, layer)
-            if got is None or got[0].layer_nbytes != slot.sizes[i] or len(got[1]) != slot.sizes[i]:
-                out.append(None)
-                continue
-            out.append((got[0], slot.adopt(i, got[1])) if self._ring.gather else got)
+            out.append(self._checked(got, i, slot))
         return out
 
     def _stored_meta(self, key: str) -> ChunkMeta:

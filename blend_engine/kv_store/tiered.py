@@ -68,6 +68,24 @@ class TieredStore(BlobStore):
         self._count(layer, hit=False)
         return None
 
+    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, Blob] | None]:
+        """Per key, the blob of the top tier that has the chunk, when that tier holds it in memory."""
+        out: list[tuple[ChunkMeta, Blob] | None] = [None] * len(keys)
+        open_ = list(range(len(keys)))  # keys no tier above has
+        for tier in self.tiers:
+            if not open_:
+                break
+            got = tier.held_blobs([keys[i] for i in open_], layer)
+            still = []
+            for i, x in zip(open_, got):
+                if x is not None:
+                    out[i] = x
+                    self._count(layer, hit=True)
+                elif tier.meta(keys[i]) is None:  # not here: a lower tier may hold it
+                    still.append(i)
+            open_ = still  # a tier that has a chunk but reads it from elsewhere serves it (get_blob)
+        return out
+
     def open_files(self) -> OpenFiles:
         return OpenFiles(direct=any(t.direct_io for t in self.tiers))
 

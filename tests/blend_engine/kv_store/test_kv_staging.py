@@ -183,3 +183,77 @@ def test_a_stream_from_disk_promotes_into_memory_only_where_the_chunk_fits(tmp_p
         assert memory.stats().skipped_puts == 0  # an empty memory tier is not offered what cannot fit
         if promoted:  # copied out of the reused staging slots: the promoted chunk is the stored one
             assert torch.equal(memory.get("a").k, decode_chunk(*encode_chunk("fp16", kv)).k)
+
+
+def test_memory_hits_are_copied_in_on_the_streams_thread_while_disk_reads_go_through_the_pool(tmp_path, monkeypatch):
+    """Per layer, a chunk the memory tier holds is taken on the stream's thread in one pass (no
+    reader-pool task for it); chunks on disk are read by the pool. Same bytes either way."""
+    import blend_engine.kv_store.loader as loader_mod
+
+    disk = DiskStore(tmp_path, 1 << 26)
+    store = TieredStore([MemoryStore(1 << 26), disk])
+    kvs = {f"m{i}": make_kv(i, T=5 + i) for i in range(3)} | {f"d{i}": make_kv(10 + i, T=6) for i in range(3)}
+    for k, kv in kvs.items():
+        (store if k.startswith("m") else disk).put(k, kv)
+    tasks: list[list[str]] = []
+    real_pool = loader_mod.reader_pool()
+
+    class CountingPool:
+        def submit(self, fn, layer, group, slot):
+            tasks.append([keys[i] for i in group])
+            return real_pool.submit(fn, layer, group, slot)
+
+    monkeypatch.setattr(loader_mod, "reader_pool", lambda: CountingPool())
+    keys = ["m0", "d0", "m1", "d1", "m2", "d2"]
+    gathered = Sink(gather=True)
+    s = LayerLoader(store, 0).stream(keys, L, lambda k: pytest.fail(k), pack=gathered)  # no promotion mid-test
+    list(s)
+    s.close()
+    pooled = {k for t in tasks for k in t}
+    assert pooled and pooled <= {"d0", "d1", "d2"}  # memory hits never went to the pool
+    assert len(s.trace.held_s) == L
+    for layer, staged in enumerate(gathered.layers):
+        assert all(staged.slot.offset_of(b) is not None for b in staged.blobs)  # all in the one slot
+        assert gathered.blobs[layer] == [bytes(encode_chunk("fp16", kvs[k])[1][layer]) for k in keys]
+
+    tasks.clear()
+    only_memory = Sink(gather=True)
+    s = LayerLoader(store, 2).stream(["m0", "m1", "m2"], L, lambda k: pytest.fail(k), pack=only_memory)
+    list(s)
+    s.close()
+    assert tasks == []  # a layer held in memory needs no pool round trip at all
+    assert only_memory.blobs[1] == [bytes(encode_chunk("fp16", kvs[k])[1][1]) for k in ("m0", "m1", "m2")]
+
+
+def test_staging_memory_is_reused_by_the_next_ring_after_its_last_copy_out():
+    """A request's ring gives its slots' buffers back when it goes; the next ring of similar
+    sizes takes them (no fresh allocation, no page faults), after waiting for the copy out."""
+    from blend_engine.kv_store.staging import HostBuffers, StagingSlot
+
+    class Fence:
+        waited = 0
+
+        def synchronize(self):
+            Fence.waited += 1
+
+    buffers = HostBuffers(keep_bytes=64 << 20)
+    first = StagingSlot([100_000, 200_000], pinned=False, buffers=buffers)
+    address = first.buf.data_ptr()
+    first.fence = Fence()
+    assert buffers.allocated == 1 and buffers.free_bytes() == 0
+    del first
+    assert buffers.free_bytes() > 0
+    second = StagingSlot([100_000, 190_000], pinned=False, buffers=buffers)  # a little smaller: fits
+    assert buffers.allocated == 1 and second.buf.data_ptr() == address and Fence.waited == 1
+    assert second.fence is None
+    big = StagingSlot([8 << 20], pinned=False, buffers=buffers)  # does not fit the free ones: a new one
+    assert buffers.allocated == 2 and big.buf.data_ptr() % 4096 == 0
+    del second, big
+    tiny = StagingSlot([10], pinned=False, buffers=buffers)  # takes the 1 MiB one...
+    assert buffers.allocated == 2 and tiny.buf.data_ptr() == address
+    tiny2 = StagingSlot([10], pinned=False, buffers=buffers)  # ...but a 9 MiB one is not wasted on 10 bytes
+    assert buffers.allocated == 3 and tiny2.buf.numel() < (2 << 20)
+    small_keep = HostBuffers(keep_bytes=1 << 20)
+    for _ in range(3):
+        StagingSlot([2 << 20], pinned=False, buffers=small_keep)
+    assert small_keep.free_bytes() == 0  # more than it may keep: dropped
