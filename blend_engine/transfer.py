@@ -4,7 +4,8 @@
 ring the loader reads into (`packer.staging`, pinned on CUDA): one buffer per layer, one region
 per chunk, each chunk's layer blob (K and V, one slab) read straight into its region by the disk
 tier. On CUDA the whole slot then crosses in ONE host-to-device copy, a chunk the memory tier
-holds (pinned) in one copy straight from there, and the chunks' K and V are concatenated into
+holds (pinned) in one copy straight from there, a chunk the device tier holds (`kv_store.device`)
+not at all (decoded where it lies), and the chunks' K and V are concatenated into
 `[H, Tc, D]` blocks once, on the device, all on the device's one copy stream (`copy_stream`),
 which records an event. The engine's thread only makes its compute stream wait for that event
 (`PackedLayer.wait`, no host sync), so the copy of layer i+1 overlaps the compute of layer i.
@@ -103,6 +104,7 @@ class LayerPacker:
         self._events: list[object | None] = [None] * self._slots
         self._next = 0
         self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.uploaded_bytes = 0  # host-to-device bytes of staged layers (a device tier's chunks move none)
 
     def __call__(self, layer_kv: LayerKV | StagedLayer) -> PackedLayer:
         if isinstance(layer_kv, StagedLayer):
@@ -210,21 +212,29 @@ class LayerPacker:
 
     def _upload(self, staged: StagedLayer) -> PackedLayer:
         """A staged layer to the device: one copy of the staging slot (the chunks read into it, and
-        those copied into it here), one per chunk held in a tier's pinned memory, then K and V
-        (int8: and scales) concatenated once, all on the copy stream."""
+        those copied into it here; split where a device-resident chunk's region lies between), one
+        per chunk held in a tier's pinned memory, none for a chunk the device tier holds (decoded
+        where it lies), then K and V (int8: and scales) concatenated once, all on the copy stream."""
         slot = staged.slot
-        at, direct, staged_end = staged.gather()  # pageable tier buffers copied into the slot
-        end = max(o + len(b) for o, b in zip(at, staged.blobs))
+        at, direct, runs = staged.gather()  # pageable tier buffers copied into the slot
+        hosted = [o + len(b) for o, b in zip(at, staged.blobs) if o is not None]
         with self._on_copy_stream():
-            block = torch.empty(end, dtype=torch.uint8, device=self.device)  # [bytes], laid out like the slot
-            if staged_end:
-                block[:staged_end].copy_(slot.buf[:staged_end], non_blocking=True)  # one DMA for the slot
+            block = torch.empty(max(hosted, default=0), dtype=torch.uint8, device=self.device)  # [bytes], like the slot
+            for start, end in runs:  # one DMA for the slot (one per run between device-resident chunks)
+                block[start:end].copy_(slot.buf[start:end], non_blocking=True)
+                self.uploaded_bytes += end - start
             for o, src in direct:
                 block[o:o + src.numel()].copy_(src, non_blocking=True)  # one DMA per pinned chunk
-            parts = [decode_raw(m, block[o:o + m.layer_nbytes], quantized=True) for m, o in zip(staged.metas, at)]
+                self.uploaded_bytes += src.numel()
+            parts = [decode_raw(m, self._resident(b) if o is None else block[o:o + m.layer_nbytes], quantized=True)
+                     for m, o, b in zip(staged.metas, at, staged.blobs)]
             packed = self._concat(parts, staged.metas)
             packed.ready = slot.fence = self._record()
         return packed
+
+    def _resident(self, blob: torch.Tensor) -> torch.Tensor:
+        """A device tier's blob [bytes] on this packer's device (it is, unless tiers and engine disagree)."""
+        return blob if blob.device == self.device else blob.to(self.device, non_blocking=True)
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()

@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     memory_cache_mb: int = Field(1024, ge=0)
     memory_cache_gb: float | None = Field(None, ge=0, description="memory tier budget in GB (2**30 bytes); when set "
                                                                   "it overrides memory_cache_mb")
+    device_cache_gb: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                          description="device (GPU) hot tier above the memory tier, in GB (2**30 "
+                                                      "bytes); unset = automatic: 0 off CUDA, 20% of the device "
+                                                      "memory free after the model and the batch's KV on CUDA")
     disk_cache_mb: int = Field(20480, ge=0)
     disk_direct_io: bool = Field(False, description="layer streams read the disk tier with O_DIRECT (for drives where "
                                                     "the page cache only gets in the way)")
@@ -101,6 +105,7 @@ class Settings(BaseSettings):
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
     _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", "reranker", "memory_cache_gb",
+                                     "device_cache_gb",
                                      mode="before")(empty_is_none)
 
     @field_validator("reranker")

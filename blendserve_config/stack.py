@@ -71,11 +71,20 @@ def index_params(settings: Settings) -> IndexParams:
                        ivf_min_train=settings.ivf_min_train)
 
 
-def build_store_from(settings: Settings, fingerprint: str = "") -> KVStore:
+def build_store_from(settings: Settings, fingerprint: str = "", device: str | None = None) -> KVStore:
+    """The KV tiers from settings; with the engine's `device`, a device tier sized by
+    BLENDSERVE_DEVICE_CACHE_GB (automatic when unset; a value the device cannot honour fails here)."""
     kwargs = {"fingerprint": fingerprint} if fingerprint else {}
+    device_bytes = 0
+    if device is not None:
+        from blend_engine.kv_store.device import device_cache_bytes
+
+        device_bytes = device_cache_bytes(settings.device_cache_gb, device, reserved_bytes=settings.batch_kv_mb << 20)
     return build_store(
         kv_format=settings.kv_format,
         memory_bytes=settings.memory_cache_bytes,
+        device_bytes=device_bytes,
+        device=device,
         disk_dir=settings.kv_dir,
         disk_bytes=settings.disk_cache_mb << 20,
         disk_direct_io=settings.disk_direct_io,
@@ -123,7 +132,8 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype)
     settings = settings.model_copy(update={"kv_format": resolve_format(settings.kv_format, runner.dtype,
                                                                        runner.device.type)})
-    store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format))
+    store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format),
+                                      device=str(runner.device))
     engine = build_engine(settings, runner, store)
     embedder = embedder or Embedder(settings.embedder, batch_size=settings.embed_batch_size)
     db = open_passage_store(settings.database_url, data_dir, DB_FILE)

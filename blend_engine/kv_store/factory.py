@@ -1,4 +1,5 @@
-"""Build the configured store stack: memory over local disk (when disk_dir) over Redis (when redis_url)."""
+"""Build the configured store stack: device (when a budget is given) over memory over local disk (when
+disk_dir) over Redis (when redis_url)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def build_store(
     *,
     kv_format: str = "fp16",
     memory_bytes: int = 1 << 30,
+    device_bytes: int = 0,
+    device: str | None = None,
     disk_dir: Path | None = None,
     disk_bytes: int = 20 << 30,
     disk_direct_io: bool = False,
@@ -25,7 +28,8 @@ def build_store(
     redis_timeout_s: float = 0.5,
     fingerprint: str = "",
 ) -> KVStore:
-    """Memory tier on top of local disk (when disk_dir) on top of Redis (when redis_url).
+    """Memory tier on top of local disk (when disk_dir) on top of Redis (when redis_url), and a device
+    tier of `device_bytes` on `device` above them all when both are given (`device.device_cache_bytes`).
 
     `fingerprint` (the engine's `store_fingerprint`) is written into disk and Redis entries;
     entries of another fingerprint are misses. Empty: keys alone separate models. The memory tier
@@ -33,6 +37,12 @@ def build_store(
     tier with O_DIRECT.
     """
     tiers: list[BlobStore] = [MemoryStore(memory_bytes, kv_format=kv_format, fingerprint=fingerprint)]
+    if device_bytes > 0:
+        if device is None:
+            raise ValueError("a device tier budget needs the device it lives on")
+        from blend_engine.kv_store.device import DeviceStore
+
+        tiers.insert(0, DeviceStore(device_bytes, device, kv_format=kv_format, fingerprint=fingerprint))
     if disk_dir is not None:
         from blend_engine.kv_store.disk import DiskStore
 

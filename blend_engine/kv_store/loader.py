@@ -152,7 +152,7 @@ class LayerStream:
         the blob copied into the slot when the consumer gathers (`held`: a tier's own buffer)."""
         if got is None or got[0].layer_nbytes != slot.sizes[i] or len(got[1]) != slot.sizes[i]:
             return None
-        if not self._ring.gather:
+        if not self._ring.gather or isinstance(got[1], torch.Tensor):  # a device tier's blob stays where it is
             return got
         if held and not is_pinned(got[1]):
             return got[0], slot.copy_in(i, got[1])

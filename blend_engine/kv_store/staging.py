@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from blend_engine.kv_store.codec import ChunkMeta, decode_layer
+from blend_engine.kv_store.codec import ChunkMeta, decode_layer, decode_raw
 
 ALIGN = 4096
 KEEP_BYTES = 1 << 30  # free staging memory kept for the next rings (pinned on CUDA)
@@ -241,7 +241,7 @@ class StagedLayer:
 
     layer: int
     metas: tuple[ChunkMeta, ...]
-    blobs: tuple[object, ...]  # bytes-like, each metas[i].layer_nbytes long
+    blobs: tuple[object, ...]  # bytes-like (or a device tier's uint8 tensor), each metas[i].layer_nbytes long
     slot: StagingSlot
 
     @property
@@ -250,24 +250,39 @@ class StagedLayer:
 
     def decoded(self, quantized: bool):
         """The chunks as (k, v) [H, T, D] views (or int8 `QuantLayer`s with `quantized`), no copy."""
-        return [decode_layer(m, b, quantized=quantized) for m, b in zip(self.metas, self.blobs)]
+        return [decode_raw(m, b, quantized=quantized) if isinstance(b, torch.Tensor) else
+                decode_layer(m, b, quantized=quantized) for m, b in zip(self.metas, self.blobs)]
 
-    def gather(self) -> tuple[list[int], list[tuple[int, torch.Tensor]], int]:
-        """Bring every blob into the slot's layout, for one copy of the slot: a tier's pageable
-        buffer is copied into its region here; one in pinned memory is left where it is (it gets its
-        own copy, and the slot holds it until then). Returns (each blob's offset in the slot's
-        layout, the pinned (offset, uint8 tensor) pairs, bytes of the slot the blobs there use)."""
-        at, pinned, used = [], [], 0
+    def gather(self) -> tuple[list[int | None], list[tuple[int, torch.Tensor]], list[tuple[int, int]]]:
+        """Bring every blob into the slot's layout, for as few copies of the slot as can be: a tier's
+        pageable buffer is copied into its region here; one in pinned memory is left where it is (it
+        gets its own copy, and the slot holds it until then); a device tier's (a tensor) needs no
+        copy. Returns (each blob's offset in the slot's layout, None for those on the device; the
+        pinned (offset, uint8 tensor) pairs; the (start, end) spans of the slot to copy: one per run
+        of neighbouring chunks whose blobs are in the slot, so the regions of chunks that need no
+        copy from it are skipped)."""
+        at: list[int | None] = []
+        pinned: list[tuple[int, torch.Tensor]] = []
+        runs: list[tuple[int, int]] = []
+        run_open = False
         for i, blob in enumerate(self.blobs):
-            o = self.slot.offset_of(blob)
-            if o is None and is_pinned(blob):  # a tier's own pinned buffer
+            o = None if isinstance(blob, torch.Tensor) else self.slot.offset_of(blob)
+            if isinstance(blob, torch.Tensor):  # already on the device
+                at.append(None)
+            elif o is None and is_pinned(blob):  # a tier's own pinned buffer
                 pinned.append((self.slot.offsets[i], torch.frombuffer(blob, dtype=torch.uint8)))  # [bytes]
                 self.slot.held.append(blob)
                 at.append(self.slot.offsets[i])
+            else:
+                if o is None:  # a tier's pageable buffer
+                    self.slot.copy_in(i, blob)
+                    o = self.slot.offsets[i]
+                at.append(o)
+                if run_open:
+                    runs[-1] = (runs[-1][0], o + len(blob))
+                else:
+                    runs.append((o, o + len(blob)))
+                run_open = True
                 continue
-            if o is None:  # a tier's pageable buffer
-                self.slot.copy_in(i, blob)
-                o = self.slot.offsets[i]
-            at.append(o)
-            used = max(used, o + len(blob))
-        return at, pinned, used
+            run_open = False
+        return at, pinned, runs

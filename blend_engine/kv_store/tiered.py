@@ -1,9 +1,10 @@
-"""Tiers composed into one store: memory over disk over Redis.
+"""Tiers composed into one store: device over memory over disk over Redis.
 
-Reads try the tiers top-down. A chunk served by a lower tier is promoted upward once all of its
-layers have passed through (layer-wise streams keep their overlap: nothing is read twice), or at
-once by `get`. Writes go through to every tier. A failing tier (Redis down, disk full) only
-makes its own puts skip; the other tiers keep serving.
+Reads try the tiers top-down. A chunk served by a lower tier is promoted upward (into every tier
+above it with room) once all of its layers have passed through (layer-wise streams keep their
+overlap: nothing is read twice), or at once by `get`: hot chunks move up, and each tier evicts its
+least recently used chunks by bytes. Writes go through to every tier. A failing tier (Redis down,
+disk full) only makes its own puts skip; the other tiers keep serving.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class TieredStore(BlobStore):
         """Per key, the blob of the top tier that has the chunk, when that tier holds it in memory."""
         out: list[tuple[ChunkMeta, Blob] | None] = [None] * len(keys)
         open_ = list(range(len(keys)))  # keys no tier above has
-        for tier in self.tiers:
+        for t, tier in enumerate(self.tiers):
             if not open_:
                 break
             got = tier.held_blobs([keys[i] for i in open_], layer)
@@ -81,6 +82,8 @@ class TieredStore(BlobStore):
                 if x is not None:
                     out[i] = x
                     self._count(layer, hit=True)
+                    if t > 0 and any(up.can_hold(x[0].nbytes) for up in self.tiers[:t]):  # hot: moves up
+                        self._collect(keys[i], t, layer, *x)  # the tier's own buffer: it stays valid
                 elif tier.meta(keys[i]) is None:  # not here: a lower tier may hold it
                     still.append(i)
             open_ = still  # a tier that has a chunk but reads it from elsewhere serves it (get_blob)

@@ -1,0 +1,169 @@
+"""Device tier: the hottest chunks kept in the model's device memory, above the pinned memory tier.
+
+A hit here needs no host-to-device copy at all: a layer stream gets each layer's blob as a uint8
+view of the chunk's one device tensor (`held_blobs`), and the engine's packer decodes and
+concatenates it where it lies (`transfer.LayerPacker`), next to the chunks it did upload.
+
+What lives here follows LMCache's hot-cache rules: a chunk is written through on store (it was just
+computed, so it is hot), a chunk served by a lower tier is promoted up once its layers have passed
+(`TieredStore`), and the tier evicts least recently used chunks by bytes. Blobs are views of the
+stored tensor: callers must not modify them. `get_blob` (the plain, unstaged read used by `get`)
+copies the layer back to the host.
+
+The tier takes a `device` argument so its bookkeeping runs anywhere: "cpu" (tests: real bytes),
+"meta" (no bytes at all: budgets and eviction only), "cuda:N" (the service).
+
+Budget (`device_cache_bytes`, setting BLENDSERVE_DEVICE_CACHE_GB): unset means automatic, which is
+0 (no tier) off CUDA and `AUTO_FRACTION` of the device memory free once the model is loaded, less the
+running batch's KV budget, on CUDA. An explicit value is used as is; a negative, non-finite value, a
+positive one on a device that is not CUDA, or more than the device has free fails at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blend_engine.kv_store.base import StoreStats
+from blend_engine.kv_store.blob import Blob, BlobStore
+from blend_engine.kv_store.codec import ChunkMeta
+from blend_engine.kv_store.lru import ByteLRU
+
+AUTO_FRACTION = 0.2  # of the free device memory after the model is loaded and the batch's KV set aside
+
+
+def device_cache_bytes(gb: float | None, device: torch.device | str, reserved_bytes: int = 0,
+                       free_bytes: int | None = None) -> int:
+    """The device tier's budget in bytes: `gb` (GB = 2**30 bytes) when given, else automatic (see the
+    module doc). `reserved_bytes`: device memory the engine needs besides the model (the running
+    batch's KV). `free_bytes`: the device's free memory (measured when None). Raises ValueError on a
+    value the device cannot honour."""
+    device = torch.device(device)
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    if gb is not None and (not math.isfinite(gb) or gb < 0):
+        raise ValueError(f"BLENDSERVE_DEVICE_CACHE_GB must be a finite number >= 0, got {gb}")
+    if gb is None and not cuda:
+        return 0
+    if gb is not None and gb > 0 and not cuda:
+        raise ValueError(f"BLENDSERVE_DEVICE_CACHE_GB={gb} needs a CUDA device; the engine runs on {device} "
+                         "(its memory tier already holds the chunks there)")
+    if gb == 0:
+        return 0
+    free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+    if gb is None:
+        return max(0, int(AUTO_FRACTION * (free - reserved_bytes)))
+    want = int(gb * (1 << 30))
+    if want + reserved_bytes > free:
+        raise ValueError(f"BLENDSERVE_DEVICE_CACHE_GB={gb} ({want >> 20} MiB) plus the batch's KV "
+                         f"({reserved_bytes >> 20} MiB) is more than the {free >> 20} MiB free on {device}")
+    return want
+
+
+@dataclass
+class _Entry:
+    meta: ChunkMeta
+    data: torch.Tensor  # [L * layer_nbytes] uint8 on the tier's device
+
+
+class DeviceStore(BlobStore):
+    def __init__(self, budget_bytes: int, device: torch.device | str, kv_format: str = "fp16",
+                 name: str = "device", fingerprint: str = "") -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"device tier budget must be >= 0 bytes, got {budget_bytes}")
+        super().__init__(name, kv_format, fingerprint)
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._copies = torch.cuda.Stream(self.device) if self._cuda else None
+        self._lock = threading.Lock()
+        self._stats = StoreStats(name=name, bytes_budget=budget_bytes)
+        self._items: ByteLRU[_Entry] = ByteLRU(budget_bytes, self._stats)
+
+    def can_hold(self, nbytes: int) -> bool:
+        return self._items.fits(nbytes)
+
+    def meta(self, key: str) -> ChunkMeta | None:
+        with self._lock:
+            e = self._items.get(key)
+            return None if e is None else e.meta
+
+    def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
+        self.check_meta(meta)
+        with self._lock:
+            if not self._items.fits(meta.nbytes):
+                self._stats.skipped_puts += 1
+                return False
+            self._items.pop(key)
+            self._items.evict_for(meta.nbytes)  # the device memory is freed before the new chunk takes it
+        data = self._upload(meta, blobs)
+        with self._lock:
+            self._items.pop(key)
+            self._items.evict_for(meta.nbytes)
+            self._items.add(key, meta.nbytes, _Entry(meta, data))
+            self._stats.puts += 1
+            return True
+
+    def _upload(self, meta: ChunkMeta, blobs: Sequence[Blob]) -> torch.Tensor:
+        """The chunk's blobs in one device tensor [L * layer_nbytes], the copy finished (a put is off
+        the critical path: a store after compute, or a promotion after the stream's last layer)."""
+        n = meta.layer_nbytes
+        data = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)  # [L * n]
+        if self.device.type == "meta":
+            return data
+        with torch.cuda.stream(self._copies) if self._cuda else contextlib.nullcontext():
+            for i, b in enumerate(blobs):
+                src = b if isinstance(b, torch.Tensor) else torch.frombuffer(b, dtype=torch.uint8)  # [n]
+                data[i * n:(i + 1) * n].copy_(src, non_blocking=self._cuda)  # async only from pinned memory
+        if self._cuda:
+            self._copies.synchronize()
+        return data
+
+    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, torch.Tensor] | None]:
+        out: list[tuple[ChunkMeta, torch.Tensor] | None] = []
+        with self._lock:
+            for key in keys:
+                e = self._items.get(key)
+                if e is None or layer >= e.meta.n_layers:
+                    out.append(None)
+                    continue
+                self._count_hit(key, e, layer)
+                n = e.meta.layer_nbytes
+                out.append((e.meta, e.data[layer * n:(layer + 1) * n]))  # [n] uint8 on the device
+        return out
+
+    def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
+        """The layer copied back to the host (the unstaged read path)."""
+        with self._lock:
+            e = self._items.get(key)
+            if e is None or layer >= e.meta.n_layers:
+                if layer == 0:
+                    self._stats.misses += 1
+                return None
+            self._count_hit(key, e, layer)
+        n = e.meta.layer_nbytes
+        return e.meta, bytearray(e.data[layer * n:(layer + 1) * n].cpu().numpy())
+
+    def _count_hit(self, key: str, e: _Entry, layer: int) -> None:
+        """Counters and recency of one layer served (lock held)."""
+        if layer == 0:
+            self._items.touch(key)
+            self._stats.hits += 1
+        self._stats.bytes_read += e.meta.layer_nbytes
+
+    def keys(self) -> list[str]:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return self._items.keys()
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._items.pop(key) is not None
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return self._stats.snapshot()
+
