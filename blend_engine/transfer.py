@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from blend_engine.kv_store.codec import ChunkMeta, QuantLayer, decode_raw, dequantize_k, dequantize_v
 from blend_engine.kv_store.loader import LayerKV
 from blend_engine.kv_store.staging import StagedLayer, StagingRing
+from blend_engine.scheduler.controller import PathCosts
 
 
 def cuda_ready(device: torch.device) -> bool:
@@ -105,12 +107,32 @@ class LayerPacker:
         self._next = 0
         self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.uploaded_bytes = 0  # host-to-device bytes of staged layers (a device tier's chunks move none)
+        self._moved: list = [0, 0.0]  # bytes, seconds of finished uploads not yet reported (upload_totals)
+        self._timings: list[tuple[object, object, int]] = []  # CUDA: (start, end event, bytes) in flight
+
+    def upload_totals(self) -> tuple[int, float]:
+        """(bytes, seconds) of staged layers moved to the device since the last call: on CUDA the
+        copy stream's time for the copies that have finished (events), on the CPU the packing copy
+        into the compute dtype (the CPU's last leg). Read by the loader when its stream ends."""
+        if self._timings:
+            done = [t for t in self._timings if t[1].query()]
+            self._timings = [t for t in self._timings if not t[1].query()]
+            for start, end, nbytes in done:
+                self._moved[0] += nbytes
+                self._moved[1] += start.elapsed_time(end) / 1e3
+        out, self._moved = (self._moved[0], self._moved[1]), [0, 0.0]
+        return out
 
     def __call__(self, layer_kv: LayerKV | StagedLayer) -> PackedLayer:
         if isinstance(layer_kv, StagedLayer):
             if self._cuda:
                 return self._upload(layer_kv)
-            layer_kv = layer_kv.decoded(quantized=self.moves_int8)  # views of the slot: packed (copied) below
+            t0 = time.perf_counter()
+            nbytes = sum(len(b) for b in layer_kv.blobs if not isinstance(b, torch.Tensor))
+            packed = self(layer_kv.decoded(quantized=self.moves_int8))  # views of the slot: packed (copied)
+            self._moved[0] += nbytes
+            self._moved[1] += time.perf_counter() - t0
+            return packed
         quant = [isinstance(x, QuantLayer) for x in layer_kv]
         if all(quant):
             return self._int8(layer_kv)
@@ -218,7 +240,9 @@ class LayerPacker:
         slot = staged.slot
         at, direct, runs = staged.gather()  # pageable tier buffers copied into the slot
         hosted = [o + len(b) for o, b in zip(at, staged.blobs) if o is not None]
+        moved = self.uploaded_bytes
         with self._on_copy_stream():
+            started = self._record(timing=True)
             block = torch.empty(max(hosted, default=0), dtype=torch.uint8, device=self.device)  # [bytes], like the slot
             for start, end in runs:  # one DMA for the slot (one per run between device-resident chunks)
                 block[start:end].copy_(slot.buf[start:end], non_blocking=True)
@@ -229,7 +253,9 @@ class LayerPacker:
             parts = [decode_raw(m, self._resident(b) if o is None else block[o:o + m.layer_nbytes], quantized=True)
                      for m, o, b in zip(staged.metas, at, staged.blobs)]
             packed = self._concat(parts, staged.metas)
-            packed.ready = slot.fence = self._record()
+            packed.ready = slot.fence = self._record(timing=True)
+        if started is not None:
+            self._timings.append((started, packed.ready, self.uploaded_bytes - moved))
         return packed
 
     def _resident(self, blob: torch.Tensor) -> torch.Tensor:
@@ -239,11 +265,12 @@ class LayerPacker:
     def _on_copy_stream(self):
         return torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
 
-    def _record(self) -> object | None:
-        """An event on the copy stream after what was queued on it (None off CUDA: copies are done)."""
+    def _record(self, timing: bool = False) -> object | None:
+        """An event on the copy stream after what was queued on it (None off CUDA: copies are done);
+        `timing`: one that `elapsed_time` can read."""
         if not self._cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(self._stream)
         return event
 
@@ -258,3 +285,96 @@ class LayerPacker:
                             chunk)
         return PackedLayer(torch.cat([q.kq for q in parts], dim=1),  # [H, Tc, D] int8
                            torch.cat([q.vq for q in parts], dim=1), scales=scales)
+
+
+# ---------------------------------------------------------------------- start-up calibration
+CALIBRATION_LAYERS = 4  # layers of the probe chunk
+CALIBRATION_TOKENS = (32, 256)  # the two sizes of the layer-forward probe
+
+
+def calibrate(runner, kv_format: str = "fp16", tokens: int = 256, reps: int = 3) -> PathCosts:
+    """The controller's start-up estimates, measured once on the runner's device through the real
+    path (`BandwidthController(calibrate=...)`): one probe chunk of the model's KV shape
+    (`CALIBRATION_LAYERS` layers of `tokens` tokens) streamed from a disk tier (page cache warm: a
+    fast drive; the disk tier's own counters replace it after the first real read) and from a
+    memory tier into the engine's packer (its staging, upload and concatenation), and one layer
+    forward at two sizes. Milliseconds of work; the best of `reps` runs of each."""
+    import tempfile
+    from pathlib import Path
+
+    from blend_engine.kv_store.base import ChunkKV
+    from blend_engine.kv_store.disk import DiskStore
+    from blend_engine.kv_store.memory import MemoryStore
+
+    shape = runner.shape
+    g = torch.Generator().manual_seed(0)
+    dims = (CALIBRATION_LAYERS, shape.n_kv_heads, tokens, shape.head_dim)
+    kv = ChunkKV(torch.randn(dims, generator=g).to(runner.dtype),  # [L, H, T, D]
+                 torch.randn(dims, generator=g).to(runner.dtype))
+    with tempfile.TemporaryDirectory(prefix="blendserve-calibrate-") as tmp:
+        disk = DiskStore(Path(tmp), 1 << 40, kv_format=kv_format)
+        disk.put("probe", kv)
+        storage = _stream_costs(disk, runner, reps)
+        disk.close()
+    memory = MemoryStore(1 << 40, kv_format=kv_format)
+    memory.put("probe", kv)
+    held = _stream_costs(memory, runner, reps)
+    fixed, per_token = _layer_costs(runner, reps)
+    return PathCosts(storage_read_s=storage[0], stage_s=held[0], upload_s=min(storage[1], held[1]),
+                     layer_fixed_s=fixed, token_layer_s=per_token)
+
+
+def _stream_costs(store, runner, reps: int) -> tuple[float, float]:
+    """(delivery into staging, upload) seconds per byte of one chunk streamed from `store` into a
+    fresh packer, the best of `reps` streams."""
+    from blend_engine.kv_store.loader import LayerLoader
+
+    best = (float("inf"), float("inf"))
+    for _ in range(reps + 1):  # the first warms the page cache, the readers and the allocator
+        before = store.stats()
+        packer = LayerPacker(runner.device, runner.dtype)
+        stream = LayerLoader(store, 0).stream(["probe"], CALIBRATION_LAYERS, _no_repair, pack=packer)
+        try:
+            for packed in stream:
+                packed.wait()
+        finally:
+            stream.close()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        after = store.stats()
+        nbytes = after.bytes_read - before.bytes_read
+        up = after.extra.get("upload_bytes", 0) - before.extra.get("upload_bytes", 0)
+        up_s = after.extra.get("upload_seconds", 0.0) - before.extra.get("upload_seconds", 0.0)
+        read = (after.read_seconds - before.read_seconds) / nbytes if nbytes else 0.0
+        best = (min(best[0], read), min(best[1], up_s / up if up else 0.0))
+    return best
+
+
+def _no_repair(key: str):
+    raise RuntimeError(f"calibration chunk {key} could not be read back")
+
+
+def _layer_costs(runner, reps: int) -> tuple[float, float]:
+    """(fixed seconds, seconds per token) of one layer forward (layer 0, causal, no cache), fitted
+    through the best times at `CALIBRATION_TOKENS` tokens."""
+    shape = runner.shape
+    times = []
+    with torch.inference_mode():
+        for n in CALIBRATION_TOKENS:
+            hidden = torch.randn(n, shape.hidden, generator=torch.Generator().manual_seed(n)).to(
+                device=runner.device, dtype=runner.dtype)  # [n, E]
+            cos, sin = runner.rope(torch.arange(n))  # [n, D] each
+            best = float("inf")
+            for _ in range(reps + 1):  # the first warms kernels and the allocator
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                t0 = time.perf_counter()
+                q, k, v = runner.qkv(0, hidden, cos, sin)  # [Hq, n, D], [H, n, D], [H, n, D]
+                runner.finish_layer(0, hidden, runner.attend(q, k, v, None, causal=True))  # [n, E]
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+    (n1, n2), (t1, t2) = CALIBRATION_TOKENS, times
+    per_token = max((t2 - t1) / (n2 - n1), 1e-12)
+    return max(t1 - per_token * n1, 0.0), per_token

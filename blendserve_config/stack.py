@@ -3,6 +3,7 @@ and the one first-start ingestion of the bundled sample corpus."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -94,11 +95,19 @@ def build_store_from(settings: Settings, fingerprint: str = "", device: str | No
     )
 
 
-def build_controller(settings: Settings) -> BandwidthController | None:
-    """The bandwidth-aware ratio controller when no fixed ratio is configured (None if unavailable)."""
+def build_controller(settings: Settings, runner: ModelRunner | None = None) -> BandwidthController | None:
+    """The bandwidth-aware ratio controller when no fixed ratio is configured (None if unavailable);
+    with the `runner`, its start-up estimates are measured once on the runner's device
+    (`transfer.calibrate`: a small staged read, copy and upload, a small layer forward)."""
     if settings.recompute_ratio is not None:
         return None
-    return BandwidthController(floor=settings.ratio_floor, cap=settings.ratio_max)
+    calibrate = None
+    if runner is not None:
+        from blend_engine.transfer import calibrate as measure
+
+        fmt = resolve_format(settings.kv_format, runner.dtype, runner.device.type)
+        calibrate = functools.partial(measure, runner, fmt)
+    return BandwidthController(floor=settings.ratio_floor, cap=settings.ratio_max, calibrate=calibrate)
 
 
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
@@ -106,7 +115,8 @@ def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> Ble
                           default_ratio=settings.recompute_ratio if settings.recompute_ratio is not None
                           else settings.ratio_floor, selected_attention=settings.selected_attention,
                           batch=BatchLimits(settings.max_batch, settings.batch_kv_mb << 20, settings.prefill_step_tokens))
-    return BlendEngine(runner, store, config, loader=build_loader(store), controller=build_controller(settings))
+    return BlendEngine(runner, store, config, loader=build_loader(store),
+                       controller=build_controller(settings, runner))
 
 
 def fusion_of(settings: Settings) -> Fusion:

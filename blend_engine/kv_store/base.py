@@ -46,6 +46,7 @@ class StoreStats:
     """Counters every tier keeps. Plain numbers only."""
 
     name: str
+    kind: str = "storage"  # "device" (delivers in place), "memory" (copied into staging), "storage" (read into it)
     hits: int = 0
     misses: int = 0
     puts: int = 0

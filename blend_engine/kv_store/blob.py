@@ -67,6 +67,19 @@ class BlobStore(KVStore):
         counted as a read; else None, counted as nothing. Default: all None (get_blob reads them)."""
         return [None] * len(keys)
 
+    def count_staging(self, seconds: float) -> None:
+        """Time a layer stream spent copying this store's held blobs into a staging buffer: part of
+        delivering them (counted as read time; their bytes were counted when they were handed out)."""
+        with self._lock:
+            self._stats.read_seconds += seconds
+
+    def count_upload(self, nbytes: int, seconds: float) -> None:
+        """A layer stream's host-to-device copies of blobs from this store (bytes, seconds), for the
+        controller's whole-path estimate (stats extra `upload_bytes`, `upload_seconds`)."""
+        with self._lock:
+            self._stats.extra["upload_bytes"] = self._stats.extra.get("upload_bytes", 0) + nbytes
+            self._stats.extra["upload_seconds"] = self._stats.extra.get("upload_seconds", 0.0) + seconds
+
     def can_hold(self, nbytes: int) -> bool:
         """Whether a chunk of this many bytes fits the tier's budget at all (evicting others). Default: yes."""
         return True

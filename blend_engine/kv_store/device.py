@@ -80,7 +80,7 @@ class DeviceStore(BlobStore):
         self._cuda = self.device.type == "cuda"
         self._copies = torch.cuda.Stream(self.device) if self._cuda else None
         self._lock = threading.Lock()
-        self._stats = StoreStats(name=name, bytes_budget=budget_bytes)
+        self._stats = StoreStats(name=name, kind="device", bytes_budget=budget_bytes)
         self._items: ByteLRU[_Entry] = ByteLRU(budget_bytes, self._stats)
 
     def can_hold(self, nbytes: int) -> bool:

@@ -53,7 +53,9 @@ def reader_pool() -> ThreadPoolExecutor:
 
 @dataclass
 class LoadTrace:
-    """Per-layer timings of one stream: read time, and how long the consumer waited for it."""
+    """Per-layer timings of one stream: load time (the read into staging, the copy of held blobs
+    into it, and the pack and upload start: the whole path on the reader's side), and how long the
+    consumer waited for it."""
 
     read_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
@@ -136,6 +138,8 @@ class LayerStream:
             if held is not None:
                 got[i] = self._checked(held, i, slot, held=True)
         self.trace.held_s.append(time.perf_counter() - t0)
+        if self._ring.gather and any(x is not None and not isinstance(x[1], torch.Tensor) for x in got):
+            self._store.count_staging(self.trace.held_s[-1])  # the memory tier's delivery: its copy into staging
         parts = [(groups[0], self._read_group(layer, groups[0], slot))] if groups else []
         parts += [(g, f.result()) for g, f in zip(groups[1:], pending)]
         for g, part in parts:
@@ -182,24 +186,30 @@ class LayerStream:
         meta, blobs = self._fixed[key]
         return meta, blobs[layer]
 
-    def _close_files(self) -> None:
+    def _finish(self) -> None:
+        """Close the descriptors; report the packer's uploads of this stream to the store."""
         if self._files is not None:
             self._files.close()
+        totals = getattr(self._pack, "upload_totals", None)
+        if self._ring is not None and totals is not None:
+            nbytes, seconds = totals()
+            if nbytes:
+                self._store.count_upload(nbytes, seconds)  # the last leg of the path, for the controller
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[LayerKV]:
         for layer in range(self._n_layers):
             t0 = time.perf_counter()
             item = self._read(layer)
-            read = time.perf_counter() - t0
-            self.trace.read_s.append(read)
             if self._pack is not None:
                 item = self._pack(item)
-            self.trace.wait_s.append(read if self._pack is None else time.perf_counter() - t0)
+            read = time.perf_counter() - t0
+            self.trace.read_s.append(read)
+            self.trace.wait_s.append(read)
             yield item
 
     def close(self) -> None:
-        self._close_files()
+        self._finish()
 
 
 class PrefetchStream(LayerStream):
@@ -228,8 +238,10 @@ class PrefetchStream(LayerStream):
                     return
                 t0 = time.perf_counter()
                 item = self._read(layer)
+                if self._pack is not None:
+                    item = self._pack(item)
                 self.trace.read_s.append(time.perf_counter() - t0)
-                self._offer((item if self._pack is None else self._pack(item), None))
+                self._offer((item, None))
         except BaseException as exc:  # handed to the consumer, raised there
             self._offer((None, exc))
 
@@ -258,7 +270,7 @@ class PrefetchStream(LayerStream):
             except queue.Empty:
                 break
         self._thread.join()
-        self._close_files()
+        self._finish()
 
 
 class LayerLoader:

@@ -48,7 +48,7 @@ class MemoryStore(BlobStore):
         super().__init__(name, kv_format, fingerprint)
         self.pinned = pinnable() if pinned is None else pinned  # page-locked only where CUDA exists
         self._lock = threading.Lock()
-        self._stats = StoreStats(name=name, bytes_budget=budget_bytes)
+        self._stats = StoreStats(name=name, kind="memory", bytes_budget=budget_bytes)
         self._items: ByteLRU[_Entry] = ByteLRU(budget_bytes, self._stats)
 
     def can_hold(self, nbytes: int) -> bool:

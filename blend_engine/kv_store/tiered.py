@@ -89,6 +89,13 @@ class TieredStore(BlobStore):
             open_ = still  # a tier that has a chunk but reads it from elsewhere serves it (get_blob)
         return out
 
+    def count_staging(self, seconds: float) -> None:
+        """Held blobs copied into staging come from a memory tier (the device tier's are not copied)."""
+        for tier in self.tiers:
+            if tier.stats().kind == "memory":
+                tier.count_staging(seconds)
+                return
+
     def open_files(self) -> OpenFiles:
         return OpenFiles(direct=any(t.direct_io for t in self.tiers))
 

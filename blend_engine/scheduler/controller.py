@@ -5,8 +5,16 @@ Grounded in measurement (CacheBlend section 5.3):
 - compute: per layer, t(n) = fixed + n * per_token for n tokens computed at that layer, fitted
   (decayed least squares) from the engine's per-layer times and sizes (CUDA events on CUDA,
   perf_counter on the CPU); priors until observations arrive;
-- load: per layer, bytes_per_layer / bandwidth, the bandwidth measured per tier from the tiers'
-  read counters and mixed by the share of bytes each tier served, or from the engine's reports;
+- load: per layer, bytes_per_layer / bandwidth. The bandwidth is the whole path's, per tier: the
+  tier's delivery into the staging buffer (its read counters: the disk tier's read and checksum,
+  the memory tier's copy into staging; a pinned memory tier and the device tier deliver in place)
+  plus the upload to the device (the packer's measured host-to-device time per byte, reported
+  through the store; none for the device tier), mixed by the share of bytes each tier served. The
+  engine's reports (whole-path load time per layer) stand in when the store has no tier counters;
+- start-up estimates: `calibrate` (one seam) is called once, when the controller is built, and
+  returns `PathCosts` measured on the engine's device (`transfer.calibrate`: a small staged read,
+  copy and upload, a small layer forward at two sizes); they price what has not been measured yet.
+  Without it, CPU-scale constants;
 - the schedule: every layer up to the check layer computes all N tokens; from the check layer on
   the forced tokens (uncached: the question, passages that missed the cache, EPIC sinks) plus
   ratio x multiplier of the cached passage tokens, narrowed at the schedule's layers. Passages
@@ -26,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,8 +48,30 @@ logger = logging.getLogger(__name__)
 PRIOR_BANDWIDTH = 1.0e9  # bytes/s: a local SSD or page cache
 PRIOR_TOKEN_LAYER_S = 30e-6  # seconds per token per layer: a ~100M model on a few CPU cores
 PRIOR_LAYER_FIXED_S = 0.0  # seconds per layer whatever its size (kernel launches, norms, the python loop)
+PRIOR_UPLOAD_S_PER_BYTE = 0.0  # without a calibration: the read counters alone (the CPU packs in place)
 _FAST = float("inf")
 _GRID = 0.01  # ratio resolution
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """Start-up estimates of the load path and of compute on the engine's device, measured once.
+    Seconds per byte of each leg of the path; seconds per layer of compute (fixed and per token)."""
+
+    storage_read_s: float  # a storage tier's (disk) read into the staging buffer, checksum included
+    stage_s: float  # the memory tier's copy into the staging buffer (0 when it is pinned: DMA in place)
+    upload_s: float  # staging buffer to the device (the CPU: the packer's copy into the compute dtype)
+    layer_fixed_s: float
+    token_layer_s: float
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if not value >= 0:  # also NaN
+                raise ValueError(f"PathCosts.{name} must be >= 0 seconds, got {value}")
+
+    def read_s(self, kind: str) -> float:
+        """Seconds per byte of a tier of this kind's delivery into staging, before it is measured."""
+        return {"device": 0.0, "memory": self.stage_s}.get(kind, self.storage_read_s)
 
 
 @dataclass(frozen=True)
@@ -102,18 +133,32 @@ class BandwidthController:
 
     def __init__(self, floor: float = 0.15, cap: float = 0.5, alpha: float = 0.3,
                  prior_bandwidth: float = PRIOR_BANDWIDTH, prior_token_layer_s: float = PRIOR_TOKEN_LAYER_S,
-                 prior_layer_fixed_s: float = PRIOR_LAYER_FIXED_S, probe_every: int = 16) -> None:
+                 prior_layer_fixed_s: float = PRIOR_LAYER_FIXED_S, probe_every: int = 16,
+                 calibrate: Callable[[], PathCosts] | None = None) -> None:
         if not 0 <= floor <= cap <= 1:
             raise ValueError(f"need 0 <= floor <= cap <= 1, got floor={floor}, cap={cap}")
         self.floor, self.cap, self.alpha = floor, cap, alpha
         self._lock = threading.Lock()
         self._bandwidth: float | None = None  # effective, from reports
+        self.calibration = calibrate() if calibrate is not None else None  # once, at start-up
+        if self.calibration is not None:
+            c = self.calibration
+            logger.info("controller start-up estimates: storage read %.2f GB/s, staging copy %s, upload %s, "
+                        "layer %.3f ms + %.2f us/token", _gbps(c.storage_read_s), _gbps_text(c.stage_s),
+                        _gbps_text(c.upload_s), c.layer_fixed_s * 1e3, c.token_layer_s * 1e6)
+            prior_bandwidth = 1.0 / (c.storage_read_s + c.upload_s) if c.storage_read_s + c.upload_s > 0 else _FAST
+            prior_layer_fixed_s, prior_token_layer_s = c.layer_fixed_s, c.token_layer_s
         self._prior_bandwidth = prior_bandwidth
+        self._upload_prior = self.calibration.upload_s if self.calibration else PRIOR_UPLOAD_S_PER_BYTE
         self._prior = (prior_layer_fixed_s, prior_token_layer_s)
         self._fit = _LinearFit(alpha)
-        self._tier_bw: dict[str, float] = {}
+        self._tier_bw: dict[str, float] = {}  # whole path (delivery into staging + upload), bytes/s
+        self._tier_read: dict[str, float] = {}  # delivery into staging, seconds per byte (measured)
+        self._tier_kind: dict[str, str] = {}
         self._tier_seen: dict[str, tuple[int, float]] = {}
         self._tier_share: dict[str, float] = {}
+        self._upload: float | None = None  # seconds per byte, measured
+        self._upload_seen = (0, 0.0)
         self._observations = 0
         self._full_prefill = 0
         self._fallbacks = 0  # full-prefill answers since blend last ran
@@ -122,30 +167,57 @@ class BandwidthController:
 
     # ------------------------------------------------------------------ estimates
     def _update_tiers(self, store: KVStore) -> None:
-        """Fold the tiers' read counters (bytes, seconds) since the last look into the estimates."""
+        """Fold the tiers' read counters and the store's upload counters (bytes, seconds) since the
+        last look into the estimates."""
         stats = store.stats()
+        self._update_upload(stats.extra)
         deltas: dict[str, int] = {}
-        tiers = [(t["name"], t["bytes_read"], t["read_seconds"]) for t in stats.extra.get("tiers", [])] or \
-            [(stats.name, stats.bytes_read, stats.read_seconds)]
-        for name, bytes_read, read_seconds in tiers:
+        tiers = [(t["name"], t.get("kind", "storage"), t["bytes_read"], t["read_seconds"])
+                 for t in stats.extra.get("tiers", [])] or \
+            [(stats.name, stats.extra.get("kind", "storage"), stats.bytes_read, stats.read_seconds)]
+        for name, kind, bytes_read, read_seconds in tiers:
+            self._tier_kind[name] = kind
             seen_b, seen_s = self._tier_seen.get(name, (0, 0.0))
             db, ds = bytes_read - seen_b, read_seconds - seen_s
             self._tier_seen[name] = (bytes_read, read_seconds)
             if db <= 0:
                 continue
             deltas[name] = db
-            bw = db / ds if ds > 0 else _FAST
-            self._tier_bw[name] = bw if bw == _FAST else _ewma(self._tier_bw.get(name), bw, self.alpha)
+            self._tier_read[name] = _ewma(self._tier_read.get(name), max(ds, 0.0) / db, self.alpha)
+        for name in self._tier_read:
+            cost = self._tier_read[name] + self._upload_cost(self._tier_kind.get(name, "storage"))
+            self._tier_bw[name] = 1.0 / cost if cost > 0 else _FAST
         total = sum(deltas.values())
         if total:
             for name in set(self._tier_share) | set(deltas):
                 self._tier_share[name] = _ewma(self._tier_share.get(name), deltas.get(name, 0) / total, self.alpha)
 
+    def _update_upload(self, extra: dict) -> None:
+        """The packer's host-to-device time per byte, as the layer streams reported it to the store."""
+        seen_b, seen_s = self._upload_seen
+        b, sec = extra.get("upload_bytes", 0), extra.get("upload_seconds", 0.0)
+        self._upload_seen = (b, sec)
+        if b > seen_b:
+            self._upload = _ewma(self._upload, max(sec - seen_s, 0.0) / (b - seen_b), self.alpha)
+
+    def _upload_cost(self, kind: str) -> float:
+        """Seconds per byte to move a tier's bytes from staging to the device (none from the device tier)."""
+        if kind == "device":
+            return 0.0
+        return self._upload if self._upload is not None else self._upload_prior
+
+    def _unmeasured_bw(self, name: str) -> float:
+        """A tier that has served a share but no bytes yet (gone quiet): its kind's start-up estimate."""
+        kind = self._tier_kind.get(name, "storage")
+        read = self.calibration.read_s(kind) if self.calibration else (1.0 / self._prior_bandwidth)
+        cost = read + self._upload_cost(kind)
+        return 1.0 / cost if cost > 0 else _FAST
+
     def _tier_bandwidth(self) -> float | None:
         """Harmonic mix of tier bandwidths weighted by the share of bytes each served."""
         if not self._tier_share:
             return None
-        seconds_per_byte = sum(share / self._tier_bw.get(name, self._prior_bandwidth)
+        seconds_per_byte = sum(share / self._tier_bw.get(name, self._unmeasured_bw(name))
                                for name, share in self._tier_share.items())
         return 1.0 / seconds_per_byte if seconds_per_byte > 0 else _FAST
 
@@ -156,7 +228,7 @@ class BandwidthController:
             return bw, per_token
 
     def _estimate(self) -> tuple[float, tuple[float, float]]:
-        bw = self._bandwidth or self._tier_bandwidth() or self._prior_bandwidth
+        bw = self._tier_bandwidth() or self._bandwidth or self._prior_bandwidth
         return bw, self._fit.solve() or self._prior
 
     # ------------------------------------------------------------------ protocol
@@ -223,3 +295,11 @@ class BandwidthController:
             bw, (fixed, per_token) = self._estimate()
             return ControllerState(bw, per_token, dict(self._tier_bw), self._observations, self._last_ratio,
                                    fixed, self._full_prefill)
+
+
+def _gbps(s_per_byte: float) -> float:
+    return 1e-9 / s_per_byte if s_per_byte > 0 else float("inf")
+
+
+def _gbps_text(s_per_byte: float) -> str:
+    return "in place" if s_per_byte <= 0 else f"{_gbps(s_per_byte):.2f} GB/s"
