@@ -129,10 +129,14 @@ class LayerPacker:
                 return self._upload(layer_kv)
             t0 = time.perf_counter()
             nbytes = sum(len(b) for b in layer_kv.blobs if not isinstance(b, torch.Tensor))
-            packed = self(layer_kv.decoded(quantized=self.moves_int8))  # views of the slot: packed (copied)
+            packed = self._packed(layer_kv.decoded(quantized=self.moves_int8))  # views of the slot: copied
             self._moved[0] += nbytes
             self._moved[1] += time.perf_counter() - t0
             return packed
+        return self._packed(layer_kv)
+
+    def _packed(self, layer_kv: LayerKV) -> PackedLayer:
+        """Per-chunk (k, v) [H, T, D] (or `QuantLayer`s) -> one block per K and V on the device."""
         quant = [isinstance(x, QuantLayer) for x in layer_kv]
         if all(quant):
             return self._int8(layer_kv)
