@@ -263,8 +263,14 @@ class LayerPacker:
         return packed
 
     def _resident(self, blob: torch.Tensor) -> torch.Tensor:
-        """A device tier's blob [bytes] on this packer's device (it is, unless tiers and engine disagree)."""
-        return blob if blob.device == self.device else blob.to(self.device, non_blocking=True)
+        """A device tier's blob [bytes] on this packer's device (it is, unless tiers and engine
+        disagree). On CUDA it is marked as used by the copy stream, so the tier evicting the chunk
+        meanwhile cannot hand its memory to another stream before the concatenation has read it."""
+        if blob.device != self.device:
+            return blob.to(self.device, non_blocking=True)
+        if self._cuda:
+            blob.record_stream(self._stream)
+        return blob
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()

@@ -178,3 +178,35 @@ def test_build_store_puts_the_device_tier_on_top_and_settings_reject_bad_budgets
     assert [t.name for t in build_store_from(cpu, device="cpu").tiers] == ["memory", "disk"]  # automatic: none on the CPU
     with pytest.raises(ValueError, match="needs a CUDA device"):
         build_store_from(Settings(data_dir=tmp_path, kv_format="fp16", device_cache_gb=1.0), device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+def test_on_cuda_a_device_tier_chunk_is_packed_in_place_next_to_uploaded_ones(tmp_path, fmt):
+    """The real CUDA path: a device-tier chunk, a pinned memory-tier chunk and a disk chunk packed by
+    the engine's packer on the copy stream equal the host decode; only the host chunks cross, and
+    the upload's time reaches the store's counters."""
+    device = DeviceStore(1 << 24, "cuda", kv_format=fmt)
+    memory = MemoryStore(1 << 24, kv_format=fmt)  # pinned where CUDA exists
+    disk = DiskStore(tmp_path, 1 << 26, kv_format=fmt)
+    store = TieredStore([device, memory, disk])
+    kvs = {"g": make_kv(1, T=7), "m": make_kv(2, T=5), "d": make_kv(3, T=3)}
+    device.put("g", kvs["g"])
+    memory.put("m", kvs["m"])
+    disk.put("d", kvs["d"])
+    packer = LayerPacker("cuda", torch.float16, slots=4)
+    keys = ["m", "g", "d"]
+    expected = {k: decode_chunk(*encode_chunk(fmt, kv)) for k, kv in kvs.items()}
+    s = LayerLoader(store, 1).stream(keys, L, lambda k: pytest.fail(k), pack=packer)
+    try:
+        for layer, p in enumerate(s):
+            k, v = p.wait()  # [H, Tc, D] each, on the device
+            assert k.device.type == "cuda"
+            assert torch.equal(k.float().cpu(), torch.cat([expected[x].k[layer].float() for x in keys], dim=1))
+            assert torch.equal(v.float().cpu(), torch.cat([expected[x].v[layer].float() for x in keys], dim=1))
+    finally:
+        s.close()
+    moved = sum(encode_chunk(fmt, kvs[x])[0].layer_nbytes for x in ("m", "d")) * L
+    assert packer.uploaded_bytes == moved
+    torch.cuda.synchronize()
+    assert store.stats().extra.get("upload_bytes", 0) > 0
