@@ -145,12 +145,12 @@ class EngineLoop:
                     self._requests[req.rid] = req
                     self.scheduler.add(req.rid, req.kv_bytes)
                 task = self._tasks.popleft() if self._tasks else None
-            try:
-                self._step()
-            except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
-                logger.exception("engine step failed")
-            if task is not None:
-                with torch.inference_mode():
+            with torch.inference_mode():  # no autograd graph: the weights of a loaded model require grad
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
+                    logger.exception("engine step failed")
+                if task is not None:
                     self._run_task(*task)
         self._fail_all(Cancelled("the engine is shutting down"))
 

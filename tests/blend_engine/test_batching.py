@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from blend_engine.cancel import Cancelled
 from blend_engine.engine import BlendEngine, EngineConfig
@@ -155,3 +156,13 @@ def test_limits_are_validated():
     for bad in ({"max_batch": 0}, {"kv_budget_bytes": 0}, {"prefill_step_tokens": 0}):
         with pytest.raises(ValueError):
             BatchLimits(**bad)
+
+
+def test_the_loop_prefills_without_an_autograd_graph(engine, real_runner):
+    """A loaded model's weights require grad: a prefill run by the loop (not only `BlendEngine.prefill`)
+    must record no graph, which would keep every layer's activations alive until the request ends."""
+    assert any(p.requires_grad for p in real_runner.model.parameters())
+    g = engine.generate(_plans(1)[0], GenerationConfig(max_tokens=2))
+    list(g)
+    assert not g.state.logits.requires_grad and g.state.logits.grad_fn is None
+    assert torch.is_inference(g.state.cache.k[0])
