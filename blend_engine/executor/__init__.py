@@ -5,5 +5,7 @@
 - `selection`: CacheBlend's ranking of deviating tokens and attending from the kept ones;
 - `attention`: FlexAttention block masks for the selected rows;
 - `prefill`: one prefill from a scheduler's plan to logits and report;
-- `decode`: the batched decode step with explicit positions and ragged attention.
+- `decode`: the batched decode step with explicit positions and ragged attention;
+- `uploads`: host-built tensors to the device, pinned and non-blocking (no host wait);
+- `offload`: a segment's KV back to pinned host memory in one non-blocking copy (prefix_cache).
 """
