@@ -26,6 +26,7 @@ replace by counting stand-ins answering from shapes alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -90,6 +91,7 @@ class BlockingUpload(AssertionError):
     pass
 
 
+_REAL_PINNED = uploads_mod.pinned
 _pinned_storages: dict[int, torch.Tensor] = {}  # storage address -> the stand-in's pinned copy, kept alive
 _exempt = threading.local()  # .depth > 0 while the layer packer runs on this thread
 
@@ -437,3 +439,37 @@ def test_the_checker_refuses_blocking_uploads_and_passes_pinned_non_blocking_one
         assert t.copy_(_fake_pinned(host), non_blocking=True).device == t.device
         assert uploads_mod.upload(host, t.device).device == t.device  # the executor's way
         assert checker.uploads == [(torch.float32, (4,))] * 3
+
+
+@contextlib.contextmanager
+def _cuda_syncs_refused():
+    """CUDA's own check: every synchronising call (value read, blocking copy, stream sync) raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real stream's check needs a CUDA device")
+@pytest.mark.parametrize("tier,depth", [("memory", 0), ("disk", 2)])
+def test_on_cuda_nothing_waits_for_the_device_in_the_prefill_or_the_decode_step(tier, depth, tmp_path, monkeypatch):
+    """The fake device's property on a real one: from the request's setup through its last layer, and
+    in a decode step, nothing synchronises (the prefill's one named read in `complete_run` and the
+    step's token read stay outside). Real pinning here, not the stand-in."""
+    monkeypatch.setattr(uploads_mod, "pinned", _REAL_PINNED)
+    store = _store(tier, tmp_path, "llama")
+    torch.manual_seed(0)
+    runner = _runner(_model("llama").requires_grad_(False).to("cuda"))
+    engine = BlendEngine(runner, store, EngineConfig(kv_format="fp16"), loader=LayerLoader(store, depth))
+    plan = BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=0.15)
+    with torch.inference_mode():
+        prep = engine.prepare(plan, 2)
+        with _cuda_syncs_refused():
+            run = engine.start_run(plan, prep, 2)
+            for _ in run.steps():
+                pass
+        state = engine.complete_run(plan, prep, run)
+        with _cuda_syncs_refused():
+            logits = decode_batch(runner, [state.cache], [5], [state.cache.length])  # [1, V]
+    assert state.report.cache_hits == len(PASSAGES) + 1 and logits.shape == (1, CONFIG["vocab_size"])

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from blend_engine.engine import BlendEngine, EngineConfig
-from blend_engine.executor.offload import HostCopy
+from blend_engine.executor.layers import KVCache
+from blend_engine.executor.offload import HostCopy, copy_to_host, save_stream
 from blend_engine.generation import Generation
 from blend_engine.kv_store import MemoryStore
 from blend_engine.prefix_cache import PrefixCache
@@ -101,3 +102,20 @@ def test_a_prefill_on_the_calling_thread_saves_after_its_logits_and_the_next_one
     again = engine.prefill(PLAN)
     assert again.report.prefix_tokens_reused == first.layout.segments[-2].end
     assert (again.logits - first.logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the save stream and pinned memory need a CUDA device")
+def test_on_cuda_a_segment_crosses_in_one_copy_to_pinned_memory_on_the_one_save_stream():
+    cache = KVCache(3, 2, 40, 8, torch.float16, "cuda")
+    for t in (*cache.k, *cache.v):
+        t.normal_()
+    want = cache.segment(5, 17)  # [L, H, T, D] each, on the device
+    torch.cuda.set_sync_debug_mode("error")  # issuing the copy never waits for the device
+    try:
+        copy = copy_to_host(cache, 5, 17)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = copy.kv()  # waits for the copy's event
+    assert copy.block.is_pinned() and copy.done is not None and copy.block.shape == (2, 3, 2, 12, 8)
+    assert torch.equal(got.k, want.k.cpu()) and torch.equal(got.v, want.v.cpu())
+    assert save_stream(cache.k[0].device) is save_stream(torch.device("cuda", torch.cuda.current_device()))
