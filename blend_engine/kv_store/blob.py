@@ -4,10 +4,10 @@
 - get_blob(key, layer): (meta, that layer's verified blob) or None (miss, corrupt -> dropped);
 - put_blobs(key, meta, blobs): store every layer's blob; False when skipped.
 
-and one optional one, for tiers that keep their blobs in memory: held_blobs(keys, layer), per key
-the blob only when it is already in memory (no I/O), else None. A layer stream asks it first, on
-its own thread, for all its chunks at once, and copies what it gets into the staging slot in one
-pass (no reader-pool round trip per blob); the rest it reads through the pool with get_blob.
+A tier that keeps its blobs in memory says so (`holds_blobs`); a layer stream asks `in_memory(key)`
+once per chunk and gets those chunks with get_blob on its own thread, in one pass per layer
+(copied into the staging slot when its consumer gathers; no reader-pool round trip per blob),
+while the others are read through the pool. get_blob stays the one read primitive.
 
 A layer stream calls get_blob inside `staging.reading_into(region, files)`: a tier that reads bytes
 from elsewhere (the disk) puts them into that staging region, through the stream's open files; a
@@ -46,6 +46,7 @@ class BlobStore(KVStore):
     _lock: AbstractContextManager  # every tier guards its stats with its lock
     _stats: StoreStats
     direct_io: bool = False  # layer streams read this tier's files with O_DIRECT
+    holds_blobs: bool = False  # its blobs are its own buffers in memory (stable, no I/O to get them)
 
     def __init__(self, name: str, kv_format: str, fingerprint: str = "") -> None:
         self.name = name
@@ -62,10 +63,9 @@ class BlobStore(KVStore):
     @abstractmethod
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool: ...
 
-    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, Blob] | None]:
-        """Per key, (meta, blob) when this store holds the layer in memory (no I/O to get it),
-        counted as a read; else None, counted as nothing. Default: all None (get_blob reads them)."""
-        return [None] * len(keys)
+    def in_memory(self, key: str) -> bool:
+        """Whether this store serves the chunk from memory (no I/O): get_blob then costs a lookup."""
+        return self.holds_blobs and self.meta(key) is not None
 
     def count_staging(self, seconds: float) -> None:
         """Time a layer stream spent copying this store's held blobs into a staging buffer: part of

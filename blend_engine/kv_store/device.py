@@ -1,13 +1,13 @@
 """Device tier: the hottest chunks kept in the model's device memory, above the pinned memory tier.
 
 A hit here needs no host-to-device copy at all: a layer stream gets each layer's blob as a uint8
-view of the chunk's one device tensor (`held_blobs`), and the engine's packer decodes and
+view of the chunk's one device tensor (`get_blob` inside `staging.reading_into`), and the engine's packer decodes and
 concatenates it where it lies (`transfer.LayerPacker`), next to the chunks it did upload.
 
 What lives here follows LMCache's hot-cache rules: a chunk is written through on store (it was just
 computed, so it is hot), a chunk served by a lower tier is promoted up once its layers have passed
 (`TieredStore`), and the tier evicts least recently used chunks by bytes. Blobs are views of the
-stored tensor: callers must not modify them. `get_blob` (the plain, unstaged read used by `get`)
+stored tensor: callers must not modify them. Outside a layer stream (`get`, `get_layer`), `get_blob`
 copies the layer back to the host.
 
 The tier takes a `device` argument so its bookkeeping runs anywhere: "cpu" (tests: real bytes),
@@ -33,6 +33,7 @@ from blend_engine.kv_store.base import StoreStats
 from blend_engine.kv_store.blob import Blob, BlobStore
 from blend_engine.kv_store.codec import ChunkMeta
 from blend_engine.kv_store.lru import ByteLRU
+from blend_engine.kv_store.staging import read_target
 
 AUTO_FRACTION = 0.2  # of the free device memory after the model is loaded and the batch's KV set aside
 
@@ -71,6 +72,7 @@ class _Entry:
 
 
 class DeviceStore(BlobStore):
+    holds_blobs = True
     def __init__(self, budget_bytes: int, device: torch.device | str, kv_format: str = "fp16",
                  name: str = "device", fingerprint: str = "") -> None:
         if budget_bytes < 0:
@@ -122,21 +124,9 @@ class DeviceStore(BlobStore):
             self._copies.synchronize()
         return data
 
-    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, torch.Tensor] | None]:
-        out: list[tuple[ChunkMeta, torch.Tensor] | None] = []
-        with self._lock:
-            for key in keys:
-                e = self._items.get(key)
-                if e is None or layer >= e.meta.n_layers:
-                    out.append(None)
-                    continue
-                self._count_hit(key, e, layer)
-                n = e.meta.layer_nbytes
-                out.append((e.meta, e.data[layer * n:(layer + 1) * n]))  # [n] uint8 on the device
-        return out
-
-    def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
-        """The layer copied back to the host (the unstaged read path)."""
+    def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob | torch.Tensor] | None:
+        """In a layer stream (`staging.reading_into`): the layer as a uint8 view [layer_nbytes] of the
+        chunk's device tensor, left where it is. Elsewhere (the unstaged read): copied to the host."""
         with self._lock:
             e = self._items.get(key)
             if e is None or layer >= e.meta.n_layers:
@@ -145,7 +135,10 @@ class DeviceStore(BlobStore):
                 return None
             self._count_hit(key, e, layer)
         n = e.meta.layer_nbytes
-        return e.meta, bytearray(e.data[layer * n:(layer + 1) * n].cpu().numpy())
+        view = e.data[layer * n:(layer + 1) * n]  # [n] uint8 on the device
+        if read_target()[0] is not None:
+            return e.meta, view
+        return e.meta, bytearray(view.cpu().numpy())
 
     def _count_hit(self, key: str, e: _Entry, layer: int) -> None:
         """Counters and recency of one layer served (lock held)."""

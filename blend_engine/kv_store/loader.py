@@ -36,7 +36,7 @@ import torch
 from blend_engine.kv_store.base import ChunkKV, KVStore
 from blend_engine.kv_store.blob import BlobStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
-from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, is_pinned, reading_into
+from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
 
 logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]
@@ -80,7 +80,7 @@ class LayerStream:
         self._ring: StagingRing | None = ring if isinstance(store, BlobStore) and isinstance(ring, StagingRing) else None
         self._files = store.open_files() if self._ring is not None else None
         self._metas: list[ChunkMeta] | None = None
-        self._not_held: set[int] = set()  # chunks no tier held in memory at layer 0: read through the pool
+        self._held: list[bool] | None = None  # per chunk: served from memory (asked once, at layer 0)
 
     def _fix(self, key: str) -> None:
         """Recompute a chunk from its text, store it again, and use it as the store would return it."""
@@ -123,20 +123,18 @@ class LayerStream:
         if self._metas is None:
             self._metas = [self._stored_meta(key) for key in self._keys]
         slot = self._ring.next([m.layer_nbytes for m in self._metas])
+        if self._held is None:
+            self._held = [self._store.in_memory(key) for key in self._keys]  # once per stream
         got: list[tuple[ChunkMeta, object] | None] = [None] * len(self._keys)
-        ask = [i for i, key in enumerate(self._keys) if i not in self._not_held and key not in self._fixed]
-        for i, held in zip(ask, self._store.held_blobs([self._keys[i] for i in ask], layer) if ask else ()):
-            got[i] = held
-            if held is None and layer == 0:
-                self._not_held.add(i)  # not in memory at layer 0: read through the pool from now on
-        rest = [i for i, x in enumerate(got) if x is None]
+        held = [i for i, key in enumerate(self._keys) if self._held[i] and key not in self._fixed]
+        rest = [i for i, key in enumerate(self._keys) if not self._held[i] or key in self._fixed]
         k = min(READERS, len(rest))
         groups = [rest[len(rest) * g // k:len(rest) * (g + 1) // k] for g in range(k)]
         pending = [reader_pool().submit(self._read_group, layer, g, slot) for g in groups[1:]]  # in flight...
         t0 = time.perf_counter()
-        for i, held in enumerate(got):  # ...while the held blobs are copied in (one pass, this thread)
-            if held is not None:
-                got[i] = self._checked(held, i, slot, held=True)
+        for i in held:  # ...while the chunks held in memory are taken (and copied in) here, in one pass
+            with reading_into(slot.region(i), self._files):
+                got[i] = self._checked(self._store.get_blob(self._keys[i], layer), i, slot)
         self.trace.held_s.append(time.perf_counter() - t0)
         if self._ring.gather and any(x is not None and not isinstance(x[1], torch.Tensor) for x in got):
             self._store.count_staging(self.trace.held_s[-1])  # the memory tier's delivery: its copy into staging
@@ -151,15 +149,13 @@ class LayerStream:
                 got[i] = self._fixed_blob(key, layer)
         return StagedLayer(layer, tuple(m for m, _ in got), tuple(b for _, b in got), slot)
 
-    def _checked(self, got: tuple[ChunkMeta, object] | None, i: int, slot: StagingSlot, held: bool = False):
+    def _checked(self, got: tuple[ChunkMeta, object] | None, i: int, slot: StagingSlot):
         """A tier's answer for chunk i: None when it does not fit its region; else (meta, blob),
-        the blob copied into the slot when the consumer gathers (`held`: a tier's own buffer)."""
+        the blob copied into the slot when the consumer gathers (a device tier's stays where it is)."""
         if got is None or got[0].layer_nbytes != slot.sizes[i] or len(got[1]) != slot.sizes[i]:
             return None
-        if not self._ring.gather or isinstance(got[1], torch.Tensor):  # a device tier's blob stays where it is
+        if not self._ring.gather or isinstance(got[1], torch.Tensor):
             return got
-        if held and not is_pinned(got[1]):
-            return got[0], slot.copy_in(i, got[1])
         return got[0], slot.adopt(i, got[1])
 
     def _read_group(self, layer: int, chunks: Sequence[int], slot: StagingSlot) -> list[tuple[ChunkMeta, object] | None]:

@@ -41,6 +41,7 @@ def _hold(meta: ChunkMeta, blobs: Sequence[Blob], pinned: bool) -> _Entry:
 
 
 class MemoryStore(BlobStore):
+    holds_blobs = True
     def __init__(self, budget_bytes: int = 2 << 30, kv_format: str = "fp16", name: str = "memory",
                  fingerprint: str = "", pinned: bool | None = None) -> None:
         if kv_format not in STORAGE_FORMATS:
@@ -85,21 +86,6 @@ class MemoryStore(BlobStore):
                 self._stats.hits += 1
             self._stats.bytes_read += e.meta.layer_nbytes
             return e.meta, e.blobs[layer]
-
-    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, Blob] | None]:
-        out: list[tuple[ChunkMeta, Blob] | None] = []
-        with self._lock:  # once for the layer's chunks
-            for key in keys:
-                e = self._items.get(key)
-                if e is None or layer >= e.meta.n_layers:
-                    out.append(None)
-                    continue
-                if layer == 0:
-                    self._items.touch(key)
-                    self._stats.hits += 1
-                self._stats.bytes_read += e.meta.layer_nbytes
-                out.append((e.meta, e.blobs[layer]))
-        return out
 
     def keys(self) -> list[str]:
         """Keys from least to most recently used."""

@@ -63,31 +63,19 @@ class TieredStore(BlobStore):
             got = tier.get_blob(key, layer)
             if got is not None:
                 if i > 0 and any(t.can_hold(got[0].nbytes) for t in self.tiers[:i]):  # else promotion cannot succeed
-                    self._collect(key, i, layer, got[0], bytearray(got[1]) if staging else got[1])  # slots are reused
+                    own = tier.holds_blobs or not staging  # a tier's own buffer stays valid; staging slots are reused
+                    self._collect(key, i, layer, got[0], got[1] if own else bytearray(got[1]))
                 self._count(layer, hit=True)
                 return got
         self._count(layer, hit=False)
         return None
 
-    def held_blobs(self, keys: Sequence[str], layer: int) -> list[tuple[ChunkMeta, Blob] | None]:
-        """Per key, the blob of the top tier that has the chunk, when that tier holds it in memory."""
-        out: list[tuple[ChunkMeta, Blob] | None] = [None] * len(keys)
-        open_ = list(range(len(keys)))  # keys no tier above has
-        for t, tier in enumerate(self.tiers):
-            if not open_:
-                break
-            got = tier.held_blobs([keys[i] for i in open_], layer)
-            still = []
-            for i, x in zip(open_, got):
-                if x is not None:
-                    out[i] = x
-                    self._count(layer, hit=True)
-                    if t > 0 and any(up.can_hold(x[0].nbytes) for up in self.tiers[:t]):  # hot: moves up
-                        self._collect(keys[i], t, layer, *x)  # the tier's own buffer: it stays valid
-                elif tier.meta(keys[i]) is None:  # not here: a lower tier may hold it
-                    still.append(i)
-            open_ = still  # a tier that has a chunk but reads it from elsewhere serves it (get_blob)
-        return out
+    def in_memory(self, key: str) -> bool:
+        """Whether the top tier that has the chunk holds it in memory."""
+        for tier in self.tiers:
+            if tier.meta(key) is not None:
+                return tier.holds_blobs
+        return False
 
     def count_staging(self, seconds: float) -> None:
         """Held blobs copied into staging come from a memory tier (the device tier's are not copied)."""

@@ -15,6 +15,7 @@ from blend_engine.kv_store.device import AUTO_FRACTION, DeviceStore, device_cach
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.loader import LayerLoader
+from blend_engine.kv_store.staging import reading_into
 from blend_engine.kv_store.tiered import TieredStore
 from blend_engine.transfer import LayerPacker
 from tests.helpers import make_kv
@@ -53,13 +54,15 @@ def test_device_tier_round_trips_and_evicts_least_recently_used_by_bytes():
     kvs = {k: make_kv(i) for i, k in enumerate("abc")}
     for k in "ab":
         assert store.put(k, kvs[k])
-    got = store.held_blobs(["a", "b", "x"], 2)
+    region = memoryview(bytearray(1))  # any staging target: in a layer stream the tier hands out device views
+    with reading_into(region, None):
+        got = [store.get_blob(k, 2) for k in ("a", "b", "x")]
     assert got[2] is None
     meta, blob = got[0]
     assert isinstance(blob, torch.Tensor) and blob.device.type == "cpu" and blob.dtype == torch.uint8
     assert bytes(blob.numpy()) == bytes(encode_chunk("fp16", kvs["a"])[1][2])  # a view of the stored bytes
     assert torch.equal(store.get("a").k, kvs["a"].k)  # the unstaged read copies back to the host
-    store.held_blobs(["a"], 0)  # a is used again: b is now the least recently used
+    store.get_blob("a", 0)  # a is used again: b is now the least recently used
     assert store.put("c", kvs["c"])
     assert store.keys() == ["a", "c"] and store.meta("b") is None
     s = store.stats()
@@ -75,7 +78,8 @@ def test_device_tier_bookkeeping_runs_on_the_meta_device_without_bytes():
         assert store.put(f"k{i}", make_kv(i))
         assert store.stats().bytes_used <= 3 * size
     assert store.keys() == ["k2", "k3", "k4"] and store.stats().evictions == 2
-    meta, blob = store.held_blobs(["k3"], 1)[0]
+    with reading_into(memoryview(bytearray(1)), None):
+        meta, blob = store.get_blob("k3", 1)
     assert blob.device.type == "meta" and blob.numel() == meta.layer_nbytes
     assert store.can_hold(3 * size) and not store.can_hold(3 * size + 1)
     assert store.delete("k3") and store.keys() == ["k2", "k4"]
