@@ -302,13 +302,15 @@ CALIBRATION_LAYERS = 4  # layers of the probe chunk
 CALIBRATION_TOKENS = (32, 256)  # the two sizes of the layer-forward probe
 
 
-def calibrate(runner, kv_format: str = "fp16", tokens: int = 256, reps: int = 3) -> PathCosts:
+def calibrate(runner, kv_format: str = "fp16", tokens: int = 256, reps: int = 3, workdir=None) -> PathCosts:
     """The controller's start-up estimates, measured once on the runner's device through the real
     path (`BandwidthController(calibrate=...)`): one probe chunk of the model's KV shape
     (`CALIBRATION_LAYERS` layers of `tokens` tokens) streamed from a disk tier (page cache warm: a
     fast drive; the disk tier's own counters replace it after the first real read) and from a
     memory tier into the engine's packer (its staging, upload and concatenation), and one layer
-    forward at two sizes. Milliseconds of work; the best of `reps` runs of each."""
+    forward at two sizes. Milliseconds of work; the best of `reps` runs of each. `workdir`: where
+    the probe file goes (the disk tier's directory, so its file system is the one measured; default
+    the temp dir)."""
     import tempfile
     from pathlib import Path
 
@@ -321,7 +323,9 @@ def calibrate(runner, kv_format: str = "fp16", tokens: int = 256, reps: int = 3)
     dims = (CALIBRATION_LAYERS, shape.n_kv_heads, tokens, shape.head_dim)
     kv = ChunkKV(torch.randn(dims, generator=g).to(runner.dtype),  # [L, H, T, D]
                  torch.randn(dims, generator=g).to(runner.dtype))
-    with tempfile.TemporaryDirectory(prefix="blendserve-calibrate-") as tmp:
+    if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="blendserve-calibrate-", dir=workdir) as tmp:
         disk = DiskStore(Path(tmp), 1 << 40, kv_format=kv_format)
         disk.put("probe", kv)
         storage = _stream_costs(disk, runner, reps)

@@ -106,7 +106,7 @@ def build_controller(settings: Settings, runner: ModelRunner | None = None) -> B
         from blend_engine.transfer import calibrate as measure
 
         fmt = resolve_format(settings.kv_format, runner.dtype, runner.device.type)
-        calibrate = functools.partial(measure, runner, fmt)
+        calibrate = functools.partial(measure, runner, fmt, workdir=settings.kv_dir)  # the disk tier's file system
     return BandwidthController(floor=settings.ratio_floor, cap=settings.ratio_max, calibrate=calibrate)
 
 

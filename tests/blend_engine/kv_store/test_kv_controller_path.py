@@ -146,8 +146,9 @@ def test_a_device_tier_moves_nothing_and_its_hits_are_priced_free(tmp_path):
     assert c.state().tier_bandwidth["device"] == math.inf
 
 
-def test_calibration_measures_the_real_path_on_the_tiny_model(tiny_runner):
-    costs = calibrate(tiny_runner, "fp16", reps=1)
+def test_calibration_measures_the_real_path_on_the_tiny_model(tiny_runner, tmp_path):
+    costs = calibrate(tiny_runner, "fp16", reps=1, workdir=tmp_path / "kv")
+    assert list((tmp_path / "kv").iterdir()) == []  # the probe file was written there and removed
     assert 0 < costs.storage_read_s < 1e-6 and 0 < costs.upload_s < 1e-6  # faster than 1 MB/s, not free
     assert costs.stage_s == 0.0  # the CPU packer takes the memory tier's buffer in place
     assert costs.token_layer_s > 0 and costs.layer_fixed_s >= 0
