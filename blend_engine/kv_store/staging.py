@@ -118,8 +118,9 @@ class HostBuffers:
             lease = min(fits, key=lambda x: x.raw.numel()) if fits else None
             if lease is not None:
                 self._free.remove(lease)
+            else:
+                self.allocated += 1
         if lease is None:
-            self.allocated += 1
             raw = torch.empty(-(-nbytes // _GRAIN) * _GRAIN, dtype=torch.uint8, pin_memory=pinned)  # [bytes]
             return _Lease(raw, pinned)
         if lease.fence is not None:
