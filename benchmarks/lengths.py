@@ -48,7 +48,7 @@ class Variant:
     grow_ref: float = 0.0  # 0: fixed ratio
     grow_power: float = 1.0
     grow_cap: float = 1.0
-    sinks_in_budget: bool = False  # the policy's sink tokens come out of the ratio (same total recomputed)
+    sinks_in_budget: bool = False  # the policy's boundary tokens (sinks, ends) come out of the ratio (same total recomputed)
 
     def ratio_for(self, passage_tokens: list[int]) -> float:
         ratio = self.ratio
@@ -56,7 +56,7 @@ class Variant:
             scale = min(max(statistics.fmean(passage_tokens) / self.grow_ref, 1.0), self.grow_cap)
             ratio = min(1.0, self.ratio * scale ** self.grow_power)
         if self.sinks_in_budget and self.policy is not None:
-            sinks = sum(min(self.policy.sink_tokens, n) for n in passage_tokens)
+            sinks = sum(min(self.policy.sink_tokens + self.policy.end_tokens, n) for n in passage_tokens)
             ratio = max(0.0, (ratio * sum(passage_tokens) - sinks) / max(sum(passage_tokens) - sinks, 1))
         return ratio
 
@@ -85,6 +85,19 @@ SWEEP: dict[str, Variant] = {
     "check@2, 4x>2x>1.5x>1x by 5": Variant(0.15, _d(check_layer=2, schedule=((3, 2.0), (4, 1.5), (5, 1.0)))),
     "query mass running over layers": Variant(0.15, _d(query_mass="running")),
     "ratio grows with length (sqrt, from 128 tok, cap 4x)": Variant(0.15, grow_ref=128.0, grow_power=0.5, grow_cap=4.0),
+    # second round (helper session of 2026-12-02): sink sizes, EPIC's end boundary, APE
+    "sinks 4 on top": Variant(0.15, _d(sink_tokens=4)),
+    "sinks 4 within": Variant(0.15, _d(sink_tokens=4), sinks_in_budget=True),
+    "sinks 16 on top": Variant(0.15, _d(sink_tokens=16)),
+    "sinks 16 within": Variant(0.15, _d(sink_tokens=16), sinks_in_budget=True),
+    "first+last 4 on top": Variant(0.15, _d(sink_tokens=4, end_tokens=4)),
+    "first+last 4 within": Variant(0.15, _d(sink_tokens=4, end_tokens=4), sinks_in_budget=True),
+    "first+last 8 on top": Variant(0.15, _d(sink_tokens=8, end_tokens=8)),
+    "first+last 8 within": Variant(0.15, _d(sink_tokens=8, end_tokens=8), sinks_in_budget=True),
+    "APE T0.9 S0.9": Variant(0.15, _d(ape_temperature=0.9, ape_scale=0.9)),
+    "APE T0.9 S1": Variant(0.15, _d(ape_temperature=0.9)),
+    "APE T0.8 S0.8": Variant(0.15, _d(ape_temperature=0.8, ape_scale=0.8)),
+    "APE T1 S0.9": Variant(0.15, _d(ape_scale=0.9)),
 }
 
 

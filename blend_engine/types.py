@@ -41,6 +41,14 @@ class SelectionPolicy:
     - schedule: gradual filtering, ((layer, multiplier), ...) with increasing layers: at each
       listed layer the current set is narrowed to ratio x multiplier by that layer's deviation.
     - sink_tokens: EPIC-style, always recompute the first k tokens of every passage.
+    - end_tokens: EPIC's other boundary, always recompute the last k tokens of every passage
+      (after its sinks: a passage shorter than both loses end tokens, not sinks).
+    - ape_temperature, ape_scale: APE (Yang et al., ICLR 2025): the question's tokens attend to
+      the cached passages' keys as one block whose logits are divided by the temperature (< 1
+      sharpens), and whose share of the attention is multiplied by the scale (its log-sum-exp
+      x temperature, + log scale, against the system prefix's and the question's own). 1 and 1
+      are plain attention. Applied to the question's rows in the prefill (so to the first token;
+      decoding attends plainly).
     - use_deviation: False gives pure EPIC (only sinks, plus uncached tokens).
     - query_weighted: weight each token's deviation by the attention the question's tokens pay
       it at that layer, so stale tokens nobody reads are not recomputed (computed from the
@@ -63,6 +71,9 @@ class SelectionPolicy:
     query_weighted: bool = False
     query_mass: str = "layer"
     allocation: str = "global"
+    end_tokens: int = 0
+    ape_temperature: float = 1.0
+    ape_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.metric not in ("k", "v", "kv"):
@@ -73,6 +84,10 @@ class SelectionPolicy:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, not {self.allocation!r}")
         if self.check_layer < 0:
             raise ValueError("check_layer must be >= 0")
+        if self.sink_tokens < 0 or self.end_tokens < 0:
+            raise ValueError("sink_tokens and end_tokens must be >= 0")
+        if not (self.ape_temperature > 0 and self.ape_scale > 0):
+            raise ValueError("ape_temperature and ape_scale must be > 0")
         layers = [lay for lay, _ in self.schedule]
         if layers != sorted(layers) or any(lay <= self.check_layer for lay in layers):
             raise ValueError("schedule layers must increase and come after the check layer")

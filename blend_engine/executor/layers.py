@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blend_engine.cancel import checkpoint
+from blend_engine.executor.ape import ape_attend
 from blend_engine.executor.placement import Placer
 from blend_engine.executor.selection import RankSpace, Selection
 from blend_engine.explain import ScoreProbe
@@ -142,9 +143,13 @@ class LayerLoop:
         self.sel = None if job.recompute is None else self._selection(job.recompute)  # None = all tokens
         self.hidden = r.embed(job.ids if self.sel is None else job.ids[self.sel.pos])  # [N or S, E]
         policy = job.policy or SelectionPolicy()
-        self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, policy.sink_tokens, job.ids.device, job.probe)
+        self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, policy.sink_tokens, job.ids.device, job.probe,
+                                 end_tokens=policy.end_tokens)
                        if job.check_layer is not None else None)
         self.narrowing = narrowing(policy)  # layer -> multiplier where the selection is made or narrowed
+        self.passage_keys = None  # APE (`ape.py`): the cached passages' positions [N] bool, when the policy asks
+        if self.ranked is not None and (policy.ape_temperature != 1.0 or policy.ape_scale != 1.0):
+            self.passage_keys = self.ranked.pid < len(self.ranked.passages)  # [N] bool
         self.placer = Placer(r, list(job.cached), job.rotate)
         self.clock = LayerClock(r.device)
         self.sizes: list[int] = []
@@ -191,7 +196,23 @@ class LayerLoop:
             out = r.attend(q, K[:, :N], V[:, :N], self.windows(layer), causal=True)  # [N, Hq*D]
         else:
             out = self.sel.attend(r, q, K, V, layer)  # [S, Hq*D]
+        if self.passage_keys is not None:
+            out = self._ape_rows(layer, q, K, V, out, 1 if last else self.ranked.n_query)  # [S or N, Hq*D]
         self.hidden = r.finish_layer(layer, self.hidden, out)  # [S or N, E]
+
+    def _ape_rows(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, out: torch.Tensor,
+                  rows: int) -> torch.Tensor:
+        """APE: the question's rows (the last `rows` of q [Hq, S, D] and out [S, Hq*D]; the question
+        is always recomputed and ends the prompt) attend again with the passages' block reweighted."""
+        N, policy, window = self.n, self.job.policy, self.r.windows[layer]
+        qpos = self.pos[N - rows:]  # [rows]
+        keys = torch.arange(N, device=qpos.device)[None, :]  # [1, N]
+        allowed = keys <= qpos[:, None]  # [rows, N]
+        if window is not None:
+            allowed &= keys > qpos[:, None] - window
+        ape = ape_attend(q[:, -rows:], K[:, :N], V[:, :N], allowed, self.passage_keys, self.r.scaling,
+                         policy.ape_temperature, policy.ape_scale)  # [rows, Hq*D]
+        return torch.cat([out[:-rows], ape])  # [S, Hq*D]
 
     def _recompute_all(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         """Every position; at a blend's check layer, select and keep only the chosen rows."""

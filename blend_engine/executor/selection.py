@@ -27,7 +27,7 @@ from blend_engine.explain import ScoreProbe
 from blend_engine.layout import PromptLayout, Segment
 from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import kept
-from blend_engine.scheduler.plans import competing, sink_count
+from blend_engine.scheduler.plans import competing, end_count, sink_count
 from blend_engine.types import SelectionPolicy
 
 # ModelRunner.window_masks: (query positions [S], key count) -> (layer -> window mask [S, N] or None)
@@ -99,8 +99,8 @@ class RankSpace:
     """Which positions compete for recompute, and how they are ranked.
 
     Competing: tokens of cached passages. Always kept: uncached tokens (the question, passages that
-    missed the cache) and, with EPIC sinks, the first k tokens of each passage. The system prefix
-    is never recomputed: cached alone at position 0 it is exact.
+    missed the cache) and, with EPIC boundaries, the first k (sinks) and last k (ends) tokens of
+    each passage. The system prefix is never recomputed: cached alone at position 0 it is exact.
 
         | sys (exact) | passage_1 .. passage_k (compete) | question (always) |
 
@@ -110,7 +110,7 @@ class RankSpace:
     """
 
     def __init__(self, layout: PromptLayout, cached: list[Segment], scale: float, sink_tokens: int = 0,
-                 device: torch.device | str = "cpu", probe: ScoreProbe | None = None) -> None:
+                 device: torch.device | str = "cpu", probe: ScoreProbe | None = None, end_tokens: int = 0) -> None:
         self.scale = scale
         self.probe = probe  # explain: keeps the check layer's scores (device tensors, no sync)
         cached_offsets = {s.offset for s in cached}
@@ -126,8 +126,9 @@ class RankSpace:
             elif competing(seg, True):
                 compete += range(seg.offset, seg.end)
                 self.passages.append((seg.offset, seg.end))
-                sinks = sink_count(seg, sink_tokens)
-                kind[seg.offset:seg.end] = [_FORCED] * sinks + [_COMPETE] * (seg.end - seg.offset - sinks)
+                sinks, ends = sink_count(seg, sink_tokens), end_count(seg, sink_tokens, end_tokens)
+                middle = seg.end - seg.offset - sinks - ends
+                kind[seg.offset:seg.end] = [_FORCED] * sinks + [_COMPETE] * middle + [_FORCED] * ends
         # built on the host once per request, each moved by one pinned non-blocking upload (`uploads`)
         device = torch.device(device)
         self.compete = upload(torch.tensor(compete, dtype=torch.long), device)  # [P] cached chunk tokens, sinks too

@@ -158,11 +158,17 @@ def sink_count(seg: Segment, sink_tokens: int) -> int:
     return min(sink_tokens, len(seg.token_ids))
 
 
+def end_count(seg: Segment, sink_tokens: int, end_tokens: int) -> int:
+    """EPIC's end boundary: the last `end_tokens` tokens of a competing chunk are always recomputed,
+    those that are not already sinks."""
+    return min(end_tokens, len(seg.token_ids) - sink_count(seg, sink_tokens))
+
+
 def prefill_work(env: PlanEnv, layout: PromptLayout, cached: Sequence[tuple[Segment, str]],
                  policy: SelectionPolicy) -> PrefillWork:
     """What a blend prefill of this layout costs: chunks that missed the cache are uncached work."""
     chunks = [s for s, _ in cached if competing(s, True)]
-    sinks = sum(sink_count(s, policy.sink_tokens) for s in chunks)
+    sinks = sum(sink_count(s, policy.sink_tokens) + end_count(s, policy.sink_tokens, policy.end_tokens) for s in chunks)
     n_loaded = sum(len(s.token_ids) for s, _ in cached)
     n_compete = sum(len(s.token_ids) for s in chunks) - sinks
     return PrefillWork(n_tokens=layout.n_tokens, n_cached=n_compete, n_forced=layout.n_tokens - n_loaded + sinks,

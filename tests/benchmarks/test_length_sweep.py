@@ -28,6 +28,8 @@ def test_ratio_grows_with_passage_length_within_its_cap():
     assert lengths.Variant(0.15).ratio_for([10_000]) == 0.15
     sinks = lengths.Variant(0.15, SelectionPolicy(sink_tokens=8), sinks_in_budget=True)
     assert sinks.ratio_for([100, 100]) * (200 - 16) + 16 == pytest.approx(0.15 * 200)  # same total recomputed
+    both = lengths.Variant(0.15, SelectionPolicy(sink_tokens=4, end_tokens=4), sinks_in_budget=True)
+    assert both.ratio_for([100, 100]) * (200 - 16) + 16 == pytest.approx(0.15 * 200)  # ends come out of it too
 
 
 def test_sweep_scores_variants_against_cached_references(tiny_runner, tmp_path, monkeypatch):
