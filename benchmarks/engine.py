@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ref-cache", type=Path, default=Path.home() / ".cache/blendserve/length_sweep.json",
                     help="length sweep: per-question references and results, re-used across runs")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--store-mb", type=int, default=8192,
+                    help="the RAM KV store's budget (LRU); the length sweep re-uses a question's passages only while"
+                         " on it, so 1024 is plenty there and keeps a long sweep's memory at ~2.5 GB")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     if not rows:
         raise SystemExit(f"{args.data} holds no questions")
     runner = ModelRunner.load(args.model)
-    engine = BlendEngine(runner, MemoryStore(8 << 30, kv_format="fp16"), EngineConfig(kv_format="fp16"))
+    engine = BlendEngine(runner, MemoryStore(args.store_mb << 20, kv_format="fp16"), EngineConfig(kv_format="fp16"))
     result: dict = {"model": args.model, "data": args.data.name, "threads": args.threads, "kv_format": "fp16",
                     "store": "memory"}
     if "speed" not in skip:
