@@ -278,7 +278,7 @@ def _sweep_variants(spec: str) -> dict[str, length_sweep.Variant]:
     return chosen
 
 
-def run_sweep(engine: BlendEngine, args: argparse.Namespace, rows: dict[str, list[Example]], lengths: list[int],
+def run_sweep(engine: BlendEngine | None, args: argparse.Namespace, rows: dict[str, list[Example]], lengths: list[int],
               variants: dict[str, length_sweep.Variant]) -> dict:
     """The length sweep (`benchmarks.lengths`): per-cell tables and each variant's worst cell."""
     cells = length_sweep.sweep(engine, args.model, rows, lengths, variants, args.ref_cache,
@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-limit", type=int, default=None, help="length sweep: only the first N questions of the half")
     ap.add_argument("--sweep-first-token", action="store_true",
                     help="length sweep: first-token scores only (KL, top-1; no answers, no reordered prefill)")
+    ap.add_argument("--sweep-cached-only", action="store_true",
+                    help="length sweep: tables from --ref-cache alone (no model); a cell counts the questions"
+                         " whose reference and every variant are cached")
     ap.add_argument("--sweep-variants", default="", help="length sweep: comma list of variant name parts (default all)")
     ap.add_argument("--ref-cache", type=Path, default=Path.home() / ".cache/blendserve/length_sweep.json",
                     help="length sweep: per-question references and results, re-used across runs")
@@ -340,6 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     sweep_variants = _sweep_variants(args.sweep_variants) if sweep_lengths else {}
     if not rows:
         raise SystemExit(f"{args.data} holds no questions")
+    if sweep_lengths and args.sweep_cached_only:  # tables from the cache alone: no model
+        result = {"model": args.model, "length_sweep": run_sweep(None, args, sweep_rows, sweep_lengths, sweep_variants)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+        return
     runner = ModelRunner.load(args.model)
     engine = BlendEngine(runner, MemoryStore(args.store_mb << 20, kv_format="fp16"), EngineConfig(kv_format="fp16"))
     result: dict = {"model": args.model, "data": args.data.name, "threads": args.threads, "kv_format": "fp16",

@@ -208,12 +208,15 @@ def run_variant(engine: BlendEngine, cache: RefCache, key: str, row: Example, pa
     return runs[vkey]
 
 
-def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], lengths: list[int],
+def sweep(engine: BlendEngine | None, model: str, datasets: dict[str, list[Example]], lengths: list[int],
           variants: dict[str, Variant], cache_path: Path, answers: bool = True,
           progress: Callable[[str], None] = logger.info) -> list[Cell]:
     """Every (dataset, length) cell over its questions: references, then each variant. Each dataset
     has its own cache file (`cache_path` with the dataset's name appended), so runs over different
-    datasets can go side by side. Without `answers`: first-token scores only, no reordered prefill."""
+    datasets can go side by side. Without `answers`: first-token scores only, no reordered prefill.
+    Without an engine: the cache alone (`cached_only`), nothing is computed."""
+    if engine is None:
+        return cached_only(model, datasets, lengths, variants, cache_path, answers)
     cells = []
     for name, rows in datasets.items():
         cache = RefCache(cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}"))
@@ -230,6 +233,32 @@ def sweep(engine: BlendEngine, model: str, datasets: dict[str, list[Example]], l
                     cache.save()  # an interrupted run keeps what it measured
                 progress(f"{name} ~{words or 'para'} words: question {i + 1}/{len(rows)} done")
             cells.append(cell)
+    return cells
+
+
+def cached_only(model: str, datasets: dict[str, list[Example]], lengths: list[int], variants: dict[str, Variant],
+                cache_path: Path, answers: bool) -> list[Cell]:
+    """The cells as far as the cache holds them: a question enters a cell only when its reference
+    and every variant's result are cached (with answers, when `answers`), so each cell's variants
+    share their questions; its n says how many. Nothing is computed (no model)."""
+    cells = []
+    for name, rows in datasets.items():
+        path = cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}")
+        data = json.loads(path.read_text()) if path.exists() else {}
+        for words in lengths:
+            cell = Cell(name, words)
+            for row in rows:
+                entry = data.get(f"{model}|{name}|{words}|{row.id}")
+                if entry is None or (answers and "reordered_top1" not in entry["ref"]):
+                    continue
+                runs = [entry["runs"].get(v.key(v.ratio_for(entry["ref"]["passage_tokens"]))) for v in variants.values()]
+                if any(r is None or (answers and "f1_vs_full" not in r) for r in runs):
+                    continue
+                cell.refs.append(entry["ref"])
+                for vname, run in zip(variants, runs):
+                    cell.runs.setdefault(vname, []).append(run)
+            if cell.refs:
+                cells.append(cell)
     return cells
 
 

@@ -57,6 +57,15 @@ def test_sweep_scores_variants_against_cached_references(tiny_runner, tmp_path, 
     monkeypatch.setattr(engine, "generate", no_prefill)
     again = lengths.sweep(engine, "tiny", rows, [0, 40], variants, tmp_path / "c.json")
     assert [lengths.summarize(c) for c in again] == summaries
+    cached = lengths.sweep(None, "tiny", rows, [0, 40], variants, tmp_path / "c.json")  # no engine: the cache alone
+    assert [lengths.summarize(c) for c in cached] == summaries
+    more = rows | {"toy": rows["toy"] + [_example(2)]}  # a question never run: left out, its n says so
+    partial = lengths.sweep(None, "tiny", more, [0, 40], variants, tmp_path / "c.json")
+    assert [lengths.summarize(c) for c in partial] == summaries
+    extra = variants | {"never run": lengths.Variant(0.5)}  # a variant never run: no question has all of them
+    assert lengths.sweep(None, "tiny", rows, [0, 40], extra, tmp_path / "c.json") == []
+    first_token = lengths.sweep(None, "tiny", rows, [0], {"exact": variants["exact"]}, tmp_path / "c.json", answers=False)
+    assert first_token[0].runs["exact"][0]["kl"] < 1e-6 and len(first_token[0].refs) == 2
 
 
 def test_two_runs_sharing_a_cache_file_keep_each_others_results(tmp_path):
