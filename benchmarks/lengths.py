@@ -151,7 +151,9 @@ def _answer(engine: BlendEngine, plan: BlendPlan) -> tuple[str, torch.Tensor, in
     for _ in gen:
         pass
     text = engine.runner.decode(list(gen.result.token_ids)).split("\n")[0].strip()
-    return text, gen.state.logits, gen.state.report.recomputed_tokens
+    # detached: the engine loop's prefill records autograd history, and the logits kept in the
+    # reference cache would hold a whole prefill's activations alive (GBs a question)
+    return text, gen.state.logits.detach(), gen.state.report.recomputed_tokens
 
 
 def _first_logits(engine: BlendEngine, plan: BlendPlan) -> torch.Tensor:
