@@ -151,8 +151,8 @@ def _answer(engine: BlendEngine, plan: BlendPlan) -> tuple[str, torch.Tensor, in
     for _ in gen:
         pass
     text = engine.runner.decode(list(gen.result.token_ids)).split("\n")[0].strip()
-    # detached: the engine loop's prefill records autograd history, and the logits kept in the
-    # reference cache would hold a whole prefill's activations alive (GBs a question)
+    # detached: logits kept in the reference cache must hold no autograd graph (the engine loop's
+    # prefill recorded one before d16a0d2: each question's whole prefill, ~2 GB, stayed alive)
     return text, gen.state.logits.detach(), gen.state.report.recomputed_tokens
 
 
