@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv_store.base import StoreStats
-from blend_engine.kv_store.blob import Blob, BlobStore
+from blend_engine.kv_store.blob import Blob
 from blend_engine.kv_store.codec import ChunkMeta
-from blend_engine.kv_store.lru import ByteLRU
+from blend_engine.kv_store.held import HeldTier
 from blend_engine.kv_store.staging import read_target
 
 AUTO_FRACTION = 0.2  # of the free device memory after the model is loaded and the batch's KV set aside
@@ -71,43 +69,20 @@ class _Entry:
     data: torch.Tensor  # [L * layer_nbytes] uint8 on the tier's device
 
 
-class DeviceStore(BlobStore):
-    holds_blobs = True
+class DeviceStore(HeldTier):
+    evict_before_hold = True  # the device memory is freed before the new chunk takes it
+
     def __init__(self, budget_bytes: int, device: torch.device | str, kv_format: str = "fp16",
                  name: str = "device", fingerprint: str = "") -> None:
         if budget_bytes < 0:
             raise ValueError(f"device tier budget must be >= 0 bytes, got {budget_bytes}")
-        super().__init__(name, kv_format, fingerprint)
+        super().__init__(name, kv_format, fingerprint, budget_bytes, kind="device")
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._copies = torch.cuda.Stream(self.device) if self._cuda else None
-        self._lock = threading.Lock()
-        self._stats = StoreStats(name=name, kind="device", bytes_budget=budget_bytes)
-        self._items: ByteLRU[_Entry] = ByteLRU(budget_bytes, self._stats)
 
-    def can_hold(self, nbytes: int) -> bool:
-        return self._items.fits(nbytes)
-
-    def meta(self, key: str) -> ChunkMeta | None:
-        with self._lock:
-            e = self._items.get(key)
-            return None if e is None else e.meta
-
-    def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
-        self.check_meta(meta)
-        with self._lock:
-            if not self._items.fits(meta.nbytes):
-                self._stats.skipped_puts += 1
-                return False
-            self._items.pop(key)
-            self._items.evict_for(meta.nbytes)  # the device memory is freed before the new chunk takes it
-        data = self._upload(meta, blobs)
-        with self._lock:
-            self._items.pop(key)
-            self._items.evict_for(meta.nbytes)
-            self._items.add(key, meta.nbytes, _Entry(meta, data))
-            self._stats.puts += 1
-            return True
+    def _hold(self, meta: ChunkMeta, blobs: Sequence[Blob]) -> _Entry:
+        return _Entry(meta, self._upload(meta, blobs))
 
     def _upload(self, meta: ChunkMeta, blobs: Sequence[Blob]) -> torch.Tensor:
         """The chunk's blobs in one device tensor [L * layer_nbytes], the copy finished (a put is off
@@ -127,36 +102,12 @@ class DeviceStore(BlobStore):
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob | torch.Tensor] | None:
         """In a layer stream (`staging.reading_into`): the layer as a uint8 view [layer_nbytes] of the
         chunk's device tensor, left where it is. Elsewhere (the unstaged read): copied to the host."""
-        with self._lock:
-            e = self._items.get(key)
-            if e is None or layer >= e.meta.n_layers:
-                if layer == 0:
-                    self._stats.misses += 1
-                return None
-            self._count_hit(key, e, layer)
+        e = self._served(key, layer)
+        if e is None:
+            return None
         n = e.meta.layer_nbytes
         view = e.data[layer * n:(layer + 1) * n]  # [n] uint8 on the device
         if read_target()[0] is not None:
             return e.meta, view
         return e.meta, bytearray(view.cpu().numpy())
-
-    def _count_hit(self, key: str, e: _Entry, layer: int) -> None:
-        """Counters and recency of one layer served (lock held)."""
-        if layer == 0:
-            self._items.touch(key)
-            self._stats.hits += 1
-        self._stats.bytes_read += e.meta.layer_nbytes
-
-    def keys(self) -> list[str]:
-        """Keys from least to most recently used."""
-        with self._lock:
-            return self._items.keys()
-
-    def delete(self, key: str) -> bool:
-        with self._lock:
-            return self._items.pop(key) is not None
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return self._stats.snapshot()
 

@@ -1,4 +1,4 @@
-"""A byte-budget LRU: the bookkeeping the memory and the disk tier share.
+"""A byte-budget LRU: the bookkeeping the memory, device and disk tiers share.
 
 It keeps entries in use order (oldest first) with their sizes, and the tier's `StoreStats`
 counters that follow from them: bytes_used, entries and evictions. It only forgets entries; the

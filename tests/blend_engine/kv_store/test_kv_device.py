@@ -116,6 +116,16 @@ def test_a_device_tier_with_no_room_is_not_offered_promotions(tmp_path):
     assert device.keys() == [] and device.stats().skipped_puts == 0 and store.stats().extra["promotions"] == 0
 
 
+def _one_chunk_per_tier(tmp_path, fmt: str, device: str, pinned: bool | None = None):
+    """A device, a memory and a disk tier holding chunk "g", "m" and "d" respectively: (store, their KV)."""
+    tiers = [DeviceStore(1 << 24, device, kv_format=fmt), MemoryStore(1 << 24, kv_format=fmt, pinned=pinned),
+             DiskStore(tmp_path, 1 << 26, kv_format=fmt)]
+    kvs = {"g": make_kv(1, T=7), "m": make_kv(2, T=5), "d": make_kv(3, T=3)}
+    for tier, key in zip(tiers, kvs):
+        tier.put(key, kvs[key])
+    return TieredStore(tiers), kvs
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "int8"])
 def test_the_packer_uploads_nothing_for_a_chunk_already_on_the_device(tmp_path, fmt):
     """The CUDA upload path (`LayerPacker._upload`) on the CPU: a device-tier chunk is decoded where
@@ -126,14 +136,7 @@ def test_the_packer_uploads_nothing_for_a_chunk_already_on_the_device(tmp_path, 
         def __call__(self, layer):
             return self._upload(layer)
 
-    device = DeviceStore(1 << 24, "cpu", kv_format=fmt)
-    memory = MemoryStore(1 << 24, kv_format=fmt, pinned=False)
-    disk = DiskStore(tmp_path, 1 << 26, kv_format=fmt)
-    store = TieredStore([device, memory, disk])
-    kvs = {"g": make_kv(1, T=7), "m": make_kv(2, T=5), "d": make_kv(3, T=3)}
-    device.put("g", kvs["g"])
-    memory.put("m", kvs["m"])
-    disk.put("d", kvs["d"])
+    store, kvs = _one_chunk_per_tier(tmp_path, fmt, "cpu", pinned=False)
     packer = Uploader("cpu", torch.float32, slots=4)
     packer.staging.gather = True  # as on CUDA
     keys = ["m", "g", "d"]
@@ -190,14 +193,7 @@ def test_on_cuda_a_device_tier_chunk_is_packed_in_place_next_to_uploaded_ones(tm
     """The real CUDA path: a device-tier chunk, a pinned memory-tier chunk and a disk chunk packed by
     the engine's packer on the copy stream equal the host decode; only the host chunks cross, and
     the upload's time reaches the store's counters."""
-    device = DeviceStore(1 << 24, "cuda", kv_format=fmt)
-    memory = MemoryStore(1 << 24, kv_format=fmt)  # pinned where CUDA exists
-    disk = DiskStore(tmp_path, 1 << 26, kv_format=fmt)
-    store = TieredStore([device, memory, disk])
-    kvs = {"g": make_kv(1, T=7), "m": make_kv(2, T=5), "d": make_kv(3, T=3)}
-    device.put("g", kvs["g"])
-    memory.put("m", kvs["m"])
-    disk.put("d", kvs["d"])
+    store, kvs = _one_chunk_per_tier(tmp_path, fmt, "cuda")  # the memory tier pinned where CUDA exists
     packer = LayerPacker("cuda", torch.float16, slots=4)
     keys = ["m", "g", "d"]
     expected = {k: decode_chunk(*encode_chunk(fmt, kv)) for k, kv in kvs.items()}
