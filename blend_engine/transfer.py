@@ -114,12 +114,14 @@ class LayerPacker:
         """(bytes, seconds) of staged layers moved to the device since the last call: on CUDA the
         copy stream's time for the copies that have finished (events), on the CPU the packing copy
         into the compute dtype (the CPU's last leg). Read by the loader when its stream ends."""
-        if self._timings:
-            done = [t for t in self._timings if t[1].query()]
-            self._timings = [t for t in self._timings if not t[1].query()]
-            for start, end, nbytes in done:
+        pending = []
+        for start, end, nbytes in self._timings:  # each event asked once: one that finishes meanwhile is not lost
+            if end.query():
                 self._moved[0] += nbytes
                 self._moved[1] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end, nbytes))
+        self._timings = pending
         out, self._moved = (self._moved[0], self._moved[1]), [0, 0.0]
         return out
 

@@ -63,6 +63,11 @@ class BlobStore(KVStore):
     @abstractmethod
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool: ...
 
+    @property
+    def kind(self) -> str:
+        """"device", "memory" or "storage" (`StoreStats.kind`), fixed when the tier is built."""
+        return self._stats.kind
+
     def in_memory(self, key: str) -> bool:
         """Whether this store serves the chunk from memory (no I/O): get_blob then costs a lookup."""
         return self.holds_blobs and self.meta(key) is not None
