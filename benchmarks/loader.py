@@ -12,7 +12,12 @@ them (a 4K-token context), fp16 and int8. Per format:
 - disk, O_DIRECT: the tier with `direct_io` against a raw O_DIRECT read of the same files;
 - memory: the memory tier's stream with every blob copied into its staging region by the
   stream's thread, one pass per layer (the host side of a device upload from pageable memory; a
-  CUDA host's pinned tier needs no host copy at all) against one thread's plain memcpy of as many bytes.
+  CUDA host's pinned tier needs no host copy at all) against one thread's plain memcpy of as many
+  bytes, a layer at a time into one layer-sized buffer (which stays in a 32 MiB L3 cache for an
+  8-16 MiB layer);
+- memory_ring: the same stream against a memcpy into as many layer-sized buffers, round robin, as
+  the staging ring has slots (read-ahead + 2): the destination footprint any staged delivery with
+  read-ahead writes, which no longer fits in the cache.
 
     python -m benchmarks.loader [--chunks 16] [--reps 5] [--formats fp16,int8] [--dir DIR] [--drop-caches]   (make bench-loader)
 
@@ -117,6 +122,16 @@ def memcpy_rate(src: np.ndarray, layer_bytes: int) -> float:
     return src.size / (time.perf_counter() - t0) / 1e9
 
 
+def ring_memcpy_rate(src: np.ndarray, layer_bytes: int, slots: int = DEPTH + 2) -> float:
+    """GB/s of one thread's plain copies of `src`, a layer's worth at a time, into `slots`
+    layer-sized buffers round robin (touched before: no page faults), as a staging ring is written."""
+    dsts = [np.ones(layer_bytes, dtype=np.uint8) for _ in range(slots)]
+    t0 = time.perf_counter()
+    for i, o in enumerate(range(0, src.size - layer_bytes + 1, layer_bytes)):
+        np.copyto(dsts[i % slots], src[o:o + layer_bytes])
+    return src.size / (time.perf_counter() - t0) / 1e9
+
+
 def drop_cache(files: list[Path], system: bool = False) -> str:
     """Evict the files' pages with posix_fadvise(DONTNEED) (their pages are clean: written and
     synced), and with `system` the whole page cache too (drop_caches, root only). What was used."""
@@ -180,13 +195,16 @@ def measure_format(fmt: str, chunks: list[ChunkKV], root: Path, reps: int, syste
     stream_rate(memory, keys, gather=True)
     out["memory"] = paired(lambda: memcpy_rate(src, meta.layer_nbytes * len(keys)),
                            lambda: stream_rate(memory, keys, gather=True), reps)
+    out["memory_ring"] = paired(lambda: ring_memcpy_rate(src, meta.layer_nbytes * len(keys)),
+                                lambda: stream_rate(memory, keys, gather=True), reps)
     return out
 
 
 def format_table(results: list[dict]) -> str:
     lines = ["| format | path | tier GB/s | reference GB/s | ratio | reference |", "|---|---|---|---|---|---|"]
     refs = {"disk_warm": "raw read, page cache warm", "disk_cold": "raw read, page cache dropped",
-            "disk_direct": "raw O_DIRECT read", "memory": "memcpy"}
+            "disk_direct": "raw O_DIRECT read", "memory": "memcpy into one layer buffer",
+            "memory_ring": f"memcpy into {DEPTH + 2} layer buffers (the staging ring's footprint)"}
     for r in results:
         for row, ref in refs.items():
             x = r[row]

@@ -11,9 +11,10 @@ def test_loader_benchmark_measures_every_path_on_tiny_chunks(tmp_path, monkeypat
     assert [r["format"] for r in result["results"]] == ["fp16", "int8"]
     for r in result["results"]:
         assert r["bytes"] == 3 * 3 * r["layer_bytes_per_chunk"]
-        for row in ("disk_warm", "disk_cold", "memory"):
+        for row in ("disk_warm", "disk_cold", "memory", "memory_ring"):
             assert len(r[row]["pairs"]) == 2 and r[row]["tier"] > 0 and r[row]["raw"] > 0
             assert min(t / w for w, t in r[row]["pairs"]) <= r[row]["ratio"] <= max(t / w for w, t in r[row]["pairs"])
         assert r["disk_cold"]["dropped_with"] == "fadvise"
-    assert "| int8 | memory |" in bench.format_table(result["results"])
+    table = bench.format_table(result["results"])
+    assert "| int8 | memory |" in table and "| fp16 | memory_ring |" in table
     assert not list(tmp_path.iterdir())  # the chunk files are removed

@@ -1,5 +1,5 @@
 """How a blend's selected rows attend (`EngineConfig.selected_attention`): FlexAttention with a block
-mask from the selected positions, and the one boolean-mask SDPA path, equal the CPU's 4-block path
+mask from the selected positions, and the one boolean-mask SDPA path, equal the CPU's blocked path
 (same selection, logits within float rounding), with full and sliding-window attention."""
 
 from __future__ import annotations
@@ -108,3 +108,22 @@ def test_a_failed_flex_compile_falls_back_to_the_boolean_mask(engines, monkeypat
     assert sum("compiling flex_attention failed" in r.message for r in caplog.records) == 1  # logged once
     assert torch.equal(got.logits, want.logits)  # the very same path, not a near copy
     assert torch.equal(engines["flex"].prefill(plan).logits, want.logits)  # and it stays
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 16, None])
+def test_the_cpu_blocks_agree_with_one_boolean_mask_at_any_block_count(real_runner, blocks):
+    """The CPU path splits the selected rows into position-ordered blocks (`query_blocks` of them by
+    default); any count attends exactly as the one [S, N] mask does, scattered rows and a tail."""
+    from blend_engine.executor.selection import Selection, query_blocks
+
+    r, N, S = real_runner, 300, 90
+    g = torch.Generator().manual_seed(0)
+    pos = torch.cat([torch.sort(torch.randperm(N - 10, generator=g)[:S - 10]).values, torch.arange(N - 10, N)])  # [S]
+    Hq, H, D = r.shape.n_heads, r.shape.n_kv_heads, r.shape.head_dim
+    cos, sin = torch.ones(N, D), torch.zeros(N, D)  # [N, D] (unused by attend)
+    q = torch.randn(Hq, S, D, generator=g)  # [Hq, S, D]
+    K, V = torch.randn(H, N, D, generator=g), torch.randn(H, N, D, generator=g)  # [H, N, D] each
+    one_mask = Selection(pos, cos, sin, N, r.window_masks, attention="sdpa_mask").attend(r, q, K, V, 0)  # [S, Hq*D]
+    got = Selection(pos, cos, sin, N, r.window_masks, blocks=blocks).attend(r, q, K, V, 0)  # [S, Hq*D]
+    torch.testing.assert_close(got, one_mask, atol=1e-5, rtol=1e-5)
+    assert (query_blocks(1), query_blocks(31), query_blocks(100), query_blocks(640), query_blocks(5000)) == (1, 1, 3, 16, 16)

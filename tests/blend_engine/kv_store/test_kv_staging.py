@@ -257,3 +257,56 @@ def test_staging_memory_is_reused_by_the_next_ring_after_its_last_copy_out():
     for _ in range(3):
         StagingSlot([2 << 20], pinned=False, buffers=small_keep)
     assert small_keep.free_bytes() == 0  # more than it may keep: dropped
+
+
+def test_a_stream_takes_each_held_chunk_once_and_keeps_it_through_an_eviction():
+    """A chunk the memory tier holds is taken whole at the stream's first layer: one hit and its
+    bytes counted once (not a lookup per layer), and evicting it mid-stream changes nothing the
+    stream delivers (held buffers are never written after the put)."""
+    kvs = {k: make_kv(i, T=6) for i, k in enumerate("abc")}
+    encoded = {k: encode_chunk("fp16", kv) for k, kv in kvs.items()}
+    store = MemoryStore(2 * encoded["a"][0].nbytes, pinned=False)  # room for two chunks
+    for k in "ab":
+        store.put_blobs(k, *encoded[k])
+    lookups = []
+    real_get_blob = store.get_blob
+    store.get_blob = lambda key, layer: lookups.append((key, layer)) or real_get_blob(key, layer)
+    sink = Sink(gather=True)
+    s = LayerLoader(store, 0).stream(["a", "b"], L, lambda k: pytest.fail(k), pack=sink)
+    it = iter(s)
+    next(it)
+    store.put_blobs("c", *encoded["c"])  # evicts "a" (the least recently used) after the stream took it
+    assert not store.contains("a")
+    list(it)
+    s.close()
+    assert lookups == []  # no per-layer lookup of a held chunk
+    assert sink.blobs == [[bytes(encoded[k][1][layer]) for k in "ab"] for layer in range(L)]
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.bytes_read) == (2, 0, 2 * encoded["a"][0].nbytes)
+
+
+def test_a_tiered_store_hands_over_a_held_chunk_only_from_its_top_holder():
+    """`held` comes from the top tier that has the chunk when that tier holds blobs in memory; a
+    chunk on disk, or one a tier above could still take (it is promoted as its layers pass), is read
+    with get_blob instead."""
+    from blend_engine.kv_store.memory import MemoryStore as Mem
+
+    kv = encode_chunk("fp16", make_kv(3))
+    top, below = Mem(1 << 24, pinned=False, name="top"), Mem(1 << 24, pinned=False, name="below")
+    store = TieredStore([top, below])
+    below.put_blobs("a", *kv)
+    assert store.held("a") is None  # "top" could take it: read it with get_blob, which promotes it
+    assert store.held("missing") is None and top.stats().misses == below.stats().misses == 0
+    stream(store, ["a"], Sink())
+    assert top.contains("a")
+    held = store.held("a")
+    assert held is not None and held.pageable and held.meta == kv[0]
+    assert [bytes(b) for b in held.blobs] == [bytes(b) for b in kv[1]]
+    full = TieredStore([Mem(0, pinned=False), below])  # a top tier that can never take it
+    assert full.held("a") is not None
+
+
+def test_a_disk_tier_holds_nothing(tmp_path):
+    disk = DiskStore(tmp_path, 1 << 24)
+    disk.put("a", make_kv(1))
+    assert disk.held("a") is None and TieredStore([disk]).held("a") is None
