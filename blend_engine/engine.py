@@ -55,8 +55,8 @@ class EngineConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     kv_format: str = "fp16"
     prefix_cache_bytes: int = 1 << 30  # budget of the prefix_cache mode's in-context entries
-    # how a blend's selected rows attend: "auto" (4 blocks on the CPU, one boolean-mask SDPA on a
-    # device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
+    # how a blend's selected rows attend: "auto" (position-ordered query blocks on the CPU, one boolean-mask
+    # SDPA on a device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
     selected_attention: str = "auto"
     batch: BatchLimits = field(default_factory=BatchLimits)  # continuous batching (`scheduler.batch`)
 
