@@ -10,7 +10,8 @@
     model (32 layers, 32/8 heads, head dim 128, hidden 4096, FFN 14336, bf16; random weights are
     honest for timing, never for quality): full_prefill, full_reuse and blend@0.15 with the KV in
     pinned RAM, on local disk (page cache warm) and already on the GPU, in the service's own memory
-    tier (pinned) and its tiered store read from disk (memory tier empty), blend@auto (the
+    tier (pinned), its tiered store read from disk (memory tier empty) and its device tier (every
+    chunk written through, nothing crosses the bus), blend@auto (the
     controller) from disk, beside transformers' own forward (sdpa) as the peer; at 8K also blend@0.15
     with FlexAttention and with int8 KV; the selected rows' attention kernels alone (`gpu_timing`);
 (3) ingestion's KV precompute in 256-token passages per second, one at a time vs batched;

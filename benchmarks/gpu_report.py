@@ -70,7 +70,8 @@ def _service(r: dict) -> str:
     targets at 8K: RAM within 1.1x, disk within 1.3x of the GPU, both >= 2.5x faster than full prefill)."""
     out = ""
     gpu, full = r["blend@0.15 GPU_ms"], r["full_prefill_ms"]
-    for label, key in (("service RAM", "blend@0.15 service RAM_ms"), ("service disk", "blend@0.15 service tiered disk_ms")):
+    for label, key in (("service RAM", "blend@0.15 service RAM_ms"), ("service disk", "blend@0.15 service tiered disk_ms"),
+                       ("service device tier", "blend@0.15 service device tier_ms")):
         if key in r:
             out += f", blend {label} / GPU {r[key] / gpu:.2f} (speedup {full / r[key]:.2f}x)"
     return out

@@ -126,10 +126,12 @@ def test_report_shows_the_service_stores_against_the_gpu():
     env = {"device_name": "X", "torch": "t", "transformers": "t"}
     row = {"tokens": 8192, "hf_forward_ms": 100.0, "full_prefill_ms": 110.0, "blend@0.15 pinned RAM_ms": 30.0,
            "blend@0.15 GPU_ms": 25.0, "blend@0.15 service RAM_ms": 27.5, "blend@0.15 service tiered disk_ms": 32.5,
+           "blend@0.15 service device tier_ms": 26.0,
            "blend@auto local disk_ms": 100.0, "auto_served_by": "blend", "auto_ratio": 0.2}
     text = markdown({"environment": env, "reps": 3, "correctness": {"model": "m", "dtype": "bf16", "kv_format": "bf16",
                      "rows": [], "pass": True}, "timing_model": "8b", "ttft": {"rows": [row]}})
     assert "blend service RAM / GPU 1.10 (speedup 4.00x)" in text and "blend service disk / GPU 1.30" in text
+    assert "blend service device tier / GPU 1.04" in text
 
 
 def test_the_wrapper_passes_lengths_and_reps_through(tmp_path):
