@@ -4,11 +4,10 @@
 - get_blob(key, layer): (meta, that layer's verified blob) or None (miss, corrupt -> dropped);
 - put_blobs(key, meta, blobs): store every layer's blob; False when skipped.
 
-A tier that keeps its blobs in memory says so (`holds_blobs`); a layer stream takes each such
-chunk once, whole (`held(key)`: its meta and its buffer's per-layer views, a hit counted once),
-and per layer hands those views over, or copies them into the staging slot when its consumer
-uploads the slot in one copy, on its own thread in one pass (no lookup, lock or reader-pool round
-trip per blob), while the others are read through the pool with get_blob, the one read primitive.
+A tier that keeps its blobs in memory says so (`holds_blobs`); a layer stream asks `in_memory(key)`
+once per chunk and gets those chunks with get_blob on its own thread, in one pass per layer
+(copied into the staging slot when its consumer gathers; no reader-pool round trip per blob),
+while the others are read through the pool. get_blob stays the one read primitive.
 
 A layer stream calls get_blob inside `staging.reading_into(region, files)`: a tier that reads bytes
 from elsewhere (the disk) puts them into that staging region, through the stream's open files; a
@@ -23,7 +22,6 @@ import logging
 from abc import abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import torch
 
@@ -42,19 +40,6 @@ from blend_engine.kv_store.codec import (
 logger = logging.getLogger(__name__)
 
 Blob = bytearray
-
-
-@dataclass(frozen=True)
-class Held:
-    """A chunk a tier holds in memory, taken whole for one layer stream: its meta and each layer's
-    blob, a view of the tier's buffer (a uint8 tensor for a device tier). Held buffers are never
-    written after the put (a new put replaces the entry), so a stream may keep using them after the
-    tier evicted the chunk. `pageable`: plain host memory (a consumer that uploads the staging slot in
-    one copy needs them copied into it; pinned or device blobs are not copied)."""
-
-    meta: ChunkMeta
-    blobs: Sequence[object]  # [L] blobs, each meta.layer_nbytes long
-    pageable: bool
 
 
 class BlobStore(KVStore):
@@ -83,11 +68,9 @@ class BlobStore(KVStore):
         """"device", "memory" or "storage" (`StoreStats.kind`), fixed when the tier is built."""
         return self._stats.kind
 
-    def held(self, key: str) -> Held | None:
-        """The chunk whole when this store holds it in memory (a hit, every layer's bytes counted as
-        read), for a layer stream; None otherwise (no miss counted: the stream then reads it with
-        get_blob). Default: None."""
-        return None
+    def in_memory(self, key: str) -> bool:
+        """Whether this store serves the chunk from memory (no I/O): get_blob then costs a lookup."""
+        return self.holds_blobs and self.meta(key) is not None
 
     def count_staging(self, seconds: float) -> None:
         """Time a layer stream spent copying this store's held blobs into a staging buffer: part of

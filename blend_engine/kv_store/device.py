@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv_store.blob import Blob, Held
+from blend_engine.kv_store.blob import Blob
 from blend_engine.kv_store.codec import ChunkMeta
 from blend_engine.kv_store.held import HeldTier
 from blend_engine.kv_store.staging import read_target
@@ -98,11 +98,6 @@ class DeviceStore(HeldTier):
         if self._cuda:
             self._copies.synchronize()
         return data
-
-    def _views(self, entry: _Entry) -> Held:
-        n = entry.meta.layer_nbytes
-        return Held(entry.meta, [entry.data[i * n:(i + 1) * n] for i in range(entry.meta.n_layers)],  # [n] uint8 each
-                    pageable=False)
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob | torch.Tensor] | None:
         """In a layer stream (`staging.reading_into`): the layer as a uint8 view [layer_nbytes] of the

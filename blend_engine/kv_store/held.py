@@ -1,9 +1,8 @@
 """What the memory and the device tier share: chunks held in the tier's own buffers, in a byte-budgeted
 LRU (`ByteLRU`) under one lock, with the hit/miss/byte counters of a layer served.
 
-A subclass says how a chunk is held (`_hold`: its blobs copied into one buffer of the tier's kind),
-how a held layer is handed out (`get_blob`, from `_served`) and how the whole chunk is (`_views`, for
-a layer stream's `held`). `evict_before_hold`: evict before
+A subclass says how a chunk is held (`_hold`: its blobs copied into one buffer of the tier's kind)
+and how a held layer is handed out (`get_blob`, from `_served`). `evict_before_hold`: evict before
 the copy, so the memory is free before the new chunk takes it (the device tier); otherwise the copy
 runs first, outside the lock, and only a chunk that fits replaces anything.
 """
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from blend_engine.kv_store.base import StoreStats
-from blend_engine.kv_store.blob import Blob, BlobStore, Held
+from blend_engine.kv_store.blob import Blob, BlobStore
 from blend_engine.kv_store.codec import ChunkMeta
 from blend_engine.kv_store.lru import ByteLRU
 
@@ -34,20 +33,6 @@ class HeldTier(BlobStore):
     @abstractmethod
     def _hold(self, meta: ChunkMeta, blobs: Sequence[Blob]) -> Any:
         """The chunk's blobs copied into the tier's own buffer: the entry (with `.meta`) kept for it."""
-
-    @abstractmethod
-    def _views(self, entry: Any) -> Held:
-        """The entry as a layer stream takes it: per-layer views of its buffer, no copy."""
-
-    def held(self, key: str) -> Held | None:
-        with self._lock:
-            e = self._items.get(key)
-            if e is None:
-                return None
-            self._items.touch(key)
-            self._stats.hits += 1
-            self._stats.bytes_read += e.meta.nbytes
-        return self._views(e)
 
     def can_hold(self, nbytes: int) -> bool:
         return self._items.fits(nbytes)

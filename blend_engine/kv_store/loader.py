@@ -14,11 +14,10 @@ packer does) and the store is a `BlobStore`, each layer is read into the ring's 
 chunk's layer blob lands in its region by one read (the disk tier; `get_blob` inside
 `staging.reading_into`) or stays in the tier's own buffer (the memory tier), verified, and the
 item handed to `pack` is a `staging.StagedLayer`.
-The chunks a tier holds in memory are taken whole once per stream (`BlobStore.held`); per layer
-their blobs are handed over on the stream's own thread in one pass (copied into the slot when the
-consumer uploads it in one copy: one memcpy each, no lookup or pool round trip per blob), while
-the others are read `READERS` at a time (the stream's thread and the pool's; the reads and
-checksums release the GIL), through descriptors opened once per stream.
+Per layer, the chunks a tier holds in memory (`held_blob`) are taken on the stream's own thread in
+one pass (copied into the slot when the consumer gathers: one memcpy each, no pool round trip per
+blob), while the others are read `READERS` at a time (the stream's thread and the pool's; the
+reads and checksums release the GIL), through descriptors opened once per stream.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blend_engine.kv_store.base import ChunkKV, KVStore
-from blend_engine.kv_store.blob import BlobStore, Held
+from blend_engine.kv_store.blob import BlobStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
 from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
 
@@ -81,7 +80,7 @@ class LayerStream:
         self._ring: StagingRing | None = ring if isinstance(store, BlobStore) and isinstance(ring, StagingRing) else None
         self._files = store.open_files() if self._ring is not None else None
         self._metas: list[ChunkMeta] | None = None
-        self._held: list[Held | None] | None = None  # per chunk: taken whole from a memory tier (at layer 0)
+        self._held: list[bool] | None = None  # per chunk: served from memory (asked once, at layer 0)
 
     def _fix(self, key: str) -> None:
         """Recompute a chunk from its text, store it again, and use it as the store would return it."""
@@ -125,24 +124,19 @@ class LayerStream:
             self._metas = [self._stored_meta(key) for key in self._keys]
         slot = self._ring.next([m.layer_nbytes for m in self._metas])
         if self._held is None:
-            self._held = [self._take_held(i) for i in range(len(self._keys))]  # once per stream
+            self._held = [self._store.in_memory(key) for key in self._keys]  # once per stream
         got: list[tuple[ChunkMeta, object] | None] = [None] * len(self._keys)
-        held = [i for i, key in enumerate(self._keys) if self._held[i] is not None and key not in self._fixed]
-        rest = [i for i, key in enumerate(self._keys) if self._held[i] is None or key in self._fixed]
+        held = [i for i, key in enumerate(self._keys) if self._held[i] and key not in self._fixed]
+        rest = [i for i, key in enumerate(self._keys) if not self._held[i] or key in self._fixed]
         k = min(READERS, len(rest))
         groups = [rest[len(rest) * g // k:len(rest) * (g + 1) // k] for g in range(k)]
         pending = [reader_pool().submit(self._read_group, layer, g, slot) for g in groups[1:]]  # in flight...
         t0 = time.perf_counter()
-        copied = False
-        for i in held:  # ...while the chunks held in memory are handed over (or copied in) here, in one pass
-            h = self._held[i]
-            if self._ring.gather and h.pageable:
-                got[i] = (h.meta, slot.copy_in(i, h.blobs[layer]))  # one memcpy, the GIL released
-                copied = True
-            else:
-                got[i] = (h.meta, h.blobs[layer])
+        for i in held:  # ...while the chunks held in memory are taken (and copied in) here, in one pass
+            with reading_into(slot.region(i), self._files):
+                got[i] = self._checked(self._store.get_blob(self._keys[i], layer), i, slot)
         self.trace.held_s.append(time.perf_counter() - t0)
-        if copied:
+        if self._ring.gather and any(x is not None and not isinstance(x[1], torch.Tensor) for x in got):
             self._store.count_staging(self.trace.held_s[-1])  # the memory tier's delivery: its copy into staging
         parts = [(groups[0], self._read_group(layer, groups[0], slot))] if groups else []
         parts += [(g, f.result()) for g, f in zip(groups[1:], pending)]
@@ -154,11 +148,6 @@ class LayerStream:
                 self._fix(key)
                 got[i] = self._fixed_blob(key, layer)
         return StagedLayer(layer, tuple(m for m, _ in got), tuple(b for _, b in got), slot)
-
-    def _take_held(self, i: int) -> Held | None:
-        """Chunk i whole from a tier that holds it in memory, when it is the chunk the slots are sized for."""
-        h = self._store.held(self._keys[i])
-        return h if h is not None and h.meta == self._metas[i] else None
 
     def _checked(self, got: tuple[ChunkMeta, object] | None, i: int, slot: StagingSlot):
         """A tier's answer for chunk i: None when it does not fit its region; else (meta, blob),

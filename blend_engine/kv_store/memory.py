@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv_store.blob import Blob, Held
+from blend_engine.kv_store.blob import Blob
 from blend_engine.kv_store.codec import ChunkMeta
 from blend_engine.kv_store.held import HeldTier
 from blend_engine.kv_store.staging import pinnable
@@ -48,9 +48,6 @@ class MemoryStore(HeldTier):
 
     def _hold(self, meta: ChunkMeta, blobs: Sequence[Blob]) -> _Entry:
         return _hold(meta, blobs, self.pinned)
-
-    def _views(self, entry: _Entry) -> Held:
-        return Held(entry.meta, entry.blobs, pageable=not self.pinned)
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
         e = self._served(key, layer)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blend_engine.kv_store.base import StoreStats
-from blend_engine.kv_store.blob import Blob, BlobStore, Held
+from blend_engine.kv_store.blob import Blob, BlobStore
 from blend_engine.kv_store.chunkfile import OpenFiles
 from blend_engine.kv_store.codec import ChunkMeta
 from blend_engine.kv_store.staging import read_target
@@ -70,21 +70,12 @@ class TieredStore(BlobStore):
         self._count(layer, hit=False)
         return None
 
-    def held(self, key: str) -> Held | None:
-        """The chunk whole from the top tier that has it, when that tier holds it in memory and no
-        tier above could take it (a chunk to promote is read with get_blob, which promotes it once its
-        layers have passed)."""
-        for i, tier in enumerate(self.tiers):
-            meta = tier.meta(key)
-            if meta is None:
-                continue
-            if not tier.holds_blobs or any(t.can_hold(meta.nbytes) for t in self.tiers[:i]):
-                return None
-            got = tier.held(key)
-            if got is not None:
-                self._count(0, hit=True)
-            return got
-        return None
+    def in_memory(self, key: str) -> bool:
+        """Whether the top tier that has the chunk holds it in memory."""
+        for tier in self.tiers:
+            if tier.meta(key) is not None:
+                return tier.holds_blobs
+        return False
 
     def count_staging(self, seconds: float) -> None:
         """Held blobs copied into staging come from a memory tier (the device tier's are not copied)."""
