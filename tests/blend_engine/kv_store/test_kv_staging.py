@@ -257,4 +257,3 @@ def test_staging_memory_is_reused_by_the_next_ring_after_its_last_copy_out():
     for _ in range(3):
         StagingSlot([2 << 20], pinned=False, buffers=small_keep)
     assert small_keep.free_bytes() == 0  # more than it may keep: dropped
-
