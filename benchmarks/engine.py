@@ -13,7 +13,9 @@ Prints tables and writes JSON (benchmarks/results/engine/engine_bench.json by de
 `--group-words N` lays the quality and ablation parts' paragraphs out as ~N-word passages (the
 grouping of `benchmarks.run --group-words`).
 4. With `--lengths 0,200,400,600`: the length sweep of `benchmarks.lengths` (both dev sets, each
-   passage length, the issue-#28 selection options; worst case per option over the cells).
+   passage length, the issue-#28 selection options; worst case per option over the cells), and the
+   oracle bound (`benchmarks.oracle`: variants "oracle-select@R", "oracle-fix@R"); `--sweep-misses`
+   lists the questions whose top-1 differs from full prefill's, and by how much.
 """
 
 from __future__ import annotations
@@ -287,8 +289,12 @@ def run_sweep(engine: BlendEngine | None, args: argparse.Namespace, rows: dict[s
     worst = length_sweep.worst_case(summaries)
     length_sweep.print_table(summaries, f"Length sweep, {args.sweep_half} half ({args.sweep_questions} questions a half)")
     length_sweep.print_worst(worst)
-    return {"half": args.sweep_half, "questions_per_half": args.sweep_questions, "limit": args.sweep_limit,
-            "first_token_only": args.sweep_first_token, "cells": summaries, "worst": worst}
+    out = {"half": args.sweep_half, "questions_per_half": args.sweep_questions, "limit": args.sweep_limit,
+           "first_token_only": args.sweep_first_token, "cells": summaries, "worst": worst}
+    if args.sweep_misses:
+        out["top1_misses"] = length_sweep.explain_misses(engine, args.model, rows, lengths, variants, args.ref_cache)
+        length_sweep.print_misses(out["top1_misses"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-cached-only", action="store_true",
                     help="length sweep: tables from --ref-cache alone (no model); a cell counts the questions"
                          " whose reference and every variant are cached")
+    ap.add_argument("--sweep-misses", action="store_true",
+                    help="length sweep: list the questions whose top-1 differs from full prefill's, with full prefill's"
+                         " top-2 gap and the other top-1's rank there (recomputed for runs cached without it)")
     ap.add_argument("--sweep-variants", default="", help="length sweep: comma list of variant name parts (default all)")
     ap.add_argument("--ref-cache", type=Path, default=Path.home() / ".cache/blendserve/length_sweep.json",
                     help="length sweep: per-question references and results, re-used across runs")

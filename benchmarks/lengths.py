@@ -13,6 +13,10 @@ later re-use them:
 Each variant (ratio, policy) is then scored per question: first-token KL and top-1 agreement
 with full prefill, token F1 of its answer against full prefill's, gold F1, recomputed share.
 The questions split into halves: the first half tunes, the second reports (`--half`).
+
+The "oracle-..." variants (`benchmarks.oracle`) bound what any selection of the same count could
+do: the tokens are chosen by their true deviation from the full prefill, then recomputed ("select")
+or given the exact K/V ("fix"); first token only.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.data import Example, passages_of, shuffled
+from benchmarks.oracle import LazyRefs, OracleRefs, oracle_first_token
 from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy, previous_default_policy
@@ -36,6 +41,7 @@ from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, def
 logger = logging.getLogger(__name__)
 
 MAX_ANSWER_TOKENS = 32
+ORACLE_VERSION = 1  # enters the oracle variants' cache keys: bump when what they compute changes
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class Variant:
     grow_power: float = 1.0
     grow_cap: float = 1.0
     sinks_in_budget: bool = False  # the policy's boundary tokens (sinks, ends) come out of the ratio (same total recomputed)
+    oracle: str = ""  # "select" / "fix": issue #28's oracle bound (`benchmarks.oracle`), first token only
+    oracle_rank: str = "deviation"  # the oracle's ranking (`oracle.RANKS`)
 
     def ratio_for(self, passage_tokens: list[int]) -> float:
         ratio = self.ratio
@@ -63,6 +71,9 @@ class Variant:
     def key(self, ratio: float) -> str:
         """What a run at this (effective) ratio does, not the variant's name: the result cache's key,
         shared by variants that run the same thing (a grown ratio that did not grow)."""
+        if self.oracle:
+            what = ("oracle", self.oracle, self.oracle_rank, ratio, ORACLE_VERSION)
+            return hashlib.sha1(repr(what).encode()).hexdigest()[:16]
         return hashlib.sha1(repr((ratio, self.policy or default_policy(), 0.0, 1.0, 1.0)).encode()).hexdigest()[:16]
 
 
@@ -98,13 +109,20 @@ SWEEP: dict[str, Variant] = {
     "APE T0.9 S1": Variant(0.15, _d(ape_temperature=0.9)),
     "APE T0.8 S0.8": Variant(0.15, _d(ape_temperature=0.8, ape_scale=0.8)),
     "APE T1 S0.9": Variant(0.15, _d(ape_scale=0.9)),
+    # third round: the oracle bound (`benchmarks.oracle`): the same count of tokens as the default
+    # keeps at the ratio, chosen by the true deviation from the full prefill ("qa": x the full
+    # prefill's question attention); recomputed ("select") or given the exact K/V ("fix")
+    **{f"oracle-select@{r:.2f}": Variant(r, oracle="select") for r in (0.15, 0.30)},
+    **{f"oracle-fix@{r:.2f}": Variant(r, oracle="fix") for r in (0.05, 0.15, 0.30, 0.50, 0.70)},
+    "oracle-select qa@0.15": Variant(0.15, oracle="select", oracle_rank="qa"),
+    "oracle-fix qa@0.15": Variant(0.15, oracle="fix", oracle_rank="qa"),
 }
 
 
 def policy_options() -> dict[str, SelectionPolicy]:
     """The sweep's options that are a policy alone (a fixed ratio): the engine ablation's rows too."""
     return {name: v.policy for name, v in SWEEP.items()
-            if v.policy is not None and not v.grow_ref and not v.sinks_in_budget}
+            if v.policy is not None and not v.grow_ref and not v.sinks_in_budget and not v.oracle}
 
 
 @dataclass
@@ -189,24 +207,30 @@ def reference(engine: BlendEngine, cache: RefCache, key: str, row: Example, pass
 
 
 def run_variant(engine: BlendEngine, cache: RefCache, key: str, row: Example, passages: tuple[str, ...],
-                variant: Variant, answers: bool) -> dict:
+                variant: Variant, answers: bool, oracle_refs: Callable[[], OracleRefs] | None = None) -> dict:
     """One variant on one question, scored against the cached reference (cached too). Without
-    `answers` only the first token is computed (KL, top-1): no answer F1."""
+    `answers` only the first token is computed (KL, top-1): no answer F1. An oracle variant computes
+    the first token only, whatever `answers` says, from `oracle_refs` (computed on first use)."""
     runs, ref = cache.data[key]["runs"], cache.data[key]["ref"]
     ratio = variant.ratio_for(ref["passage_tokens"])
     vkey = variant.key(ratio)
-    if vkey in runs and ("f1_vs_full" in runs[vkey] or not answers):
+    if vkey in runs and ("f1_vs_full" in runs[vkey] or not answers or variant.oracle):
         return runs[vkey]
     plan = BlendPlan(passages, row.question, mode="blend", recompute_ratio=ratio, policy=variant.policy)
     full = cache.logits[key]
-    if answers:
+    if variant.oracle:
+        if oracle_refs is None:
+            raise ValueError(f"oracle variant {variant.oracle!r} needs the question's oracle references")
+        logits, recomputed = oracle_first_token(engine, plan, oracle_refs(), variant.oracle, variant.oracle_rank, ratio)
+        scores: dict = {}
+    elif answers:
         text, logits, recomputed = _answer(engine, plan)
         scores = {"f1_vs_full": token_f1(text, ref["answer"]), "gold_f1": max_over_golds(token_f1, text, row.answers)}
     else:
         state = engine.prefill(plan, max_new_tokens=1)
         logits, recomputed, scores = state.logits, state.report.recomputed_tokens, {}
     runs[vkey] = {"kl": kl(full, logits), "top1": float(torch.argmax(full) == torch.argmax(logits)),
-                  "recomputed": recomputed / ref["context_tokens"], "ratio": ratio} | scores
+                  "recomputed": recomputed / ref["context_tokens"], "ratio": ratio} | top1_detail(full, logits) | scores
     return runs[vkey]
 
 
@@ -230,9 +254,12 @@ def sweep(engine: BlendEngine | None, model: str, datasets: dict[str, list[Examp
                 key = f"{model}|{name}|{words}|{row.id}"
                 cell.refs.append(reference(engine, cache, key, row, passages, reordered=answers))
                 cache.save()
+                refs = LazyRefs(engine, BlendPlan(passages, row.question))  # computed only if an oracle runs
                 for vname, variant in variants.items():
-                    cell.runs.setdefault(vname, []).append(run_variant(engine, cache, key, row, passages, variant, answers))
+                    cell.runs.setdefault(vname, []).append(
+                        run_variant(engine, cache, key, row, passages, variant, answers, refs))
                     cache.save()  # an interrupted run keeps what it measured
+                del refs
                 progress(f"{name} ~{words or 'para'} words: question {i + 1}/{len(rows)} done")
             cells.append(cell)
     return cells
@@ -254,7 +281,8 @@ def cached_only(model: str, datasets: dict[str, list[Example]], lengths: list[in
                 if entry is None or (answers and "reordered_top1" not in entry["ref"]):
                     continue
                 runs = [entry["runs"].get(v.key(v.ratio_for(entry["ref"]["passage_tokens"]))) for v in variants.values()]
-                if any(r is None or (answers and "f1_vs_full" not in r) for r in runs):
+                if any(r is None or (answers and not v.oracle and "f1_vs_full" not in r)
+                       for r, v in zip(runs, variants.values())):
                     continue
                 cell.refs.append(entry["ref"])
                 for vname, run in zip(variants, runs):
@@ -262,6 +290,81 @@ def cached_only(model: str, datasets: dict[str, list[Example]], lengths: list[in
             if cell.refs:
                 cells.append(cell)
     return cells
+
+
+def top1_detail(full: torch.Tensor, logits: torch.Tensor) -> dict:
+    """Where a run's top-1 stands in full prefill's first-token logits [V]: its rank there (0: the
+    same token), full prefill's logit gap between its own top-1 and the run's, and between its top-1
+    and top-2 (a near tie or a real miss)."""
+    full = full.float()
+    mine = int(torch.argmax(logits))
+    top2 = torch.topk(full, 2).values
+    p = torch.softmax(full.double(), -1)
+    return {"top1_id": mine, "full_rank_of_top1": int((full > full[mine]).sum()),
+            "full_gap_to_top1": float(top2[0] - full[mine]), "full_top2_gap": float(top2[0] - top2[1]),
+            "full_p_top1": float(p.max()), "full_p_of_top1": float(p[mine])}
+
+
+def explain_misses(engine: BlendEngine | None, model: str, datasets: dict[str, list[Example]], lengths: list[int],
+                   variants: dict[str, Variant], cache_path: Path) -> list[dict]:
+    """Every cached question where a variant's top-1 or the reordered prefill's differs from full
+    prefill's: where it stands in full prefill's logits (`top1_detail`: a near tie or a real miss).
+    Runs cached before the detail was recorded are recomputed (first token) when an engine is
+    given, and the detail added to the cache; without one only what the cache holds is listed."""
+    out = []
+    for name, rows in datasets.items():
+        cache = RefCache(cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}"))
+        for words in lengths:
+            for row in rows:
+                key = f"{model}|{name}|{words}|{row.id}"
+                entry = cache.data.get(key)
+                if entry is None or key not in cache.logits:
+                    continue
+                ref, full = entry["ref"], cache.logits[key]
+                passages = passages_of(row, group_words=words or None)
+                misses = {}
+                for vname, v in variants.items():
+                    ratio = v.ratio_for(ref["passage_tokens"])
+                    run = entry["runs"].get(v.key(ratio))
+                    if run is None or run["top1"] == 1.0:
+                        continue
+                    if "top1_id" not in run and engine is not None and not v.oracle:
+                        cache_segments(engine, BlendPlan(passages, row.question))
+                        plan = BlendPlan(passages, row.question, mode="blend", recompute_ratio=ratio, policy=v.policy)
+                        logits = engine.prefill(plan, max_new_tokens=1).logits
+                        if abs(kl(full, logits) - run["kl"]) > 1e-3 * max(run["kl"], 1e-3):
+                            logger.warning("%s %s: recomputed KL %.4f differs from the cached %.4f",
+                                           key, vname, kl(full, logits), run["kl"])
+                        run |= top1_detail(full, logits)
+                    misses[vname] = {k: run.get(k) for k in ("kl", "full_rank_of_top1", "full_gap_to_top1")}
+                if ref.get("reordered_top1") == 0.0 and "reordered_detail" not in ref and engine is not None:
+                    cache_segments(engine, BlendPlan(passages, row.question))
+                    other = _first_logits(engine, BlendPlan(shuffled(passages, row.id), row.question, mode="full_prefill"))
+                    ref["reordered_detail"] = top1_detail(full, other)
+                if not misses and ref.get("reordered_top1") != 0.0:
+                    continue
+                detail = top1_detail(full, full)
+                out.append({"dataset": name, "group_words": words, "id": row.id,
+                            "full_top2_gap": detail["full_top2_gap"], "full_p_top1": detail["full_p_top1"],
+                            "reordered_top1": ref.get("reordered_top1"), "reordered": ref.get("reordered_detail"),
+                            "misses": misses})
+            cache.save()
+    return out
+
+
+def print_misses(misses: list[dict]) -> None:
+    print("\nTop-1 disagreements with full prefill (gap: full prefill's logit gap; rank: of the other top-1 in"
+          " full prefill's logits, 1 = its second choice)")
+    for m in misses:
+        reord = m["reordered"]
+        r = "agrees" if m["reordered_top1"] == 1.0 else (
+            "?" if reord is None else f"rank {reord['full_rank_of_top1']}, gap {reord['full_gap_to_top1']:.2f}")
+        print(f"  {m['dataset']} ~{m['group_words'] or 'para'} {m['id']}: full top1-top2 gap {m['full_top2_gap']:.2f}"
+              f" (p top1 {m['full_p_top1']:.2f}); reordered prefill {r}")
+        for vname, d in m["misses"].items():
+            rank = "?" if d["full_rank_of_top1"] is None else d["full_rank_of_top1"]
+            gap = "?" if d["full_gap_to_top1"] is None else f"{d['full_gap_to_top1']:.2f}"
+            print(f"    {vname:<40} rank {rank}, gap {gap}, KL {d['kl']:.3f}")
 
 
 def _mean(records: list[dict], key: str) -> float | None:

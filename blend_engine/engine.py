@@ -30,6 +30,7 @@ from blend_engine.engine_loop import EngineLoop, Prepared
 from blend_engine.executor.attention import check_selected_attention
 from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.layers import KVCache
+from blend_engine.executor.oracle import Oracle
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Generation
 from blend_engine.keys import store_fingerprint
@@ -141,9 +142,9 @@ class BlendEngine:
                      for s in layout.segments)
         return Prepared(layout, keys, plan_prefill(self.env, plan, layout, keys, policy), policy)
 
-    def start_run(self, plan: BlendPlan, prep: Prepared, max_new_tokens: int) -> PrefillRun:
+    def start_run(self, plan: BlendPlan, prep: Prepared, max_new_tokens: int, oracle: Oracle | None = None) -> PrefillRun:
         return PrefillRun(self.runner, self.loader, plan, prep.layout, prep.mp, prep.policy, max_new_tokens,
-                          self.config.selected_attention, self.chunks.precompute)
+                          self.config.selected_attention, self.chunks.precompute, oracle)
 
     def complete_run(self, plan: BlendPlan, prep: Prepared, run: PrefillRun) -> PrefillState:
         state = run.finish()
@@ -158,11 +159,12 @@ class BlendEngine:
             self.prefix_cache.save(prep.layout.segments, prep.keys, state.cache)
 
     @torch.inference_mode()
-    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0) -> PrefillState:
+    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0, oracle: Oracle | None = None) -> PrefillState:
         """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests); the
-        prefix cache's save is issued once the logits are there."""
+        prefix cache's save is issued once the logits are there. `oracle`: issue #28's oracle bound
+        (`executor.oracle`, benchmarks only)."""
         prep = self.prepare(plan, max_new_tokens)
-        run = self.start_run(plan, prep, max_new_tokens)
+        run = self.start_run(plan, prep, max_new_tokens, oracle)
         for _ in run.steps():
             pass
         state = self.complete_run(plan, prep, run)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import narrowing
 from blend_engine.transfer import PackedLayer, cuda_ready
 from blend_engine.types import SelectionPolicy
+
+if TYPE_CHECKING:
+    from blend_engine.executor.oracle import Oracle
 
 
 class KVCache:
@@ -79,6 +83,7 @@ class LayerJob:
     probe: ScoreProbe | None = None  # explain: keeps the check layer's scores
     attention: str = "auto"  # how selected rows attend (`selection.Selection`)
     timer: Timer = field(default_factory=Timer)  # accumulates host time (the job itself is not changed)
+    oracle: Oracle | None = None  # issue #28's oracle bound (`executor.oracle`): benchmarks only, never serving
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,11 @@ class LayerLoop:
                                  end_tokens=policy.end_tokens)
                        if job.check_layer is not None else None)
         self.narrowing = narrowing(policy)  # layer -> multiplier where the selection is made or narrowed
+        self.oracle = job.oracle  # None when serving
+        if self.oracle is not None and self.oracle.mode == "select":
+            if self.ranked is None:
+                raise ValueError("an oracle selection needs a blend (a check layer)")
+            self.narrowing = {policy.check_layer: 1.0}  # made at the check layer, never narrowed
         self.passage_keys = None  # APE (`ape.py`): the cached passages' positions [N] bool, when the policy asks
         if self.ranked is not None and (policy.ape_temperature != 1.0 or policy.ape_scale != 1.0):
             self.passage_keys = self.ranked.pid < len(self.ranked.passages)  # [N] bool
@@ -170,6 +180,8 @@ class LayerLoop:
             K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
             if packed is not None and not self._all_overwritten(layer):
                 self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
+            if self.oracle is not None and self.oracle.mode == "fix":
+                self.oracle.substitute(layer, K, V)  # the chosen positions take the full prefill's K/V
             timer.assemble += time.perf_counter() - t1
             self.clock.mark()
             self._layer(layer, K, V, last=layer == n_layers - 1)
@@ -219,8 +231,11 @@ class LayerLoop:
         job, N = self.job, self.n
         q, k, v = self.r.qkv(layer, self.hidden, self.cos_all, self.sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
         if job.check_layer is not None and layer == job.check_layer:
-            picked, rows = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, None,
-                                                   self.narrowing[layer])  # [S]
+            if self.oracle is not None and self.oracle.mode == "select":
+                picked = rows = self.ranked.fixed(self.oracle.positions)  # [S]: rows are positions here
+            else:
+                picked, rows = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, None,
+                                                       self.narrowing[layer])  # [S]
             self.sel = self._selection(picked)
             q, self.hidden = q[:, rows], self.hidden[rows]  # [Hq, S, D], [S, E]
         K[:, :N], V[:, :N] = k, v

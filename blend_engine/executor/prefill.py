@@ -28,6 +28,7 @@ from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, BlendReport, Mode, SelectionPolicy
 
 from .layers import KVCache, LayerJob, LayerLoop, LayerOutput, Timer
+from .oracle import Oracle
 from .uploads import upload, upload_ints
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class PrefillRun:
 
     def __init__(self, runner: ModelRunner, loader: LayerLoader, plan: BlendPlan, layout: PromptLayout,
                  mp: ModePlan, policy: SelectionPolicy, extra: int, attention: str,
-                 rebuild: Callable[[tuple[int, ...]], ChunkKV]) -> None:
+                 rebuild: Callable[[tuple[int, ...]], ChunkKV], oracle: Oracle | None = None) -> None:
         self.t_start = time.perf_counter()
         self.runner, self.plan, self.layout, self.mp, self.policy = runner, plan, layout, mp, policy
         ids = upload_ints(layout.token_ids(), runner.device)  # [N]
@@ -65,7 +66,8 @@ class PrefillRun:
         self.stream = _stream(runner, loader, mp, rebuild)
         recompute = None if mp.recompute is None else span_positions(mp.recompute, runner.device)  # [S]
         self.job = LayerJob(ids, extra, tuple(s for s, _ in mp.cached), self.stream, recompute, mp.check_layer,
-                            mp.ratio, policy, layout, rotate=not mp.in_context, probe=self.probe, attention=attention)
+                            mp.ratio, policy, layout, rotate=not mp.in_context, probe=self.probe, attention=attention,
+                            oracle=oracle)
         self.loop = LayerLoop(runner, self.job)
 
     def steps(self) -> Iterator[int]:

@@ -204,6 +204,14 @@ class RankSpace:
         rows = torch.topk(score, take).indices.sort().values  # [S'] rows, sorted = positions sorted
         return (rows if current is None else current[rows]), rows
 
+    def fixed(self, positions: torch.Tensor) -> torch.Tensor:
+        """The forced positions plus `positions` [R], sorted [S]: an oracle's selection (`executor.oracle`;
+        benchmarks only: it reads device values on the host). Every given position must compete."""
+        if positions.numel() and not bool((self.base[positions] == 0).all()):
+            raise ValueError("an oracle selection may only hold competing (cached passage) positions")
+        forced = torch.nonzero(self.base == float("inf")).flatten()  # [F]
+        return torch.unique(torch.cat([forced, positions.to(forced.device)]))  # [S] sorted
+
     def _quota(self, allocation: str, mass: torch.Tensor | None) -> torch.Tensor:
         """Each passage's share of the budget, unnormalised: its tokens, or the question's attention to it [P]."""
         if allocation == "length":

@@ -82,3 +82,77 @@ def test_two_runs_sharing_a_cache_file_keep_each_others_results(tmp_path):
     merged = lengths.RefCache(tmp_path / "c.json")
     assert set(merged.data) == {"q1", "q2"} and set(merged.data["q1"]["runs"]) == {"v1", "v2"}
     assert merged.data["q1"]["ref"]["reordered_top1"] == 1.0 and set(merged.logits) == {"q1", "q2"}
+
+
+def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
+    """Issue #28's oracle bound: at ratio 1 both oracles are full prefill; at 0.15 the oracle
+    selection recomputes as many tokens as the default keeps in the end; refs are computed once a
+    question, and not at all when no oracle runs."""
+    from benchmarks import oracle
+
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    rows = {"toy": [_example(0), _example(1)]}
+    # the default's shape (check at layer 1, 4x, narrowed) narrowed to 1x within the tiny model's 4 layers
+    blend = SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),), query_weighted=True)
+    variants = {"default": lengths.Variant(0.15, blend),
+                "select@1": lengths.Variant(1.0, oracle="select"), "fix@1": lengths.Variant(1.0, oracle="fix"),
+                "select@0.15": lengths.Variant(0.15, oracle="select"), "fix@0.15": lengths.Variant(0.15, oracle="fix"),
+                "select qa@0.15": lengths.Variant(0.15, oracle="select", oracle_rank="qa")}
+    built = []
+    real = oracle.oracle_refs
+    monkeypatch.setattr(oracle, "oracle_refs", lambda *a: built.append(1) or real(*a))
+    cells = lengths.sweep(engine, "tiny", rows, [0], variants, tmp_path / "c.json", answers=True)
+    assert len(built) == 2  # once per question, shared by its oracle variants
+    s = lengths.summarize(cells[0])["variants"]
+    assert s["select@1"]["kl"] < 1e-6 and s["fix@1"]["kl"] < 1e-6 and s["fix@1"]["top1"] == 1.0
+    assert s["select@0.15"]["recomputed"] == pytest.approx(s["default"]["recomputed"])  # the same count
+    assert s["fix@0.15"]["recomputed"] == pytest.approx(s["default"]["recomputed"])  # corrected, not recomputed
+    assert s["select@0.15"]["f1_vs_full"] is None  # first token only
+    run = cells[0].runs["default"][0]
+    assert run["full_rank_of_top1"] == 0 if run["top1"] else run["full_rank_of_top1"] > 0
+    # only non-oracle variants: no oracle references computed
+    lengths.sweep(engine, "tiny", {"toy": [_example(2)]}, [0], {"default": variants["default"]}, tmp_path / "c.json")
+    assert len(built) == 2
+    # the cache alone serves the oracle variants too
+    cached = lengths.sweep(None, "tiny", rows, [0], variants, tmp_path / "c.json")
+    assert [lengths.summarize(c) for c in cached] == [lengths.summarize(c) for c in cells]
+
+
+def test_question_mass_pass_is_full_prefills_question(tiny_runner):
+    from benchmarks import oracle
+    from blend_engine.types import BlendPlan
+
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    ex = _example(0)
+    plan = BlendPlan(tuple(p.text for p in ex.paragraphs), ex.question)
+    for p in plan.passages:
+        engine.ensure_cached(p)
+    full = engine.prefill(BlendPlan(plan.passages, plan.question, mode="full_prefill"), max_new_tokens=1)
+    refs = oracle.oracle_refs(engine, plan)
+    assert (refs.question_logits - full.logits).abs().max().item() < 1e-3
+    masses, _ = oracle.question_mass(engine.runner, full.cache, full.layout)
+    heads, q = tiny_runner.shape.n_heads, len(full.layout.segments[-1].token_ids)
+    assert all(m.sum().item() == pytest.approx(heads * q, rel=1e-4) for m in masses)  # softmax rows sum to 1
+    assert refs.scores["deviation"].shape == refs.compete.shape and (refs.scores["deviation"] >= 0).all()
+
+
+def test_explain_misses_lists_disagreements_from_the_cache(tmp_path):
+    import torch
+
+    rows = {"toy": [_example(0), _example(1)]}
+    v = lengths.Variant(0.15)
+    cache = lengths.RefCache(tmp_path / "c_toy.json")
+    full = torch.tensor([3.0, 2.5, 0.0, -1.0])  # full prefill: token 0, token 1 a close second
+    miss = lengths.top1_detail(full, torch.tensor([0.0, 1.0, 0.0, 0.0]))  # the blend picked token 1
+    assert miss["full_rank_of_top1"] == 1 and miss["full_gap_to_top1"] == pytest.approx(0.5)
+    assert miss["full_top2_gap"] == pytest.approx(0.5) and miss["full_p_of_top1"] < miss["full_p_top1"]
+    ref = {"passage_tokens": [10], "reordered_top1": 1.0}
+    for i, (top1, detail) in enumerate([(0.0, miss), (1.0, lengths.top1_detail(full, full))]):
+        key = f"tiny|toy|0|q{i}"
+        cache.data[key] = {"ref": dict(ref), "runs": {v.key(0.15): {"kl": 0.2, "top1": top1} | detail}}
+        cache.logits[key] = full
+    cache.save()
+    got = lengths.explain_misses(None, "tiny", rows, [0], {"default": v}, tmp_path / "c.json")
+    assert [m["id"] for m in got] == ["q0"]  # q1 agrees everywhere: not listed
+    assert got[0]["misses"]["default"]["full_rank_of_top1"] == 1
+    assert got[0]["full_top2_gap"] == pytest.approx(0.5)

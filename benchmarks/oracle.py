@@ -1,0 +1,120 @@
+"""Issue #28's oracle bound: the best that any selection of R of the cached passages' tokens could
+do, measured in the length sweep (`benchmarks.lengths`, variants "oracle-...").
+
+    | sys | passage_1 .. passage_k | question |
+      exact   compete: ranked by the TRUE deviation   forced (recomputed), as in a blend
+
+Per question (and passage length) the full prefill's and full reuse's caches of the same prompt
+are computed once (`OracleRefs`); the competing tokens are ranked by their true K/V deviation
+(`executor.oracle.true_deviation`: squared L2 per layer, K and V each divided by their mean over
+the competing tokens, summed over layers 1..L-1; layer 0 is rounding only), or by that times the
+attention the full prefill's question pays each token at each layer ("qa"). The top
+`budget.kept(n_compete, R)` (the default policy's final keep count at ratio R) are then:
+
+- "select": recomputed at every layer after the check layer (a blend with that fixed selection);
+- "fix": given the full prefill's exact K/V at every layer, the rest cached; the question is
+  prefilled over that cache (no recomputation can beat the exact values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from blend_engine.engine import BlendEngine
+from blend_engine.executor.layers import KVCache
+from blend_engine.executor.oracle import Oracle, top_positions, true_deviation
+from blend_engine.executor.selection import RankSpace
+from blend_engine.layout import PromptLayout
+from blend_engine.model import ModelRunner
+from blend_engine.scheduler.budget import kept
+from blend_engine.types import BlendPlan, previous_default_policy
+
+RANKS = ("deviation", "qa")  # the true deviation; x the full prefill's question attention
+
+
+@dataclass(frozen=True)
+class OracleRefs:
+    """What every oracle run of one prompt needs, computed once."""
+
+    compete: torch.Tensor  # [P] the competing (cached passage) positions
+    n_compete: int  # competitors that are not forced (no sinks here: P)
+    scores: dict[str, torch.Tensor]  # rank -> [P]
+    exact: KVCache  # the full prefill's cache
+    n_tokens: int
+    question_logits: torch.Tensor  # [V] the question pass over the exact cache (a check of `question_mass`)
+
+
+def question_mass(r: ModelRunner, exact: KVCache, layout: PromptLayout) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The full prefill's question (the last segment) through every layer over the exact cache: per
+    layer the attention its queries pay each position, summed over heads and queries, L x [N]; and
+    its last position's logits [V] (equal to full prefill's: a check)."""
+    if any(w is not None for w in r.windows):
+        raise ValueError("question_mass handles full attention only (no sliding-window layers)")
+    N, last = layout.n_tokens, layout.segments[-1]
+    qpos = torch.arange(last.offset, last.end, device=r.device)  # [Q]
+    ids = torch.tensor(layout.token_ids(), device=r.device)[qpos]  # [Q]
+    hidden = r.embed(ids)  # [Q, E]
+    cos, sin = r.rope(qpos)  # [Q, D] each
+    allowed = torch.arange(N, device=r.device)[None, :] <= qpos[:, None]  # [Q, N]
+    masses = []
+    for layer in range(r.shape.n_layers):
+        q, _, _ = r.qkv(layer, hidden, cos, sin)  # [Hq, Q, D]
+        K, V = exact.k[layer][:, :N], exact.v[layer][:, :N]  # [H, N, D] each
+        H, Q, D = K.shape[0], qpos.shape[0], K.shape[2]
+        group = q.shape[0] // H
+        logits = (q.float().reshape(H, group * Q, D) @ K.float().transpose(1, 2)) * r.scaling  # [H, G*Q, N]
+        logits = logits.masked_fill(~allowed.repeat(group, 1), float("-inf"))  # [H, G*Q, N]
+        masses.append(torch.softmax(logits, dim=-1).sum(dim=(0, 1)))  # [N]
+        hidden = r.finish_layer(layer, hidden, r.attend(q, K, V, allowed))  # [Q, E]
+    return masses, r.logits(hidden[-1:])[0]
+
+
+@torch.inference_mode()
+def oracle_refs(engine: BlendEngine, plan: BlendPlan) -> OracleRefs:
+    """Full prefill's and full reuse's caches of `plan`'s prompt (its passages must be cached), the
+    competing positions and their rankings."""
+    full = engine.prefill(dataclasses.replace(plan, mode="full_prefill"), max_new_tokens=1)
+    reuse = engine.prefill(dataclasses.replace(plan, mode="full_reuse"), max_new_tokens=1)
+    prep = engine.prepare(dataclasses.replace(plan, mode="blend"), 1)
+    if prep.mp.misses:
+        raise RuntimeError("the oracle needs every passage cached (a miss is recomputed, not ranked)")
+    space = RankSpace(prep.layout, [s for s, _ in prep.mp.cached], engine.runner.scaling, device=engine.runner.device)
+    masses, q_logits = question_mass(engine.runner, full.cache, prep.layout)
+    dev = true_deviation(full.cache, reuse.cache, space.compete)  # [P]
+    qa = true_deviation(full.cache, reuse.cache, space.compete, weights=[m[space.compete] for m in masses])  # [P]
+    return OracleRefs(space.compete, space.n_compete, {"deviation": dev, "qa": qa}, full.cache,
+                      prep.layout.n_tokens, q_logits)
+
+
+@torch.inference_mode()
+def oracle_first_token(engine: BlendEngine, plan: BlendPlan, refs: OracleRefs, mode: str, rank: str,
+                       ratio: float) -> tuple[torch.Tensor, int]:
+    """One oracle run's first-token logits [V] and the tokens it recomputed or corrected (the
+    question, and the chosen ones; a select also every token up to the check layer, not counted)."""
+    chosen = top_positions(refs.scores[rank], refs.compete, kept(refs.n_compete, ratio))  # [R]
+    if mode == "select":
+        blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=previous_default_policy())
+        state = engine.prefill(blend, max_new_tokens=1, oracle=Oracle("select", chosen))
+        return state.logits, state.report.recomputed_tokens
+    state = engine.prefill(dataclasses.replace(plan, mode="full_reuse"), max_new_tokens=1,
+                           oracle=Oracle("fix", chosen, refs.exact))
+    return state.logits, state.report.recomputed_tokens + int(chosen.shape[0])
+
+
+class LazyRefs:
+    """`oracle_refs` of one prompt, computed on the first call (only when an oracle variant runs)."""
+
+    def __init__(self, engine: BlendEngine, plan: BlendPlan) -> None:
+        self.engine, self.plan = engine, plan
+        self._refs: OracleRefs | None = None
+
+    def __call__(self) -> OracleRefs:
+        if self._refs is None:
+            self._refs = oracle_refs(self.engine, self.plan)
+        return self._refs
+
+
+__all__ = ["RANKS", "LazyRefs", "OracleRefs", "oracle_first_token", "oracle_refs", "question_mass"]
