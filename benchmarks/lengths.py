@@ -55,7 +55,7 @@ class Variant:
     grow_power: float = 1.0
     grow_cap: float = 1.0
     sinks_in_budget: bool = False  # the policy's boundary tokens (sinks, ends) come out of the ratio (same total recomputed)
-    oracle: str = ""  # "select" / "fix": issue #28's oracle bound (`benchmarks.oracle`), first token only
+    oracle: str = ""  # "select" / "select-sched" / "fix": issue #28's oracle bound (`benchmarks.oracle`), first token only
     oracle_rank: str = "deviation"  # the oracle's ranking (`oracle.RANKS`)
 
     def ratio_for(self, passage_tokens: list[int]) -> float:
@@ -114,6 +114,7 @@ SWEEP: dict[str, Variant] = {
     # prefill's question attention); recomputed ("select") or given the exact K/V ("fix")
     **{f"oracle-select@{r:.2f}": Variant(r, oracle="select") for r in (0.15, 0.30)},
     **{f"oracle-fix@{r:.2f}": Variant(r, oracle="fix") for r in (0.05, 0.15, 0.30, 0.50, 0.70)},
+    **{f"oracle-select sched@{r:.2f}": Variant(r, oracle="select-sched") for r in (0.15, 0.30)},
     "oracle-select qa@0.15": Variant(0.15, oracle="select", oracle_rank="qa"),
     "oracle-fix qa@0.15": Variant(0.15, oracle="fix", oracle_rank="qa"),
 }

@@ -12,6 +12,8 @@ attention the full prefill's question pays each token at each layer ("qa"). The 
 `budget.kept(n_compete, R)` (the default policy's final keep count at ratio R) are then:
 
 - "select": recomputed at every layer after the check layer (a blend with that fixed selection);
+- "select-sched": the default's per-layer counts (4x the ratio at the check layer, narrowed to 2x,
+  1.5x, 1x by layer 4), each the top of the oracle's ranking;
 - "fix": given the full prefill's exact K/V at every layer, the rest cached; the question is
   prefilled over that cache (no recomputation can beat the exact values).
 """
@@ -29,7 +31,7 @@ from blend_engine.executor.oracle import Oracle, top_positions, true_deviation
 from blend_engine.executor.selection import RankSpace
 from blend_engine.layout import PromptLayout
 from blend_engine.model import ModelRunner
-from blend_engine.scheduler.budget import kept
+from blend_engine.scheduler.budget import kept, narrowing
 from blend_engine.types import BlendPlan, previous_default_policy
 
 RANKS = ("deviation", "qa")  # the true deviation; x the full prefill's question attention
@@ -94,6 +96,13 @@ def oracle_first_token(engine: BlendEngine, plan: BlendPlan, refs: OracleRefs, m
                        ratio: float) -> tuple[torch.Tensor, int]:
     """One oracle run's first-token logits [V] and the tokens it recomputed or corrected (the
     question, and the chosen ones; a select also every token up to the check layer, not counted)."""
+    if mode == "select-sched":  # the default's per-layer counts (4x > 2x > 1.5x > 1x), ranked by the oracle
+        policy = previous_default_policy()
+        order = refs.compete[torch.argsort(refs.scores[rank], descending=True)]  # [P] best first
+        schedule = tuple((layer, kept(refs.n_compete, ratio, mult)) for layer, mult in sorted(narrowing(policy).items()))
+        blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=policy)
+        state = engine.prefill(blend, max_new_tokens=1, oracle=Oracle("select", order[:schedule[0][1]], schedule=schedule))
+        return state.logits, state.report.recomputed_tokens
     chosen = top_positions(refs.scores[rank], refs.compete, kept(refs.n_compete, ratio))  # [R]
     if mode == "select":
         blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=previous_default_policy())

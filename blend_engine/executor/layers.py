@@ -153,10 +153,14 @@ class LayerLoop:
                        if job.check_layer is not None else None)
         self.narrowing = narrowing(policy)  # layer -> multiplier where the selection is made or narrowed
         self.oracle = job.oracle  # None when serving
-        if self.oracle is not None and self.oracle.mode == "select":
+        self.oracle_selects = self.oracle is not None and self.oracle.mode == "select"
+        if self.oracle_selects:
             if self.ranked is None:
                 raise ValueError("an oracle selection needs a blend (a check layer)")
-            self.narrowing = {policy.check_layer: 1.0}  # made at the check layer, never narrowed
+            # made at the check layer, then never narrowed, or narrowed at the oracle's own schedule
+            self.narrowing = {layer: 1.0 for layer, _ in self.oracle.schedule} or {policy.check_layer: 1.0}
+            if min(self.narrowing) != policy.check_layer:
+                raise ValueError("an oracle schedule starts at the check layer")
         self.passage_keys = None  # APE (`ape.py`): the cached passages' positions [N] bool, when the policy asks
         if self.ranked is not None and (policy.ape_temperature != 1.0 or policy.ape_scale != 1.0):
             self.passage_keys = self.ranked.pid < len(self.ranked.passages)  # [N] bool
@@ -231,8 +235,8 @@ class LayerLoop:
         job, N = self.job, self.n
         q, k, v = self.r.qkv(layer, self.hidden, self.cos_all, self.sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
         if job.check_layer is not None and layer == job.check_layer:
-            if self.oracle is not None and self.oracle.mode == "select":
-                picked = rows = self.ranked.fixed(self.oracle.positions)  # [S]: rows are positions here
+            if self.oracle_selects:
+                picked = rows = self.ranked.fixed(self.oracle.chosen(layer))  # [S]: rows are positions here
             else:
                 picked, rows = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, None,
                                                        self.narrowing[layer])  # [S]
@@ -246,7 +250,10 @@ class LayerLoop:
         job, sel = self.job, self.sel
         q, k, v = self.r.qkv(layer, self.hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
         keep = None
-        if self.ranked is not None and layer in self.narrowing:
+        if self.ranked is not None and layer in self.narrowing and self.oracle_selects:
+            narrowed = self.ranked.fixed(self.oracle.chosen(layer))  # [S'] within sel.pos: counts never grow
+            keep = torch.searchsorted(sel.pos, narrowed)  # [S'] their rows
+        elif self.ranked is not None and layer in self.narrowing:
             narrowed, keep = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, sel.pos,
                                                      self.narrowing[layer])  # [S']
         K[:, sel.pos], V[:, sel.pos] = k, v

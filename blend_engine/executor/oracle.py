@@ -8,7 +8,10 @@ layer loop's only cost then is one `is None` test per layer and at the check lay
 
 - "select": a blend whose selection at the check layer is exactly `positions` plus the forced
   positions (the question, uncached tokens), never narrowed: those are recomputed at every later
-  layer, attending over the blended cache (the best a deviation-ranked selection can do).
+  layer, attending over the blended cache (the best a deviation-ranked selection can do). With a
+  `schedule` (layer -> count; the check layer first, counts not growing) `positions` are in rank
+  order, best first, and each listed layer keeps the first `count` of them (the default policy's
+  gradual narrowing, ranked by the oracle).
 - "fix": after each layer's cached K/V are placed, `positions` take the full prefill's K/V of that
   layer (`exact`); run as full_reuse, the question is then prefilled over that cache (a bound for any
   method that corrects that many tokens and keeps the rest cached).
@@ -32,14 +35,23 @@ class Oracle:
     """Which competing positions an oracle run recomputes ("select") or substitutes ("fix")."""
 
     mode: str
-    positions: torch.Tensor  # [R] competing (cached passage) positions, sorted
+    positions: torch.Tensor  # [R] competing (cached passage) positions (in rank order with a schedule)
     exact: KVCache | None = None  # "fix": the full prefill's cache of the same prompt
+    schedule: tuple[tuple[int, int], ...] = ()  # "select": ((layer, count), ...); () = all from the check layer
 
     def __post_init__(self) -> None:
         if self.mode not in ORACLE_MODES:
             raise ValueError(f"oracle mode must be one of {ORACLE_MODES}, not {self.mode!r}")
         if self.mode == "fix" and self.exact is None:
             raise ValueError("an oracle 'fix' needs the full prefill's cache (exact)")
+        layers, counts = [lay for lay, _ in self.schedule], [c for _, c in self.schedule]
+        if layers != sorted(set(layers)) or counts != sorted(counts, reverse=True) or any(
+                not 0 <= c <= self.positions.shape[0] for c in counts):
+            raise ValueError("an oracle schedule's layers must increase and its counts must not grow")
+
+    def chosen(self, layer: int) -> torch.Tensor:
+        """"select": the competing positions kept from this layer on [R'] (all without a schedule)."""
+        return self.positions if not self.schedule else self.positions[:dict(self.schedule)[layer]]
 
     def substitute(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
         """"fix": the chosen positions of K, V [H, C, D] take the exact K/V of this layer."""

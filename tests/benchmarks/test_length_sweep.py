@@ -97,7 +97,8 @@ def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
     variants = {"default": lengths.Variant(0.15, blend),
                 "select@1": lengths.Variant(1.0, oracle="select"), "fix@1": lengths.Variant(1.0, oracle="fix"),
                 "select@0.15": lengths.Variant(0.15, oracle="select"), "fix@0.15": lengths.Variant(0.15, oracle="fix"),
-                "select qa@0.15": lengths.Variant(0.15, oracle="select", oracle_rank="qa")}
+                "select qa@0.15": lengths.Variant(0.15, oracle="select", oracle_rank="qa"),
+                "sched@0.15": lengths.Variant(0.15, oracle="select-sched")}
     built = []
     real = oracle.oracle_refs
     monkeypatch.setattr(oracle, "oracle_refs", lambda *a: built.append(1) or real(*a))
@@ -107,6 +108,8 @@ def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
     assert s["select@1"]["kl"] < 1e-6 and s["fix@1"]["kl"] < 1e-6 and s["fix@1"]["top1"] == 1.0
     assert s["select@0.15"]["recomputed"] == pytest.approx(s["default"]["recomputed"])  # the same count
     assert s["fix@0.15"]["recomputed"] == pytest.approx(s["default"]["recomputed"])  # corrected, not recomputed
+    # the default's narrowing (4x > 2x > 1.5x > 1x by layer 4) stops at 1.5x in the 4-layer model
+    assert s["sched@0.15"]["recomputed"] > s["select@0.15"]["recomputed"]
     assert s["select@0.15"]["f1_vs_full"] is None  # first token only
     run = cells[0].runs["default"][0]
     assert run["full_rank_of_top1"] == 0 if run["top1"] else run["full_rank_of_top1"] > 0

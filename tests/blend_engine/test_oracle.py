@@ -65,6 +65,23 @@ def test_oracle_select_keeps_exactly_the_given_set_at_every_layer_after_the_chec
     assert list(plain.report.recomputed_positions) != want  # the oracle's set, not the policy's
 
 
+def test_oracle_select_with_a_schedule_keeps_the_top_of_its_ranking_at_each_layer(tiny_engine):  # noqa: F811
+    _cache_all(tiny_engine)
+    layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
+    ranked = _passage_positions(layout).flip(0)[:12]  # rank order: the last passage tokens first
+    question = _question_positions(layout)
+    st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
+                             oracle=Oracle("select", ranked, schedule=((1, 12), (2, 5))))
+    assert st.report.selected_per_layer == (layout.n_tokens, 12 + len(question), 5 + len(question),
+                                            5 + len(question))
+    assert list(st.report.recomputed_positions) == sorted(set(ranked[:5].tolist()) | question)
+    with pytest.raises(ValueError, match="schedule"):
+        Oracle("select", ranked, schedule=((1, 5), (2, 12)))  # counts may not grow
+    with pytest.raises(ValueError, match="check layer"):
+        tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
+                            oracle=Oracle("select", ranked, schedule=((2, 5),)))
+
+
 def test_oracle_select_of_every_passage_token_reproduces_full_prefill(tiny_engine):  # noqa: F811
     _cache_all(tiny_engine)
     full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
