@@ -113,7 +113,7 @@ SWEEP: dict[str, Variant] = {
     # keeps at the ratio, chosen by the true deviation from the full prefill ("qa": x the full
     # prefill's question attention); recomputed ("select") or given the exact K/V ("fix")
     **{f"oracle-select@{r:.2f}": Variant(r, oracle="select") for r in (0.15, 0.30)},
-    **{f"oracle-fix@{r:.2f}": Variant(r, oracle="fix") for r in (0.05, 0.15, 0.30, 0.50, 0.70)},
+    **{f"oracle-fix@{r:.2f}": Variant(r, oracle="fix") for r in (0.05, 0.15, 0.30, 0.50, 0.70, 1.00)},
     **{f"oracle-select sched@{r:.2f}": Variant(r, oracle="select-sched") for r in (0.15, 0.30)},
     "oracle-select qa@0.15": Variant(0.15, oracle="select", oracle_rank="qa"),
     "oracle-fix qa@0.15": Variant(0.15, oracle="fix", oracle_rank="qa"),
