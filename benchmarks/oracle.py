@@ -49,6 +49,7 @@ class OracleRefs:
     question_logits: torch.Tensor  # [V] the question pass over the exact cache (a check of `question_mass`)
 
 
+@torch.inference_mode()
 def question_mass(r: ModelRunner, exact: KVCache, layout: PromptLayout) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The full prefill's question (the last segment) through every layer over the exact cache: per
     layer the attention its queries pay each position, summed over heads and queries, L x [N]; and

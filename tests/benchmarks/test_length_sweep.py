@@ -128,8 +128,7 @@ def test_question_mass_pass_is_full_prefills_question(tiny_runner):
     engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
     ex = _example(0)
     plan = BlendPlan(tuple(p.text for p in ex.paragraphs), ex.question)
-    for p in plan.passages:
-        engine.ensure_cached(p)
+    lengths.cache_segments(engine, plan)  # the system prefix too: the oracle ranks cached passages only
     full = engine.prefill(BlendPlan(plan.passages, plan.question, mode="full_prefill"), max_new_tokens=1)
     refs = oracle.oracle_refs(engine, plan)
     assert (refs.question_logits - full.logits).abs().max().item() < 1e-3

@@ -16,6 +16,14 @@ from tests.helpers import PASSAGES, QUESTION
 POLICY = SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),))
 
 
+def _cache_prompt(engine) -> None:
+    """Every segment but the question cached, the system prefix too (else it is forced, uncached)."""
+    _cache_all(engine)
+    for seg in engine.layout(BlendPlan(PASSAGES, QUESTION)).segments:
+        if seg.kind != "question":
+            engine.cache_ids(seg.token_ids)
+
+
 def _passage_positions(layout) -> torch.Tensor:
     return torch.tensor([p for s in layout.segments if s.kind == "passage" for p in range(s.offset, s.end)])
 
@@ -26,7 +34,7 @@ def _question_positions(layout) -> set[int]:
 
 
 def test_oracle_fix_of_every_passage_token_reproduces_full_prefill(tiny_engine):  # noqa: F811
-    _cache_all(tiny_engine)
+    _cache_prompt(tiny_engine)
     full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"), max_new_tokens=1)
     reuse = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"))
     every = _passage_positions(full.layout)
@@ -51,7 +59,7 @@ def test_oracle_fix_of_every_passage_token_reproduces_full_prefill(tiny_engine):
 
 
 def test_oracle_select_keeps_exactly_the_given_set_at_every_layer_after_the_check(tiny_engine):  # noqa: F811
-    _cache_all(tiny_engine)
+    _cache_prompt(tiny_engine)
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
     chosen = _passage_positions(layout)[[0, 3, 4, 11, 20]]
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
@@ -66,7 +74,7 @@ def test_oracle_select_keeps_exactly_the_given_set_at_every_layer_after_the_chec
 
 
 def test_oracle_select_with_a_schedule_keeps_the_top_of_its_ranking_at_each_layer(tiny_engine):  # noqa: F811
-    _cache_all(tiny_engine)
+    _cache_prompt(tiny_engine)
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
     ranked = _passage_positions(layout).flip(0)[:12]  # rank order: the last passage tokens first
     question = _question_positions(layout)
@@ -83,7 +91,7 @@ def test_oracle_select_with_a_schedule_keeps_the_top_of_its_ranking_at_each_laye
 
 
 def test_oracle_select_of_every_passage_token_reproduces_full_prefill(tiny_engine):  # noqa: F811
-    _cache_all(tiny_engine)
+    _cache_prompt(tiny_engine)
     full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
     every = _passage_positions(full.layout)
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
@@ -92,7 +100,7 @@ def test_oracle_select_of_every_passage_token_reproduces_full_prefill(tiny_engin
 
 
 def test_oracle_select_takes_only_competing_positions(tiny_engine):  # noqa: F811
-    _cache_all(tiny_engine)
+    _cache_prompt(tiny_engine)
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
     for bad in (0, layout.segments[-1].offset):  # the system prefix, the question
         with pytest.raises(ValueError, match="competing"):
@@ -118,14 +126,14 @@ def _cache(values: list[list[float]], n: int = 3) -> KVCache:
 
 def test_true_deviation_weighs_every_layer_alike_and_leaves_layer_zero_out():
     exact = _cache([[0.0, 0.0, 0.0]] * 3)
-    # layer 0: a huge deviation at position 0 (left out); layer 1: 1, 2, 3 (squared 1, 4, 9);
-    # layer 2: 1000x larger, reversed: after the per-layer mean each layer weighs the same
-    blended = _cache([[1e6, 0.0, 0.0], [1.0, 2.0, 3.0], [3000.0, 2000.0, 1000.0]])
+    # layer 0: a huge deviation at position 0 (left out); layer 1: squared 0, 1, 8; layer 2: squared
+    # 4e6, 0, 1e6: unnormalised layer 2 would pick position 0, with each layer over its mean it is 2
+    blended = _cache([[1e6, 0.0, 0.0], [0.0, 1.0, 8 ** 0.5], [2000.0, 0.0, 1000.0]])
     pos = torch.arange(3)
     got = true_deviation(exact, blended, pos)  # [3]
-    want = torch.tensor([1.0, 4.0, 9.0]) / (14 / 3) + torch.tensor([9.0, 4.0, 1.0]) / (14 / 3)
+    want = torch.tensor([0.0, 1.0, 8.0]) / 3 + torch.tensor([4e6, 0.0, 1e6]) / (5e6 / 3)
     assert torch.allclose(got, want)
-    assert torch.allclose(got, got[0].expand(3))  # layers 1 and 2 balance: every position equal
+    assert int(torch.argmax(got)) == 2
     with_zero = true_deviation(exact, blended, pos, first_layer=0)
     assert int(torch.argmax(with_zero)) == 0  # layer 0 would dominate position 0
     weighted = true_deviation(exact, blended, pos, weights=[torch.ones(3), torch.tensor([0.0, 0.0, 1.0]),
