@@ -117,6 +117,9 @@ SWEEP: dict[str, Variant] = {
     **{f"oracle-select sched@{r:.2f}": Variant(r, oracle="select-sched") for r in (0.15, 0.30)},
     "oracle-select qa@0.15": Variant(0.15, oracle="select", oracle_rank="qa"),
     "oracle-fix qa@0.15": Variant(0.15, oracle="fix", oracle_rank="qa"),
+    # ranked by integrated gradients of the first token's KL (the fix's own objective)
+    **{f"oracle-fix ig@{r:.2f}": Variant(r, oracle="fix", oracle_rank="ig") for r in (0.05, 0.15, 0.30, 0.50)},
+    **{f"oracle-select ig@{r:.2f}": Variant(r, oracle="select", oracle_rank="ig") for r in (0.15, 0.30)},
 }
 
 

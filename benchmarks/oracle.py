@@ -8,7 +8,10 @@ Per question (and passage length) the full prefill's and full reuse's caches of 
 are computed once (`OracleRefs`); the competing tokens are ranked by their true K/V deviation
 (`executor.oracle.true_deviation`: squared L2 per layer, K and V each divided by their mean over
 the competing tokens, summed over layers 1..L-1; layer 0 is rounding only), or by that times the
-attention the full prefill's question pays each token at each layer ("qa"). The top
+attention the full prefill's question pays each token at each layer ("qa"), or by how much giving
+it the exact K/V lowers the first token's KL ("ig": integrated gradients of that KL along the
+straight path from the cached K/V to the exact ones, with the question prefilled over the cache as
+"fix" does; the attributions sum to full reuse's KL). The top
 `budget.kept(n_compete, R)` (the default policy's final keep count at ratio R) are then:
 
 - "select": recomputed at every layer after the check layer (a blend with that fixed selection);
@@ -34,7 +37,9 @@ from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import kept, narrowing
 from blend_engine.types import BlendPlan, previous_default_policy
 
-RANKS = ("deviation", "qa")  # the true deviation; x the full prefill's question attention
+# the true deviation; x the full prefill's question attention; integrated gradients of the first
+# token's KL along the path from the cached K/V to the exact ones ("fix"'s own objective)
+RANKS = ("deviation", "qa", "ig")
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,54 @@ def question_mass(r: ModelRunner, exact: KVCache, layout: PromptLayout) -> tuple
     return masses, r.logits(hidden[-1:])[0]
 
 
+def question_pass(r: ModelRunner, K: list[torch.Tensor], V: list[torch.Tensor], layout: PromptLayout) -> torch.Tensor:
+    """The question (the last segment) prefilled over a given cache of the context, as full_reuse
+    does (its own K/V fresh at every layer, the rest read from K, V: L x [H, N, D]); differentiable
+    in K and V. Its last position's logits [V]."""
+    N, last = layout.n_tokens, layout.segments[-1]
+    qpos = torch.arange(last.offset, last.end, device=r.device)  # [Q]
+    hidden = r.embed(torch.tensor(layout.token_ids(), device=r.device)[qpos])  # [Q, E]
+    cos, sin = r.rope(qpos)  # [Q, D] each
+    allowed = torch.arange(N, device=r.device)[None, :] <= qpos[:, None]  # [Q, N]
+    for layer in range(r.shape.n_layers):
+        q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, Q, D], [H, Q, D] x2
+        keys = torch.cat([K[layer][:, :last.offset], k], dim=1)  # [H, N, D]
+        values = torch.cat([V[layer][:, :last.offset], v], dim=1)  # [H, N, D]
+        hidden = r.finish_layer(layer, hidden, r.attend(q, keys, values, allowed))  # [Q, E]
+    return r.logits(hidden[-1:])[0]  # [V]
+
+
+def integrated_gradients(r: ModelRunner, full: KVCache, reuse: KVCache, layout: PromptLayout,
+                         positions: torch.Tensor, steps: int = 8) -> torch.Tensor:
+    """Per position in `positions` [P]: how much giving it the exact K/V lowers the first token's KL
+    to full prefill, by integrated gradients along the straight path from the cached K/V (full
+    reuse) to the exact ones (full prefill), both known; with the question prefilled over the cache
+    as "fix" does. Summed over every position (and the others) the attributions are KL(reuse) -
+    KL(exact) up to the path's discretisation (`steps` midpoints): [P], higher = fixing helps more."""
+    if any(w is not None for w in r.windows):
+        raise ValueError("integrated_gradients handles full attention only (no sliding-window layers)")
+    N, L = layout.n_tokens, r.shape.n_layers
+    base_k = [reuse.k[lay][:, :N].clone() for lay in range(L)]  # [H, N, D] each (normal tensors: autograd)
+    base_v = [reuse.v[lay][:, :N].clone() for lay in range(L)]
+    dk = [full.k[lay][:, :N].clone() - base_k[lay] for lay in range(L)]  # [H, N, D] each
+    dv = [full.v[lay][:, :N].clone() - base_v[lay] for lay in range(L)]
+    with torch.no_grad():
+        target = torch.log_softmax(question_pass(r, [b + d for b, d in zip(base_k, dk)],
+                                                 [b + d for b, d in zip(base_v, dv)], layout).double(), -1)  # [V]
+    total = torch.zeros(N, dtype=torch.float64, device=positions.device)  # [N]
+    with torch.enable_grad():
+        for step in range(steps):
+            alpha = (step + 0.5) / steps
+            ks = [(b + alpha * d).requires_grad_() for b, d in zip(base_k, dk)]
+            vs = [(b + alpha * d).requires_grad_() for b, d in zip(base_v, dv)]
+            logq = torch.log_softmax(question_pass(r, ks, vs, layout).double(), -1)  # [V]
+            loss = torch.sum(target.exp() * (target - logq))  # KL(exact || this cache)
+            grads = torch.autograd.grad(loss, ks + vs)
+            for g, d in zip(grads, dk + dv):
+                total -= (g.double() * d.double()).sum(dim=(0, 2))  # [N]: minus the KL change along the path
+    return (total / steps)[positions].float()  # [P]
+
+
 @torch.inference_mode()
 def oracle_refs(engine: BlendEngine, plan: BlendPlan) -> OracleRefs:
     """Full prefill's and full reuse's caches of `plan`'s prompt (its passages must be cached), the
@@ -88,7 +141,9 @@ def oracle_refs(engine: BlendEngine, plan: BlendPlan) -> OracleRefs:
     masses, q_logits = question_mass(engine.runner, full.cache, prep.layout)
     dev = true_deviation(full.cache, reuse.cache, space.compete)  # [P]
     qa = true_deviation(full.cache, reuse.cache, space.compete, weights=[m[space.compete] for m in masses])  # [P]
-    return OracleRefs(space.compete, space.n_compete, {"deviation": dev, "qa": qa}, full.cache,
+    with torch.inference_mode(False):
+        ig = integrated_gradients(engine.runner, full.cache, reuse.cache, prep.layout, space.compete)  # [P]
+    return OracleRefs(space.compete, space.n_compete, {"deviation": dev, "qa": qa, "ig": ig}, full.cache,
                       prep.layout.n_tokens, q_logits)
 
 
@@ -127,4 +182,5 @@ class LazyRefs:
         return self._refs
 
 
-__all__ = ["RANKS", "LazyRefs", "OracleRefs", "oracle_first_token", "oracle_refs", "question_mass"]
+__all__ = ["RANKS", "LazyRefs", "OracleRefs", "integrated_gradients", "oracle_first_token", "oracle_refs",
+           "question_mass", "question_pass"]

@@ -158,3 +158,27 @@ def test_explain_misses_lists_disagreements_from_the_cache(tmp_path):
     assert [m["id"] for m in got] == ["q0"]  # q1 agrees everywhere: not listed
     assert got[0]["misses"]["default"]["full_rank_of_top1"] == 1
     assert got[0]["full_top2_gap"] == pytest.approx(0.5)
+
+
+def test_integrated_gradients_sum_to_full_reuses_kl(tiny_runner):
+    """The question pass over a cache is full reuse's (over the cached K/V) and full prefill's (over
+    the exact ones); the attributions along the path between them add up to full reuse's KL."""
+    from benchmarks import oracle
+    from benchmarks.scoring import kl
+    from blend_engine.types import BlendPlan
+
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    ex = _example(1)
+    plan = BlendPlan(tuple(p.text for p in ex.paragraphs), ex.question)
+    lengths.cache_segments(engine, plan)
+    full = engine.prefill(BlendPlan(plan.passages, plan.question, mode="full_prefill"), max_new_tokens=1)
+    reuse = engine.prefill(BlendPlan(plan.passages, plan.question, mode="full_reuse"), max_new_tokens=1)
+    n = full.layout.n_tokens
+    over_reuse = oracle.question_pass(tiny_runner, [k[:, :n] for k in reuse.cache.k], [v[:, :n] for v in reuse.cache.v],
+                                      full.layout)
+    assert (over_reuse - reuse.logits).abs().max().item() < 1e-3
+    refs = oracle.oracle_refs(engine, plan)
+    attr = refs.scores["ig"]  # [P]
+    assert attr.shape == refs.compete.shape
+    assert attr.sum().item() == pytest.approx(kl(full.logits, reuse.logits), rel=0.1)
+    assert attr.max() > 0
