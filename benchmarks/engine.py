@@ -283,7 +283,7 @@ def _sweep_variants(spec: str) -> dict[str, length_sweep.Variant]:
 def run_sweep(engine: BlendEngine | None, args: argparse.Namespace, rows: dict[str, list[Example]], lengths: list[int],
               variants: dict[str, length_sweep.Variant]) -> dict:
     """The length sweep (`benchmarks.lengths`): per-cell tables and each variant's worst cell."""
-    cells = length_sweep.sweep(engine, args.model, rows, lengths, variants, args.ref_cache,
+    cells = length_sweep.sweep(None if args.sweep_cached_only else engine, args.model, rows, lengths, variants, args.ref_cache,
                                answers=not args.sweep_first_token)
     summaries = [length_sweep.summarize(c) for c in cells]
     worst = length_sweep.worst_case(summaries)
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
                          " whose reference and every variant are cached")
     ap.add_argument("--sweep-misses", action="store_true",
                     help="length sweep: list the questions whose top-1 differs from full prefill's, with full prefill's"
-                         " top-2 gap and the other top-1's rank there (recomputed for runs cached without it)")
+                         " top-2 gap and the other top-1's rank there (recomputed for runs cached without it, also"
+                         " with --sweep-cached-only, which then loads the model for them alone)")
     ap.add_argument("--sweep-variants", default="", help="length sweep: comma list of variant name parts (default all)")
     ap.add_argument("--ref-cache", type=Path, default=Path.home() / ".cache/blendserve/length_sweep.json",
                     help="length sweep: per-question references and results, re-used across runs")
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     sweep_variants = _sweep_variants(args.sweep_variants) if sweep_lengths else {}
     if not rows:
         raise SystemExit(f"{args.data} holds no questions")
-    if sweep_lengths and args.sweep_cached_only:  # tables from the cache alone: no model
+    if sweep_lengths and args.sweep_cached_only and not args.sweep_misses:  # tables from the cache alone: no model
         result = {"model": args.model, "length_sweep": run_sweep(None, args, sweep_rows, sweep_lengths, sweep_variants)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
