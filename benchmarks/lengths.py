@@ -238,6 +238,16 @@ def run_variant(engine: BlendEngine, cache: RefCache, key: str, row: Example, pa
     return runs[vkey]
 
 
+def dataset_cache(cache_path: Path, dataset: str) -> Path:
+    """Each dataset's own cache file: `cache_path` with the dataset's name appended to its stem."""
+    return cache_path.with_name(f"{cache_path.stem}_{dataset}{cache_path.suffix}")
+
+
+def cell_key(model: str, dataset: str, words: int, row: Example) -> str:
+    """A question's entry in its dataset's cache, at one passage length (0: one paragraph)."""
+    return f"{model}|{dataset}|{words}|{row.id}"
+
+
 def sweep(engine: BlendEngine | None, model: str, datasets: dict[str, list[Example]], lengths: list[int],
           variants: dict[str, Variant], cache_path: Path, answers: bool = True,
           progress: Callable[[str], None] = logger.info) -> list[Cell]:
@@ -249,13 +259,13 @@ def sweep(engine: BlendEngine | None, model: str, datasets: dict[str, list[Examp
         return cached_only(model, datasets, lengths, variants, cache_path, answers)
     cells = []
     for name, rows in datasets.items():
-        cache = RefCache(cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}"))
+        cache = RefCache(dataset_cache(cache_path, name))
         for words in lengths:
             cell = Cell(name, words)
             for i, row in enumerate(rows):
                 passages = passages_of(row, group_words=words or None)
                 cache_segments(engine, BlendPlan(passages, row.question))
-                key = f"{model}|{name}|{words}|{row.id}"
+                key = cell_key(model, name, words, row)
                 cell.refs.append(reference(engine, cache, key, row, passages, reordered=answers))
                 cache.save()
                 refs = LazyRefs(engine, BlendPlan(passages, row.question))  # computed only if an oracle runs
@@ -276,12 +286,12 @@ def cached_only(model: str, datasets: dict[str, list[Example]], lengths: list[in
     share their questions; its n says how many. Nothing is computed (no model)."""
     cells = []
     for name, rows in datasets.items():
-        path = cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}")
+        path = dataset_cache(cache_path, name)
         data = json.loads(path.read_text()) if path.exists() else {}
         for words in lengths:
             cell = Cell(name, words)
             for row in rows:
-                entry = data.get(f"{model}|{name}|{words}|{row.id}")
+                entry = data.get(cell_key(model, name, words, row))
                 if entry is None or (answers and "reordered_top1" not in entry["ref"]):
                     continue
                 runs = [entry["runs"].get(v.key(v.ratio_for(entry["ref"]["passage_tokens"]))) for v in variants.values()]
@@ -317,10 +327,10 @@ def explain_misses(engine: BlendEngine | None, model: str, datasets: dict[str, l
     given, and the detail added to the cache; without one only what the cache holds is listed."""
     out = []
     for name, rows in datasets.items():
-        cache = RefCache(cache_path.with_name(f"{cache_path.stem}_{name}{cache_path.suffix}"))
+        cache = RefCache(dataset_cache(cache_path, name))
         for words in lengths:
             for row in rows:
-                key = f"{model}|{name}|{words}|{row.id}"
+                key = cell_key(model, name, words, row)
                 entry = cache.data.get(key)
                 if entry is None or key not in cache.logits:
                     continue

@@ -54,47 +54,55 @@ class OracleRefs:
     question_logits: torch.Tensor  # [V] the question pass over the exact cache (a check of `question_mass`)
 
 
+def _question_layers(r: ModelRunner, K: list[torch.Tensor], V: list[torch.Tensor], layout: PromptLayout,
+                     own_kv: bool, masses: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The question (the last segment) through every layer over a cache K, V (L x [H, >= N, D]):
+    the context's keys from the cache, the question's own fresh (`own_kv`, as full_reuse does) or
+    from the cache too. With `masses`, each layer's attention the question pays each position is
+    appended (summed over heads and queries, [N]). Its last position's logits [V]."""
+    N, last = layout.n_tokens, layout.segments[-1]
+    qpos = torch.arange(last.offset, last.end, device=r.device)  # [Q]
+    hidden = r.embed(torch.tensor(layout.token_ids(), device=r.device)[qpos])  # [Q, E]
+    cos, sin = r.rope(qpos)  # [Q, D] each
+    allowed = torch.arange(N, device=r.device)[None, :] <= qpos[:, None]  # [Q, N] causal
+    for layer in range(r.shape.n_layers):
+        q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, Q, D], [H, Q, D] x2
+        if own_kv:
+            keys = torch.cat([K[layer][:, :last.offset], k], dim=1)  # [H, N, D]
+            values = torch.cat([V[layer][:, :last.offset], v], dim=1)  # [H, N, D]
+        else:
+            keys, values = K[layer][:, :N], V[layer][:, :N]  # [H, N, D] each
+        if masses is not None:
+            H, Q, D = keys.shape[0], qpos.shape[0], keys.shape[2]
+            group = q.shape[0] // H
+            logits = (q.float().reshape(H, group * Q, D) @ keys.float().transpose(1, 2)) * r.scaling  # [H, G*Q, N]
+            logits = logits.masked_fill(~allowed.repeat(group, 1), float("-inf"))  # [H, G*Q, N]
+            masses.append(torch.softmax(logits, dim=-1).sum(dim=(0, 1)))  # [N]
+        hidden = r.finish_layer(layer, hidden, r.attend(q, keys, values, allowed))  # [Q, E]
+    return r.logits(hidden[-1:])[0]  # [V]
+
+
+def _full_attention_only(r: ModelRunner, what: str) -> None:
+    if any(w is not None for w in r.windows):
+        raise ValueError(f"{what} handles full attention only (no sliding-window layers)")
+
+
 @torch.inference_mode()
 def question_mass(r: ModelRunner, exact: KVCache, layout: PromptLayout) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The full prefill's question (the last segment) through every layer over the exact cache: per
     layer the attention its queries pay each position, summed over heads and queries, L x [N]; and
     its last position's logits [V] (equal to full prefill's: a check)."""
-    if any(w is not None for w in r.windows):
-        raise ValueError("question_mass handles full attention only (no sliding-window layers)")
-    N, last = layout.n_tokens, layout.segments[-1]
-    qpos = torch.arange(last.offset, last.end, device=r.device)  # [Q]
-    ids = torch.tensor(layout.token_ids(), device=r.device)[qpos]  # [Q]
-    hidden = r.embed(ids)  # [Q, E]
-    cos, sin = r.rope(qpos)  # [Q, D] each
-    allowed = torch.arange(N, device=r.device)[None, :] <= qpos[:, None]  # [Q, N]
-    masses = []
-    for layer in range(r.shape.n_layers):
-        q, _, _ = r.qkv(layer, hidden, cos, sin)  # [Hq, Q, D]
-        K, V = exact.k[layer][:, :N], exact.v[layer][:, :N]  # [H, N, D] each
-        H, Q, D = K.shape[0], qpos.shape[0], K.shape[2]
-        group = q.shape[0] // H
-        logits = (q.float().reshape(H, group * Q, D) @ K.float().transpose(1, 2)) * r.scaling  # [H, G*Q, N]
-        logits = logits.masked_fill(~allowed.repeat(group, 1), float("-inf"))  # [H, G*Q, N]
-        masses.append(torch.softmax(logits, dim=-1).sum(dim=(0, 1)))  # [N]
-        hidden = r.finish_layer(layer, hidden, r.attend(q, K, V, allowed))  # [Q, E]
-    return masses, r.logits(hidden[-1:])[0]
+    _full_attention_only(r, "question_mass")
+    masses: list[torch.Tensor] = []
+    logits = _question_layers(r, exact.k, exact.v, layout, own_kv=False, masses=masses)
+    return masses, logits
 
 
 def question_pass(r: ModelRunner, K: list[torch.Tensor], V: list[torch.Tensor], layout: PromptLayout) -> torch.Tensor:
     """The question (the last segment) prefilled over a given cache of the context, as full_reuse
     does (its own K/V fresh at every layer, the rest read from K, V: L x [H, N, D]); differentiable
     in K and V. Its last position's logits [V]."""
-    N, last = layout.n_tokens, layout.segments[-1]
-    qpos = torch.arange(last.offset, last.end, device=r.device)  # [Q]
-    hidden = r.embed(torch.tensor(layout.token_ids(), device=r.device)[qpos])  # [Q, E]
-    cos, sin = r.rope(qpos)  # [Q, D] each
-    allowed = torch.arange(N, device=r.device)[None, :] <= qpos[:, None]  # [Q, N]
-    for layer in range(r.shape.n_layers):
-        q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, Q, D], [H, Q, D] x2
-        keys = torch.cat([K[layer][:, :last.offset], k], dim=1)  # [H, N, D]
-        values = torch.cat([V[layer][:, :last.offset], v], dim=1)  # [H, N, D]
-        hidden = r.finish_layer(layer, hidden, r.attend(q, keys, values, allowed))  # [Q, E]
-    return r.logits(hidden[-1:])[0]  # [V]
+    return _question_layers(r, K, V, layout, own_kv=True)
 
 
 def integrated_gradients(r: ModelRunner, full: KVCache, reuse: KVCache, layout: PromptLayout,
@@ -104,8 +112,7 @@ def integrated_gradients(r: ModelRunner, full: KVCache, reuse: KVCache, layout: 
     reuse) to the exact ones (full prefill), both known; with the question prefilled over the cache
     as "fix" does. Summed over every position (and the others) the attributions are KL(reuse) -
     KL(exact) up to the path's discretisation (`steps` midpoints): [P], higher = fixing helps more."""
-    if any(w is not None for w in r.windows):
-        raise ValueError("integrated_gradients handles full attention only (no sliding-window layers)")
+    _full_attention_only(r, "integrated_gradients")
     N, L = layout.n_tokens, r.shape.n_layers
     base_k = [reuse.k[lay][:, :N].clone() for lay in range(L)]  # [H, N, D] each (normal tensors: autograd)
     base_v = [reuse.v[lay][:, :N].clone() for lay in range(L)]

@@ -143,13 +143,18 @@ class ModelRunner:
         """Additive causal sliding-window mask [S, n_keys] for queries at absolute positions q_pos [S]
         over keys at 0..n_keys-1 (a query sees key j iff q - window < j <= q); None when the layer
         attends fully (then plain causal masking applies)."""
-        window = self.windows[layer]
-        if window is None:
+        if self.windows[layer] is None:
             return None
+        allowed = self.allowed_keys(layer, q_pos, n_keys)  # [S, n]
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+
+    def allowed_keys(self, layer: int, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """Which keys 0..n_keys-1 the queries at absolute positions q_pos [S] see at this layer:
+        [S, n_keys] bool, j <= q, and q - window < j on a sliding-window layer."""
         q = q_pos.to(self.device).view(-1, 1)  # [S, 1]
         j = torch.arange(n_keys, device=self.device).view(1, -1)  # [1, n]
-        allowed = (j <= q) & (j > q - window)  # [S, n]
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        window = self.windows[layer]
+        return (j <= q) if window is None else (j <= q) & (j > q - window)  # [S, n]
 
     def window_masks(self, q_pos: torch.Tensor, n_keys: int) -> Callable[[int], torch.Tensor | None]:
         """`window_mask` for these queries at any layer, built once per window size: the layers of a

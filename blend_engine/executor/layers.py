@@ -220,12 +220,8 @@ class LayerLoop:
                   rows: int) -> torch.Tensor:
         """APE: the question's rows (the last `rows` of q [Hq, S, D] and out [S, Hq*D]; the question
         is always recomputed and ends the prompt) attend again with the passages' block reweighted."""
-        N, policy, window = self.n, self.job.policy, self.r.windows[layer]
-        qpos = self.pos[N - rows:]  # [rows]
-        keys = torch.arange(N, device=qpos.device)[None, :]  # [1, N]
-        allowed = keys <= qpos[:, None]  # [rows, N]
-        if window is not None:
-            allowed &= keys > qpos[:, None] - window
+        N, policy = self.n, self.job.policy
+        allowed = self.r.allowed_keys(layer, self.pos[N - rows:], N)  # [rows, N]
         ape = ape_attend(q[:, -rows:], K[:, :N], V[:, :N], allowed, self.passage_keys, self.r.scaling,
                          policy.ape_temperature, policy.ape_scale)  # [rows, Hq*D]
         return torch.cat([out[:-rows], ape])  # [S, Hq*D]
@@ -250,12 +246,13 @@ class LayerLoop:
         job, sel = self.job, self.sel
         q, k, v = self.r.qkv(layer, self.hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
         keep = None
-        if self.ranked is not None and layer in self.narrowing and self.oracle_selects:
-            narrowed = self.ranked.fixed(self.oracle.chosen(layer))  # [S'] within sel.pos: counts never grow
-            keep = torch.searchsorted(sel.pos, narrowed)  # [S'] their rows
-        elif self.ranked is not None and layer in self.narrowing:
-            narrowed, keep = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, sel.pos,
-                                                     self.narrowing[layer])  # [S']
+        if self.ranked is not None and layer in self.narrowing:
+            if self.oracle_selects:
+                narrowed = self.ranked.fixed(self.oracle.chosen(layer))  # [S'] within sel.pos: counts never grow
+                keep = torch.searchsorted(sel.pos, narrowed)  # [S'] their rows
+            else:
+                narrowed, keep = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, sel.pos,
+                                                         self.narrowing[layer])  # [S']
         K[:, sel.pos], V[:, sel.pos] = k, v
         if keep is not None:
             q, self.hidden = q[:, keep], self.hidden[keep]  # [Hq, S', D], [S', E]

@@ -57,8 +57,8 @@ class Selection:
     not S x N (reading a block's last position is free on the host; on a device it would be a
     host sync per set; `query_blocks` sets their number). "sdpa_mask": one boolean mask [S, N] by
     absolute position, built on the device (no data-dependent shape), SDPA keeps its
-    memory-efficient kernel. "flex":
-    FlexAttention with a block mask from the positions (`attention`), one per window size.
+    memory-efficient kernel. "flex": FlexAttention with a block mask from the positions
+    (`attention`), one per window size.
     """
 
     def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, n: int,
