@@ -104,6 +104,20 @@ def test_a_prefill_on_the_calling_thread_saves_after_its_logits_and_the_next_one
     assert (again.logits - first.logits).abs().max().item() < 1e-4
 
 
+def test_drain_returns_once_every_save_in_flight_is_stored(engine, events):
+    """Benchmarks drain after each timed request, so a save is never inside the next one's time."""
+    engine.prefill(PLAN)  # the save is issued; its copy waits at the gate
+    assert "save" in events and engine.prefix_cache.stats().entries == 0
+    drained = threading.Thread(target=engine.prefix_cache.drain)
+    drained.start()
+    drained.join(timeout=0.2)
+    assert drained.is_alive()  # still waiting: the gate is closed, so no entry can be stored yet
+    events.gate.set()
+    drained.join(timeout=60)
+    assert not drained.is_alive()
+    assert engine.prefix_cache.stats().entries == len(PASSAGES) + 1  # the system prompt and each passage
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the save stream and pinned memory need a CUDA device")
 def test_on_cuda_a_segment_crosses_in_one_copy_to_pinned_memory_on_the_one_save_stream():
     cache = KVCache(3, 2, 40, 8, torch.float16, "cuda")
