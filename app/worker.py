@@ -58,6 +58,11 @@ class Job:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     @property
+    def timed_out(self) -> bool:
+        """Past its deadline and never asked to stop: what stopped it is its request's timeout."""
+        return self.expired and not self._cancel.is_set()
+
+    @property
     def cancelled(self) -> bool:
         """Cancelled, or past its deadline (unless it already began committing)."""
         return self._cancel.is_set() or (self.expired and not self._committing)
@@ -161,12 +166,18 @@ class EngineWorker:
     async def run(self, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
         """Submit and await the result; on timeout or caller cancellation the job is cancelled.
 
-        A job already committing cannot be cancelled: then its result is awaited after all."""
+        A job already committing cannot be cancelled: then its result is awaited after all. A job
+        that stopped at its own deadline (it checks it between layers and batches, and its deadline
+        starts before this wait's timer) is a timeout too, whichever of the two fires first."""
         job = self.submit(fn, name, timeout_s)
         result = asyncio.wrap_future(job.future)
         result.add_done_callback(_consume)  # an abandoned job's late error is not "never retrieved"
         try:
             return await asyncio.wait_for(asyncio.shield(result), timeout_s)
+        except Cancelled:
+            if job.timed_out:
+                raise TimeoutError(f"{name} stopped at its deadline") from None
+            raise
         except BaseException:
             if job.cancel():
                 raise

@@ -5,6 +5,7 @@ and /readyz tells strangers nothing but ready or not."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sqlite3
@@ -335,6 +336,30 @@ def test_queued_work_past_its_deadline_never_starts():
     finally:
         worker.close()
 
+
+
+def test_a_job_stopped_at_its_own_deadline_is_a_timeout_not_a_cancel():
+    """The job's deadline starts before the route's timer, so the job can stop at a checkpoint first:
+    that is still the request's timeout (504), not a cancellation (503). A job asked to stop stays a cancel."""
+    from app.worker import Cancelled, EngineWorker
+
+    def stops_at_deadline(job):
+        job.deadline = time.monotonic() - 1  # its deadline has passed (the route's 5 s timer has not)
+        assert job.cancelled
+        raise Cancelled("ingest cancelled at layer 1")
+
+    def asked_to_stop(job):
+        job.cancel()
+        raise Cancelled("ingest cancelled at layer 1")
+
+    worker = EngineWorker(1, 4)
+    try:
+        with pytest.raises(TimeoutError, match="stopped at its deadline"):
+            asyncio.run(worker.run(stops_at_deadline, 5.0, "ingest"))
+        with pytest.raises(Cancelled):
+            asyncio.run(worker.run(asked_to_stop, 5.0, "ingest"))
+    finally:
+        worker.close()
 
 
 def _measured_worker(took_s: float):
