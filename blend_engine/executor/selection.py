@@ -76,7 +76,7 @@ class Selection:
             self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
             return
         S = pos.numel()
-        for idx in torch.tensor_split(torch.arange(S), blocks or query_blocks(S)):
+        for idx in torch.tensor_split(torch.arange(S), min(blocks or query_blocks(S), S)):  # no empty block
             p = pos[idx]  # [s]
             hi = int(p[-1]) + 1  # a host read: free on the CPU
             allowed = torch.arange(hi)[None, :] <= p[:, None]  # [s, hi]

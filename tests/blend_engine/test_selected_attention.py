@@ -110,7 +110,7 @@ def test_a_failed_flex_compile_falls_back_to_the_boolean_mask(engines, monkeypat
     assert torch.equal(engines["flex"].prefill(plan).logits, want.logits)  # and it stays
 
 
-@pytest.mark.parametrize("blocks", [1, 3, 16, None])
+@pytest.mark.parametrize("blocks", [1, 3, 16, 200, None])
 def test_the_cpu_blocks_agree_with_one_boolean_mask_at_any_block_count(real_runner, blocks):
     """The CPU path splits the selected rows into position-ordered blocks (`query_blocks` of them by
     default); any count attends exactly as the one [S, N] mask does, scattered rows and a tail."""
