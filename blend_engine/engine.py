@@ -41,6 +41,7 @@ from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, build_layou
 from blend_engine.model import ModelRunner
 from blend_engine.prefix_cache import PrefixCache
 from blend_engine.scheduler.batch import BatchLimits
+from blend_engine.scheduler.kv_blocks import NO_PREFIX, chain_hashes, chain_root, min_prefix, recipes
 from blend_engine.scheduler.plans import PlanEnv, RatioController, plan_prefill
 from blend_engine.types import BlendPlan, BlendResult, GenerationConfig, Mode, SelectionPolicy, default_policy
 
@@ -134,17 +135,38 @@ class BlendEngine:
 
     # ================================================================== prefill (scheduler + executor)
     def prepare(self, plan: BlendPlan, max_new_tokens: int) -> Prepared:
-        """Layout, keys and the mode plan: host work only, on the caller's thread."""
+        """Layout, keys, the mode plan and the prompt's block hash chains: host work only, on the
+        caller's thread."""
         layout = self.layout(plan)
         self.chunks.check_fits(layout.n_tokens, max_new_tokens)
+        self.loop.check_fits(layout.n_tokens, max_new_tokens)
         policy = plan.policy or self.config.policy
         keys = tuple(self.key_of(s.token_ids, plan.cache_salt) if s.kind != "question" else None
                      for s in layout.segments)
-        return Prepared(layout, keys, plan_prefill(self.env, plan, layout, keys, policy), policy)
+        mp = plan_prefill(self.env, plan, layout, keys, policy)
+        return Prepared(layout, keys, mp, policy, *self._prefix_chains(plan, layout, mp))
 
-    def start_run(self, plan: BlendPlan, prep: Prepared, max_new_tokens: int, oracle: Oracle | None = None) -> PrefillRun:
+    def _prefix_chains(self, plan: BlendPlan, layout: PromptLayout, mp) -> tuple[tuple[tuple[str, ...], ...],
+                                                                                tuple[str, ...], int]:
+        """(the chains it may take a cached prefix from, its own chain, the shortest prefix worth
+        taking): automatic prefix caching's view of this request (`scheduler.kv_blocks`)."""
+        bt = self.config.batch.block_tokens
+        take, own = recipes(mp.mode)
+        ids = layout.token_ids()
+        chains = {r: chain_hashes(chain_root(self.fingerprint, plan.cache_salt, r), ids, bt) for r in {*take, own}}
+        context_end = next((s.offset for s in layout.segments if s.kind in ("turn", "question")), layout.n_tokens)
+        floor = min_prefix(mp.mode, context_end, bt)
+        if mp.mode is Mode.PREFIX_CACHE:  # its own prefix cache found mp.prefix_tokens: take more, or none
+            floor = max(floor, mp.prefix_tokens + 1)
+        if plan.explain:  # an explanation shows the check layer's scores: computed, never taken
+            floor = NO_PREFIX
+        return tuple(chains[r] for r in take), chains[own], floor
+
+    def start_run(self, plan: BlendPlan, prep: Prepared, max_new_tokens: int, oracle: Oracle | None = None,
+                  cache: KVCache | None = None) -> PrefillRun:
+        """The prefill's tensors; into `cache` (a run of the engine loop's pool) when given."""
         return PrefillRun(self.runner, self.loader, plan, prep.layout, prep.mp, prep.policy, max_new_tokens,
-                          self.config.selected_attention, self.chunks.precompute, oracle)
+                          self.config.selected_attention, self.chunks.precompute, oracle, cache)
 
     def complete_run(self, plan: BlendPlan, prep: Prepared, run: PrefillRun) -> PrefillState:
         state = run.finish()
@@ -183,8 +205,7 @@ class BlendEngine:
         return Generation(self._submit, plan, gen or GenerationConfig())
 
     def _submit(self, handle: Generation) -> None:
-        prep = self.prepare(handle.plan, handle.gen.max_tokens)
-        self.loop.submit(handle, prep, self.kv_bytes(prep.layout.n_tokens + handle.gen.max_tokens))
+        self.loop.submit(handle, self.prepare(handle.plan, handle.gen.max_tokens))
 
     def run(self, plan: BlendPlan, gen: GenerationConfig | None = None) -> BlendResult:
         g = self.generate(plan, gen)

@@ -3,15 +3,19 @@
     caller threads                         the loop thread
     --------------                         ---------------
     Generation.deltas()                    each step (`scheduler.batch.BatchScheduler`):
-      layout, keys, plan (no tensors)  ->    drop cancelled requests
-      then wait for deltas            <-     admit / advance one prefill (bounded layers)
-                                             ONE batched decode step for all the others
+      layout, keys, plan, block hashes ->    drop cancelled requests
+      (no tensors)                           grow runs (or preempt the youngest), admit by free
+      then wait for deltas            <-     blocks (taking cached prefixes), advance prefills
+                                             under a token budget, ONE batched decode step
     run_task(fn) (ingestion precompute) ->   one task between steps
 
-Per request the loop keeps its prefill run, cache, sampler, stop decoder and tokens (`_Request`);
-a failed or cancelled request leaves the batch at the next step without touching the others.
-A decode step reads the device once (`sampling.read_logits`: every row's token, and the rows that
-sampling or logprobs need); a prefix_cache request's save is issued after its first token.
+Every request's KV lives in a run of the paged pool (`executor.kv_pool.KVPool`): the scheduler
+decides the blocks, the loop applies its plan to the tensors. Per request the loop keeps its
+prefill run, cache view, sampler, stop decoder and tokens (`_Request`); a failed or cancelled
+request leaves the batch at the next step without touching the others. A preempted request is
+prefilled again later and its tokens so far are fed again (not sampled), so it ends as it would
+have. A decode step reads the device once (`sampling.read_logits`); a prefix_cache request's save
+is issued after its first token.
 """
 
 from __future__ import annotations
@@ -23,19 +27,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from blend_engine.cancel import Cancelled, cancel_scope, current_check
+from blend_engine.errors import InputError
 from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.kv_pool import KVPool, block_bytes
+from blend_engine.executor.layers import KVCache
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Delta, Generation
 from blend_engine.layout import PromptLayout
 from blend_engine.sampling import HostLogits, Sampler, StreamDecoder, read_logits
-from blend_engine.scheduler.batch import BatchLimits, BatchScheduler
-from blend_engine.scheduler.plans import ModePlan
+from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, SeqSpec
+from blend_engine.scheduler.kv_blocks import blocks_for
+from blend_engine.scheduler.plans import ModePlan, continue_prefix
 from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,12 @@ class Prepared:
     keys: tuple[str | None, ...]
     mp: ModePlan
     policy: SelectionPolicy
+    lookups: tuple[tuple[str, ...], ...] = ()  # block hash chains it may take a cached prefix from
+    own: tuple[str, ...] = ()  # the chain its blocks are registered under
+    min_hit: int = 1  # the shortest cached prefix worth taking
+
+    def seq(self, rid: int) -> SeqSpec:
+        return SeqSpec(rid, self.layout.n_tokens, self.lookups, self.own, self.min_hit)
 
 
 @dataclass
@@ -60,7 +74,8 @@ class _Request:
     prep: Prepared
     should_stop: Callable[[], bool]
     t0: float
-    kv_bytes: int
+    cache: KVCache | None = None  # its run of the pool
+    active: Prepared | None = None  # the prep its prefill runs (a cached prefix changes the plan)
     run: PrefillRun | None = None
     steps: Iterator[int] | None = None
     state: PrefillState | None = None
@@ -70,6 +85,7 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     next_token: int = 0
     prefix_saved: bool = False  # prefix_cache mode: its save was issued (after the first token)
+    replay: int | None = None  # after a preemption: the index of the generated token fed again
 
     @property
     def stopped(self) -> bool:
@@ -81,7 +97,10 @@ class EngineLoop:
 
     def __init__(self, engine: Any, limits: BatchLimits) -> None:
         self.engine = engine  # BlendEngine: its runner, chunk cache, loader, controller (duck-typed: no cycle)
-        self.scheduler = BatchScheduler(limits)
+        per_block = block_bytes(engine.runner, limits.block_tokens)
+        n_blocks = max(1, limits.kv_budget_bytes // per_block)
+        self.scheduler = BatchScheduler(limits, n_blocks, per_block)
+        self.pool = KVPool(engine.runner, n_blocks, limits.block_tokens)
         self._cond = threading.Condition()
         self._incoming: deque[_Request] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Callable[[], bool] | None, concurrent.futures.Future]] = deque()
@@ -93,9 +112,18 @@ class EngineLoop:
         self.max_batch_seen = 0
 
     # ================================================================== caller side
-    def submit(self, handle: Generation, prep: Prepared, kv_bytes: int) -> None:
+    def check_fits(self, n_tokens: int, max_new_tokens: int) -> None:
+        """A request that could not finish even alone in the pool is refused before admission."""
+        limits, pool = self.scheduler.limits, self.scheduler.pool
+        need = blocks_for(n_tokens + max_new_tokens, limits.block_tokens)
+        if need > pool.n_blocks:
+            raise InputError(f"prompt of {n_tokens} tokens plus {max_new_tokens} new tokens needs {need} KV blocks of "
+                             f"{limits.block_tokens} tokens; the KV pool holds {pool.n_blocks} "
+                             f"(BLENDSERVE_BATCH_KV_MB); ask for fewer tokens or fewer passages")
+
+    def submit(self, handle: Generation, prep: Prepared) -> None:
         check = current_check()
-        req = _Request(next(self._ids), handle, prep, check or (lambda: False), time.perf_counter(), kv_bytes)
+        req = _Request(next(self._ids), handle, prep, check or (lambda: False), time.perf_counter())
         with self._cond:
             if self._closed:
                 raise Cancelled("the engine is shutting down")
@@ -117,8 +145,12 @@ class EngineLoop:
         return fut.result()
 
     def stats(self) -> dict:
-        return {"running": self.scheduler.running, "waiting": self.scheduler.waiting + len(self._incoming),
-                "kv_bytes": self.scheduler.kv_bytes, "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen}
+        s, pool = self.scheduler, self.scheduler.pool
+        return {"running": s.running, "waiting": s.waiting + len(self._incoming), "kv_bytes": s.kv_bytes,
+                "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen,
+                "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
+                "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
+                "prefix_hit_tokens": s.prefix_hit_tokens}
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._cond:
@@ -143,7 +175,7 @@ class EngineLoop:
                 while self._incoming:
                     req = self._incoming.popleft()
                     self._requests[req.rid] = req
-                    self.scheduler.add(req.rid, req.kv_bytes)
+                    self.scheduler.add(req.prep.seq(req.rid))
                 task = self._tasks.popleft() if self._tasks else None
             with torch.inference_mode():  # no autograd graph: the weights of a loaded model require grad
                 try:
@@ -158,44 +190,83 @@ class EngineLoop:
         for req in [r for r in self._requests.values() if r.stopped]:
             self._drop(req, Cancelled("request cancelled"))
         plan = self.scheduler.schedule()
-        for rid in plan.admit:
-            self._guard(self._requests[rid], self._begin)
-        if plan.prefill is not None and plan.prefill in self._requests:
-            self._guard(self._requests[plan.prefill], lambda r: self._advance(r, plan.prefill_tokens))
+        for rid in plan.preempt:
+            self._preempt(self._requests[rid])
+        for move in plan.moves:
+            self._move(self._requests[move.rid], move)
+        for adm in plan.admit:
+            self._guard(self._requests[adm.rid], lambda r, adm=adm: self._begin(r, adm))
+        self.scheduler.applied()
+        budget = plan.prefill_tokens
+        for rid in plan.prefill:
+            if rid in self._requests and (budget is None or budget > 0):
+                done = self._guard(self._requests[rid], lambda r, b=budget: self._advance(r, b))
+                budget = None if budget is None else budget - (done or 0)
         decoding = [self._requests[rid] for rid in plan.decode if rid in self._requests]
         if decoding:
             self._decode(decoding)
 
-    def _guard(self, req: _Request, fn: Callable[[_Request], None]) -> None:
+    def _guard(self, req: _Request, fn: Callable[[_Request], Any]) -> Any:
         """Run one request's share of a step; its failure (or cancellation) ends it alone."""
         try:
             with cancel_scope(lambda: req.stopped):
-                fn(req)
+                return fn(req)
         except BaseException as exc:  # noqa: BLE001 - handed to the request's caller
             self._drop(req, exc)
+            return None
+
+    # ------------------------------------------------------------------ the pool
+    def _move(self, req: _Request, move: Move) -> None:
+        """The request's run grew: copy its KV when the run moved, else only widen its views."""
+        if move.moved:
+            self.pool.move(req.cache, move.new)
+        else:
+            self.pool.rebind(req.cache, move.new)
+
+    def _preempt(self, req: _Request) -> None:
+        """Its blocks were taken back: drop its KV and prefill; tokens, sampler and stream stay, so
+        that once admitted again it is prefilled anew and its tokens so far are fed again."""
+        if req.run is not None and req.state is None:
+            req.run.close()
+        req.cache = req.run = req.steps = req.state = req.active = None
+        req.replay = None
+        logger.info("request %d preempted after %d tokens (KV pool full)", req.rid, len(req.tokens))
 
     # ------------------------------------------------------------------ prefill
-    def _begin(self, req: _Request) -> None:
+    def _begin(self, req: _Request, adm: Admission) -> None:
+        """Start its prefill in its run: a cached prefix copied in first (or adopted in place), and
+        then only the rest computed."""
         eng, prep = self.engine, req.prep
-        req.run = eng.start_run(req.handle.plan, prep, req.handle.gen.max_tokens)
+        req.cache = self.pool.view(adm.run)
+        if adm.copy_from:
+            self.pool.copy_prefix(adm.copy_from, adm.run)
+        if adm.prefix_tokens:
+            prep = replace(prep, mp=continue_prefix(prep.mp, adm.prefix_tokens, prep.layout.n_tokens))
+        req.active = prep
+        req.run = eng.start_run(req.handle.plan, prep, req.handle.gen.max_tokens, cache=req.cache)
         req.steps = req.run.steps()
 
-    def _advance(self, req: _Request, budget: int | None) -> None:
-        """Run prefill layers until they computed `budget` tokens (None: to the end)."""
+    def _advance(self, req: _Request, budget: int | None) -> int:
+        """Run prefill layers until they computed `budget` tokens (None: to the end); the tokens
+        computed."""
         done = 0
         for tokens in req.steps:
             done += tokens
             if budget is not None and done >= budget:
-                return
-        req.state = self.engine.complete_run(req.handle.plan, req.prep, req.run)
+                return done
+        req.state = self.engine.complete_run(req.handle.plan, req.active, req.run)
         req.handle.state = req.state
+        self.scheduler.prefilled(req.rid)
+        if req.tokens:  # prefilled again after a preemption: feed its tokens again, sample nothing
+            req.replay, req.next_token = 0, req.tokens[0]
+            return done
         gen = req.handle.gen
         req.sampler = Sampler(gen.temperature, gen.top_p, gen.seed)
         req.decoder = StreamDecoder(self.engine.runner.tokenizer, gen.stop)
-        self.scheduler.prefilled(req.rid)
         host = self._read([req], req.state.logits[None, :])  # [1, V]
         self._take(req, host.top[0], host.rows.get(0))  # the first token is out (it may also be the last)
         self._save_prefix(req)
+        return done
 
     def _save_prefix(self, req: _Request) -> None:
         """prefix_cache mode: issue the save once, after the first token and before the result is
@@ -211,7 +282,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ decode
     def _decode(self, reqs: list[_Request]) -> None:
-        caches = [r.state.cache for r in reqs]
+        caches = [r.cache for r in reqs]
         try:
             logits = decode_batch(self.engine.runner, caches, [r.next_token for r in reqs],
                                   [c.length for c in caches])  # [B, V]
@@ -223,7 +294,22 @@ class EngineLoop:
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(reqs))
         for b, req in enumerate(reqs):
+            if self._replayed(req):
+                continue
             self._guard(req, lambda r, b=b: self._take(r, host.top[b], host.rows.get(b)))
+
+    @staticmethod
+    def _replayed(req: _Request) -> bool:
+        """A preempted request's step that fed one of its earlier tokens again: the next one is
+        known. False once the last earlier token is in: this step's logits give a new token."""
+        if req.replay is None:
+            return False
+        req.replay += 1
+        if req.replay < len(req.tokens):
+            req.next_token = req.tokens[req.replay]
+            return True
+        req.replay = None
+        return False
 
     @staticmethod
     def _read(reqs: list[_Request], logits: torch.Tensor) -> HostLogits:
@@ -266,10 +352,10 @@ class EngineLoop:
         if tail:
             req.handle.emit(Delta(tail))
         total_ms = (time.perf_counter() - req.t0) * 1e3
-        self.scheduler.finish(req.rid)
-        self._requests.pop(req.rid, None)
         state = req.state
         self._save_prefix(req)  # a first token that ended the request: its save still precedes the result
+        self.scheduler.finish(req.rid)  # after the save read its KV: the blocks may be taken from here on
+        self._requests.pop(req.rid, None)
         self.engine.chunks.store_missing(state.layout, state.missing, req.handle.plan.cache_salt)
         store_ms = (time.perf_counter() - req.t0) * 1e3 - total_ms
         req.handle.end(BlendResult(

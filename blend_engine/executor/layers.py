@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 class KVCache:
-    """Per-request blended cache. k[l], v[l]: [H, capacity, D]; positions 0..length-1 are valid."""
+    """Per-request blended cache. k[l], v[l]: [H, capacity, D]; positions 0..length-1 are valid.
+    Its own tensors, or views of a run of the paged pool (`kv_pool.KVPool.view`)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, capacity: int, head_dim: int, dtype, device) -> None:
         shape = (n_kv_heads, capacity, head_dim)
@@ -43,6 +44,13 @@ class KVCache:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # L x [H, C, D]
         self.length = 0
         self.capacity = capacity
+
+    @classmethod
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor], capacity: int) -> KVCache:
+        """A cache over existing per-layer tensors (views) of [H, capacity, D]."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.length, cache.capacity = k, v, 0, capacity
+        return cache
 
     def segment(self, start: int, end: int) -> ChunkKV:
         k = torch.stack([kl[:, start:end] for kl in self.k])  # [L, H, T, D]
@@ -84,6 +92,7 @@ class LayerJob:
     attention: str = "auto"  # how selected rows attend (`selection.Selection`)
     timer: Timer = field(default_factory=Timer)  # accumulates host time (the job itself is not changed)
     oracle: Oracle | None = None  # issue #28's oracle bound (`executor.oracle`): benchmarks only, never serving
+    cache: KVCache | None = None  # write here (a pool run of capacity >= N) instead of a cache of its own
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,10 @@ class LayerLoop:
     def __init__(self, r: ModelRunner, job: LayerJob) -> None:
         self.r, self.job = r, job
         self.n = N = job.ids.shape[0]
-        self.cache = KVCache(r.shape.n_layers, r.shape.n_kv_heads, N + job.extra, r.shape.head_dim, r.dtype, r.device)
+        self.cache = job.cache or KVCache(r.shape.n_layers, r.shape.n_kv_heads, N + job.extra, r.shape.head_dim,
+                                          r.dtype, r.device)
+        if self.cache.capacity < N:
+            raise ValueError(f"a cache of {self.cache.capacity} positions cannot hold a prompt of {N}")
         self.cache.length = N
         self.pos = torch.arange(N, device=job.ids.device)  # [N]
         self.cos_all, self.sin_all = r.rope(self.pos)  # [N, D] each

@@ -56,7 +56,8 @@ class PrefillRun:
 
     def __init__(self, runner: ModelRunner, loader: LayerLoader, plan: BlendPlan, layout: PromptLayout,
                  mp: ModePlan, policy: SelectionPolicy, extra: int, attention: str,
-                 rebuild: Callable[[tuple[int, ...]], ChunkKV], oracle: Oracle | None = None) -> None:
+                 rebuild: Callable[[tuple[int, ...]], ChunkKV], oracle: Oracle | None = None,
+                 cache: KVCache | None = None) -> None:
         self.t_start = time.perf_counter()
         self.runner, self.plan, self.layout, self.mp, self.policy = runner, plan, layout, mp, policy
         ids = upload_ints(layout.token_ids(), runner.device)  # [N]
@@ -67,7 +68,7 @@ class PrefillRun:
         recompute = None if mp.recompute is None else span_positions(mp.recompute, runner.device)  # [S]
         self.job = LayerJob(ids, extra, tuple(s for s, _ in mp.cached), self.stream, recompute, mp.check_layer,
                             mp.ratio, policy, layout, rotate=not mp.in_context, probe=self.probe, attention=attention,
-                            oracle=oracle)
+                            oracle=oracle, cache=cache)
         self.loop = LayerLoop(runner, self.job)
 
     def steps(self) -> Iterator[int]:

@@ -1,30 +1,38 @@
-"""Continuous batching: which requests run in the next engine step. Torch-free; request ids only.
+"""Continuous batching over the paged KV pool: what each engine step runs. Torch-free: request
+ids, block runs and token counts (`kv_blocks`); the executor turns a `StepPlan` into tensor work.
 
 Each step of the engine loop:
 
-    admit    the oldest waiting request, when no prefill is under way, the batch has room
-             (`max_batch`) and its KV fits the memory budget (`kv_budget_bytes`; a request alone
-             is always admitted, so one larger than the budget still runs, by itself)
-    prefill  the admitted request's layers, until they computed `prefill_step_tokens` tokens
-             (summed over layers, at least one layer) while others decode: a long prefill is cut
-             into bounded steps and cannot stall the running decodes for long; with nothing
-             decoding it runs whole
+    grow     every decoding sequence whose next token needs a new block gets it (in place, or its
+             run moves to a larger window); when the pool has no room, the youngest running
+             request is preempted (its blocks freed, its prompt blocks cached), re-queued first,
+             and later recomputed: it finishes with the tokens it would have had
+    admit    waiting requests in order while the batch has room (`max_batch`) and a run of blocks
+             for their prompt is free; each first takes the longest cached prefix of its prompt
+             (automatic prefix caching), in place or copied, and computes only the rest
+    prefill  partly prefilled requests advance, oldest first, until they computed
+             `prefill_step_tokens` tokens (summed over layers, at least one layer each) while
+             others decode; with nothing decoding the oldest runs whole
     decode   ONE batched decode step for every request past its prefill
 
-A request leaves at its last token, or at the next step after it is cancelled or fails.
+Blocks are taken as tokens arrive (a prompt's run at admission, one block per `block_tokens`
+decoded tokens), never reserved for `max_tokens`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from blend_engine.scheduler.kv_blocks import NO_PREFIX, BlockPool, Run, blocks_for
 
 
 @dataclass(frozen=True)
 class BatchLimits:
     max_batch: int = 8  # requests prefilling or decoding at once
-    kv_budget_bytes: int = 2 << 30  # KV memory of the running requests (prompt + max new tokens)
-    prefill_step_tokens: int = 4096  # a prefill's work per step while others decode (tokens x layers)
+    kv_budget_bytes: int = 2 << 30  # the KV pool: every running request's blocks and the cached prefixes
+    prefill_step_tokens: int = 4096  # prefill work per step while others decode (tokens x layers)
+    block_tokens: int = 16  # token slots per KV block
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -33,89 +41,232 @@ class BatchLimits:
             raise ValueError("kv_budget_bytes must be >= 1")
         if self.prefill_step_tokens < 1:
             raise ValueError("prefill_step_tokens must be >= 1")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """A request as the scheduler sees it.
+
+    `lookups`: hash chains of the prompt's full blocks under each root whose KV it may take (the
+    longest cached prefix wins); `own`: the chain its blocks are registered under when it took no
+    prefix; `min_hit`: a shorter prefix is not taken (blend must find every passage in it)."""
+
+    rid: int
+    n_prompt: int
+    lookups: tuple[tuple[str, ...], ...] = ()
+    own: tuple[str, ...] = ()
+    min_hit: int = 1
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request that starts its prefill: its run, the prefix already in it (`prefix_tokens`,
+    block-aligned) and the blocks to copy there first (`copy_from`: the cached prefix's blocks,
+    copied to the run's first blocks; empty when the run adopted them in place)."""
+
+    rid: int
+    run: Run
+    prefix_tokens: int = 0
+    copy_from: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Move:
+    """A run that grew: `moved` when its KV must be copied from `old` to `new` (else the same
+    blocks plus more, and only its views change)."""
+
+    rid: int
+    old: Run
+    new: Run
+    moved: bool
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step: requests to start, the one whose prefill advances (and its token budget;
-    None: run it whole), and the ones that take a decode step."""
+    """One engine step, in the order the executor applies it."""
 
-    admit: tuple[int, ...] = ()
-    prefill: int | None = None
-    prefill_tokens: int | None = None
+    preempt: tuple[int, ...] = ()
+    moves: tuple[Move, ...] = ()
+    admit: tuple[Admission, ...] = ()
+    prefill: tuple[int, ...] = ()
+    prefill_tokens: int | None = None  # the prefills' shared budget (None: the first runs whole)
     decode: tuple[int, ...] = ()
 
     @property
     def idle(self) -> bool:
-        return not self.admit and self.prefill is None and not self.decode
+        return not (self.admit or self.prefill or self.decode or self.preempt)
+
+
+@dataclass
+class _Seq:
+    spec: SeqSpec
+    run: Run
+    order: int  # admission order: the youngest is preempted first
+    length: int = 0  # tokens in its KV (the next decode writes at this position)
+    decoding: bool = False
+    chain: tuple[str, ...] = ()  # registered after the prefill
+    held: list[Run] = field(default_factory=list)  # runs kept until the step's copies are applied
 
 
 class BatchScheduler:
-    """Waiting queue, the prefilling request, the decoding batch and their KV bytes. The engine loop
-    alone changes it; the introspection properties read plain ints (safe from a metrics scrape)."""
+    """Waiting queue, running sequences and the block pool. The engine loop alone changes it; the
+    introspection properties read plain ints (safe from a metrics scrape)."""
 
-    def __init__(self, limits: BatchLimits) -> None:
+    def __init__(self, limits: BatchLimits, n_blocks: int, block_bytes: int = 0) -> None:
         self.limits = limits
-        self._waiting: deque[tuple[int, int]] = deque()  # (request id, KV bytes)
-        self._kv: dict[int, int] = {}  # running request -> KV bytes
-        self._kv_total = 0  # their sum, kept as an int: read from other threads without iterating
-        self._prefilling: int | None = None
-        self._decoding: list[int] = []
+        self.block_bytes = block_bytes  # one block's K/V over every layer (for the byte gauges)
+        self.pool = BlockPool(n_blocks, limits.block_tokens)
+        self._waiting: deque[SeqSpec] = deque()
+        self._running: dict[int, _Seq] = {}
+        self._pinned: list[list[int]] = []  # copy sources held until `applied`
+        self._order = 0
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ state changes
-    def add(self, rid: int, kv_bytes: int) -> None:
-        self._waiting.append((rid, kv_bytes))
+    def add(self, spec: SeqSpec) -> None:
+        self._waiting.append(spec)
 
     def prefilled(self, rid: int) -> None:
-        """`rid` finished its prefill: it decodes from the next step on."""
-        if self._prefilling != rid:
+        """`rid` finished its prefill: its prompt blocks are registered; it decodes from the next step."""
+        seq = self._running.get(rid)
+        if seq is None or seq.decoding:
             raise ValueError(f"request {rid} is not prefilling")
-        self._prefilling = None
-        self._decoding.append(rid)
+        seq.decoding = True
+        seq.length = seq.spec.n_prompt
+        self.pool.register(seq.run, seq.chain)
 
     def finish(self, rid: int) -> None:
-        """`rid` is done (last token, cancelled, failed), wherever it was: its KV budget is free."""
-        self._waiting = deque((r, b) for r, b in self._waiting if r != rid)
-        self._kv_total -= self._kv.pop(rid, 0)
-        if self._prefilling == rid:
-            self._prefilling = None
-        if rid in self._decoding:
-            self._decoding.remove(rid)
+        """`rid` is done (last token, cancelled, failed), wherever it was: its blocks go back."""
+        self._waiting = deque(s for s in self._waiting if s.rid != rid)
+        seq = self._running.pop(rid, None)
+        if seq is not None:
+            self.pool.release(seq.run)
+            for run in seq.held:
+                self.pool.release(run)
+
+    def applied(self) -> None:
+        """The executor copied this step's prefixes and moved runs: their sources go back."""
+        for blocks in self._pinned:
+            self.pool.unpin(blocks)
+        self._pinned.clear()
+        for seq in self._running.values():
+            for run in seq.held:
+                self.pool.release(run)
+            seq.held.clear()
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> StepPlan:
+        preempt: list[int] = []
+        moves = self._grow(preempt)
+        decode = tuple(rid for rid, s in self._running.items() if s.decoding)
+        for rid in decode:
+            self._running[rid].length += 1  # this step's token
         admit = self._admit()
-        busy = bool(self._decoding)
-        return StepPlan(admit=admit, prefill=self._prefilling,
-                        prefill_tokens=self.limits.prefill_step_tokens if busy else None,
-                        decode=tuple(self._decoding))
+        prefilling = tuple(rid for rid, s in self._running.items() if not s.decoding)
+        budget = self.limits.prefill_step_tokens if decode else None
+        return StepPlan(tuple(preempt), tuple(moves), tuple(admit),
+                        prefilling if decode else prefilling[:1], budget, decode)
 
-    def _admit(self) -> tuple[int, ...]:
-        if self._prefilling is not None or not self._waiting:
-            return ()
-        rid, need = self._waiting[0]
-        running = len(self._kv)
-        if running and (running >= self.limits.max_batch or self.kv_bytes + need > self.limits.kv_budget_bytes):
-            return ()
-        self._waiting.popleft()
-        self._kv[rid] = need
-        self._kv_total += need
-        self._prefilling = rid
-        return (rid,)
+    def _grow(self, preempt: list[int]) -> list[Move]:
+        """A block for every decoding sequence whose next token needs one; preempting the youngest
+        when the pool has no room."""
+        moves = []
+        for rid in sorted((r for r, s in self._running.items() if s.decoding), key=lambda r: self._running[r].order):
+            seq = self._running.get(rid)
+            while seq is not None and blocks_for(seq.length + 1, self.limits.block_tokens) > seq.run.n:
+                grown = self.pool.grow(seq.run)
+                if grown is not None:
+                    new, moved, given_back = grown
+                    if moved and not given_back:
+                        seq.held.append(seq.run)
+                    moves.append(Move(rid, seq.run, new, moved))
+                    seq.run = new
+                    break
+                victim = self._youngest()
+                preempt.append(victim)
+                self._preempt(victim)
+                seq = self._running.get(rid)
+        return [m for m in moves if m.rid in self._running]
+
+    def _youngest(self) -> int:
+        return max(self._running, key=lambda r: self._running[r].order)
+
+    def _preempt(self, rid: int) -> None:
+        """Free the sequence's blocks (its registered prompt blocks stay cached) and queue it first:
+        it is recomputed from its prompt when admitted again."""
+        seq = self._running.pop(rid)
+        self.pool.release(seq.run)
+        for run in seq.held:
+            self.pool.release(run)
+        self._waiting.appendleft(SeqSpec(rid, seq.spec.n_prompt, own=seq.spec.own, min_hit=NO_PREFIX))
+        self.preemptions += 1
+
+    def _admit(self) -> list[Admission]:
+        out = []
+        while self._waiting and len(self._running) < self.limits.max_batch:
+            adm = self._place(self._waiting[0])
+            if adm is None:
+                break  # its blocks are not free yet: requests behind it wait too (no overtaking)
+            self._waiting.popleft()
+            out.append(adm)
+        return out
+
+    def _place(self, spec: SeqSpec) -> Admission | None:
+        """The head request's run: the longest usable cached prefix, in place or to be copied."""
+        bt = self.limits.block_tokens
+        need = blocks_for(spec.n_prompt + 1, bt)
+        chain, hit = self._best_prefix(spec)
+        adm = None
+        if hit and all(b == hit[0] + i for i, b in enumerate(hit)):
+            run = self.pool.allocate_at(hit[0], need, keep=len(hit))
+            adm = None if run is None else Admission(spec.rid, run, len(hit) * bt)
+        if adm is None and hit:
+            self.pool.pin(hit)
+            run = self.pool.allocate(need)
+            if run is None:
+                self.pool.unpin(hit)
+                return None
+            self._pinned.append(hit)
+            adm = Admission(spec.rid, run, len(hit) * bt, tuple(hit))
+        if adm is None:
+            run = self.pool.allocate(need)
+            if run is None:
+                return None
+            adm, chain = Admission(spec.rid, run), spec.own
+        self._order += 1
+        self._running[spec.rid] = _Seq(spec, adm.run, self._order, chain=chain)
+        self.prefix_hit_tokens += adm.prefix_tokens
+        return adm
+
+    def _best_prefix(self, spec: SeqSpec) -> tuple[tuple[str, ...], list[int]]:
+        """(its chain, its blocks) of the longest cached prefix the request may take, at most up to
+        the block before its last token (the last token is always computed: its logits)."""
+        bt = self.limits.block_tokens
+        limit = (spec.n_prompt - 1) // bt
+        best: tuple[tuple[str, ...], list[int]] = (spec.own, [])
+        for chain in spec.lookups:
+            blocks = self.pool.lookup(chain[:limit])
+            if len(blocks) > len(best[1]) and len(blocks) * bt >= spec.min_hit:
+                best = (chain, blocks)
+        return best
 
     # ------------------------------------------------------------------ introspection
-    @property
-    def kv_bytes(self) -> int:
-        return self._kv_total
-
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
     @property
     def running(self) -> int:
-        return len(self._kv)
+        return len(self._running)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._kv)
+        return bool(self._waiting or self._running)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the pool's blocks in use (running requests; cached prefixes are free to take)."""
+        return self.pool.in_use * self.block_bytes

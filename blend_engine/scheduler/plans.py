@@ -112,6 +112,17 @@ def plan_prefill(env: PlanEnv, plan: BlendPlan, layout: PromptLayout, keys: Sequ
     return _chunk_plan(env, plan.mode, layout, keys, policy, ratio, source)
 
 
+def continue_prefix(mp: ModePlan, prefix_tokens: int, n_tokens: int) -> ModePlan:
+    """The plan once an automatic prefix cache hit put positions [0, prefix_tokens) in the request's
+    KV as is: only the rest is computed, exactly, over it; nothing is loaded.
+
+        | cached prefix (no load, no recompute)   | rest: recomputed at every layer |
+          0                                        prefix_tokens                     n_tokens
+    """
+    return ModePlan(mp.mode, mp.ratio, mp.source, mp.store, recompute=((prefix_tokens, n_tokens),), hits=mp.hits,
+                    misses=mp.misses, prefix_tokens=prefix_tokens, missing=mp.missing)
+
+
 def choose_ratio(env: PlanEnv, plan: BlendPlan) -> tuple[float | None, RatioSource]:
     """(ratio, source); None with source CONTROLLER when the controller decides after lookups."""
     if plan.mode is Mode.FULL_PREFILL:

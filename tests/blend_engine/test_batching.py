@@ -14,7 +14,7 @@ import torch
 from blend_engine.cancel import Cancelled
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.scheduler.batch import BatchLimits, BatchScheduler
+from blend_engine.scheduler.batch import BatchLimits, BatchScheduler, SeqSpec
 from blend_engine.types import BlendPlan, GenerationConfig
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_corpus" / "hotpotqa_sample.jsonl"
@@ -106,10 +106,10 @@ def test_a_failing_member_leaves_the_batch_alone(engine, alone, monkeypatch):
     plans = PLANS[:3]
     start_run = engine.start_run
 
-    def failing(plan, prep, max_new_tokens):
+    def failing(plan, prep, max_new_tokens, **kw):
         if plan is plans[1]:
             raise OSError("simulated read failure")
-        return start_run(plan, prep, max_new_tokens)
+        return start_run(plan, prep, max_new_tokens, **kw)
 
     monkeypatch.setattr(engine, "start_run", failing)
     out: list = [None] * 3
@@ -129,31 +129,33 @@ def test_a_failing_member_leaves_the_batch_alone(engine, alone, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the scheduler alone
-def test_admission_by_batch_size_and_kv_budget():
-    s = BatchScheduler(BatchLimits(max_batch=2, kv_budget_bytes=100, prefill_step_tokens=10))
-    for rid, need in [(0, 40), (1, 40), (2, 10), (3, 500)]:
-        s.add(rid, need)
-    assert s.schedule().admit == (0,)  # one prefill at a time
-    assert s.schedule().admit == ()  # 0 is still prefilling
+def test_admission_by_batch_size_and_free_blocks():
+    """Blocks per prompt (+1 for the first decoded token), not per max_tokens; no overtaking."""
+    s = BatchScheduler(BatchLimits(max_batch=2, prefill_step_tokens=10, block_tokens=4), n_blocks=10, block_bytes=1)
+    for rid, n in [(0, 11), (1, 7), (2, 3), (3, 30)]:
+        s.add(SeqSpec(rid, n))
+    step = s.schedule()
+    assert [a.rid for a in step.admit] == [0, 1] and step.prefill == (0,) and step.prefill_tokens is None
+    assert s.kv_bytes == 3 + 2  # ceil(12/4) + ceil(8/4) blocks
     s.prefilled(0)
     step = s.schedule()
-    assert step.admit == (1,) and step.decode == (0,) and step.prefill_tokens == 10  # bounded: 0 decodes
+    assert step.admit == () and step.decode == (0,) and step.prefill == (1,) and step.prefill_tokens == 10
     s.prefilled(1)
-    assert s.schedule().admit == ()  # the batch is full (2)
     s.finish(0)
-    assert s.schedule().admit == (2,) and s.kv_bytes == 50
-    s.prefilled(2)
-    s.finish(1)
-    assert s.schedule().admit == ()  # 3 needs 500 bytes, over the budget while 2 runs
-    s.finish(2)
     step = s.schedule()
-    assert step.admit == (3,) and step.prefill_tokens is None  # alone it runs, and its prefill runs whole
+    assert [a.rid for a in step.admit] == [2]  # the batch is full again: 3 waits
+    s.prefilled(2)
+    s.schedule()
+    assert s.waiting == 1  # 3 needs 8 blocks; 1 and 2 hold 3 of the 10
+    s.finish(1)
+    s.finish(2)
+    assert [a.rid for a in s.schedule().admit] == [3]
     s.finish(3)
     assert not s.has_work and s.kv_bytes == 0
 
 
 def test_limits_are_validated():
-    for bad in ({"max_batch": 0}, {"kv_budget_bytes": 0}, {"prefill_step_tokens": 0}):
+    for bad in ({"max_batch": 0}, {"kv_budget_bytes": 0}, {"prefill_step_tokens": 0}, {"block_tokens": 0}):
         with pytest.raises(ValueError):
             BatchLimits(**bad)
 

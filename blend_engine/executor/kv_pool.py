@@ -1,0 +1,93 @@
+"""The paged KV pool's tensors: per layer one K and one V of [H, n_blocks * block_tokens, D].
+
+A sequence's run of consecutive blocks (`scheduler.kv_blocks.Run`) is a strided view of every
+layer, `KVCache.k[l] = pool.k[l][:, start:start + capacity]`, so the layer loop, the placement,
+the selection and the decode step read and write it as they do a dense cache, and attention reads
+it with no gather. Copies happen only when a cached prefix is taken into a run elsewhere or a run
+moves to a larger window.
+
+    pool slots:  | run of seq a ............ | cached prefix | free | run of seq b ...... | free |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from blend_engine.model import ModelRunner
+from blend_engine.scheduler.kv_blocks import Run
+
+from .layers import KVCache
+
+
+def block_bytes(runner: ModelRunner, block_tokens: int) -> int:
+    """One block's K and V over every layer, in the model's dtype."""
+    s = runner.shape
+    return 2 * s.n_layers * s.n_kv_heads * s.head_dim * block_tokens * runner.dtype.itemsize
+
+
+class KVPool:
+    """Owns the pool's tensors (allocated on first use, in the engine loop's thread)."""
+
+    def __init__(self, runner: ModelRunner, n_blocks: int, block_tokens: int) -> None:
+        self.runner, self.n_blocks, self.block_tokens = runner, n_blocks, block_tokens
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+
+    def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not self._k:
+            s, r = self.runner.shape, self.runner
+            shape = (s.n_kv_heads, self.n_blocks * self.block_tokens, s.head_dim)
+            self._k = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
+            self._v = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
+        return self._k, self._v
+
+    def view(self, run: Run, length: int = 0) -> KVCache:
+        """The run as a cache whose first `length` positions are valid."""
+        cache = KVCache.over([], [], 0)
+        self.rebind(cache, run)
+        cache.length = length
+        return cache
+
+    def rebind(self, cache: KVCache, run: Run) -> None:
+        """Point the cache's views at `run` (its KV must already be there)."""
+        k, v = self._tensors()
+        a, n = run.start * self.block_tokens, run.n * self.block_tokens
+        cache.k = [kl[:, a:a + n] for kl in k]  # L x [H, C, D] views
+        cache.v = [vl[:, a:a + n] for vl in v]  # L x [H, C, D] views
+        cache.capacity = n
+
+    def move(self, cache: KVCache, new: Run) -> None:
+        """Copy the cache's valid positions into `new` (which may overlap its old run: compaction),
+        then view it there."""
+        n = cache.length
+        k, v = self._tensors()
+        a = new.start * self.block_tokens
+        for layer in range(len(k)):
+            k[layer][:, a:a + n] = cache.k[layer][:, :n].clone()  # [H, n, D]; a clone: the ranges may overlap
+            v[layer][:, a:a + n] = cache.v[layer][:, :n].clone()  # [H, n, D]
+        self.rebind(cache, new)
+
+    def copy_prefix(self, src_blocks: Sequence[int], dst: Run) -> None:
+        """Copy cached prefix blocks (in order) to the first blocks of `dst`: one slice copy per
+        layer for each stretch of consecutive source blocks."""
+        k, v = self._tensors()
+        bt = self.block_tokens
+        for i, start, count in _stretches(src_blocks):
+            a, b = start * bt, (dst.start + i) * bt
+            for layer in range(len(k)):
+                k[layer][:, b:b + count * bt] = k[layer][:, a:a + count * bt]  # [H, count*bt, D]
+                v[layer][:, b:b + count * bt] = v[layer][:, a:a + count * bt]  # [H, count*bt, D]
+
+
+def _stretches(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(index in `blocks`, first block, count) of each run of consecutive block ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if out and out[-1][1] + out[-1][2] == b:
+            j, s, c = out[-1]
+            out[-1] = (j, s, c + 1)
+        else:
+            out.append((i, b, 1))
+    return out

@@ -1,0 +1,121 @@
+"""The paged pool's bookkeeping alone (torch-free): runs, growth, preemption, automatic prefix
+caching (in place and copied), eviction order, and the prefix rules per mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from blend_engine.scheduler.batch import BatchLimits, BatchScheduler, SeqSpec
+from blend_engine.scheduler.kv_blocks import (
+    BLEND,
+    EXACT,
+    BlockPool,
+    Run,
+    chain_hashes,
+    chain_root,
+    min_prefix,
+    recipes,
+)
+from blend_engine.types import Mode
+
+
+def _sched(n_blocks: int, max_batch: int = 8, bt: int = 4) -> BatchScheduler:
+    return BatchScheduler(BatchLimits(max_batch=max_batch, prefill_step_tokens=100, block_tokens=bt), n_blocks, 1)
+
+
+def _chain(tokens: list[int], recipe: str = EXACT, salt: str | None = None, bt: int = 4) -> tuple[str, ...]:
+    return chain_hashes(chain_root("model", salt, recipe), tokens, bt)
+
+
+def test_hash_chains_depend_on_every_earlier_token_the_salt_and_the_recipe():
+    a = _chain(list(range(12)))
+    assert len(a) == 3 and len(_chain(list(range(11)))) == 2  # full blocks only
+    b = _chain([99, *range(1, 12)])
+    assert all(x != y for x, y in zip(a, b))  # one token changed in block 0: every later hash differs
+    assert _chain(list(range(12)), salt="t1")[0] != a[0]
+    assert _chain(list(range(12)), recipe=BLEND)[0] != a[0]
+
+
+def test_a_run_grows_in_place_then_moves_and_release_frees_everything():
+    pool = BlockPool(6, 4)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    assert (a, b) == (Run(0, 2), Run(2, 2)) and pool.in_use == 4
+    grown, moved, _ = pool.grow(b)
+    assert (grown, moved) == (Run(2, 3), False)  # block 4 was free
+    assert pool.grow(Run(0, 2)) is None  # block 2 is b's, and no window of 3 is left
+    for run in (a, grown):
+        pool.release(run)
+    assert pool.in_use == 0 and pool.free == 6
+
+
+def test_a_run_that_can_only_grow_over_its_own_blocks_is_compacted():
+    pool = BlockPool(5, 4)
+    low = pool.allocate(2)
+    high = pool.allocate_at(2, 3, keep=0)  # [2, 5): the end of the pool
+    pool.release(low)  # alone now; nothing free after it, and no free window of 4 beside it
+    new, moved, given_back = pool.grow(high)
+    assert (new, moved, given_back) == (Run(0, 4), True, True) and pool.in_use == 4
+
+
+def test_cached_prefix_is_adopted_in_place_or_copied_and_lru_is_evicted_first():
+    s = _sched(8)
+    toks = list(range(10))
+    chain = _chain(toks)
+    s.add(SeqSpec(0, 10, lookups=(chain,), own=chain))
+    (adm,) = s.schedule().admit
+    assert adm.prefix_tokens == 0 and adm.run == Run(0, 3)
+    s.prefilled(0)  # blocks 0, 1 registered (2 full blocks of 10 tokens)
+    s.finish(0)
+    assert s.pool.cached == 2
+    s.add(SeqSpec(1, 10, lookups=(chain,), own=chain))  # an exact repeat: adopted where it lies
+    (adm,) = s.schedule().admit
+    assert adm.run == Run(0, 3) and adm.prefix_tokens == 8 and adm.copy_from == ()
+    s.prefilled(1)
+    s.add(SeqSpec(2, 10, lookups=(chain,), own=chain))  # the same prompt while 1 runs: copied
+    step = s.schedule()
+    (adm,) = step.admit
+    assert adm.prefix_tokens == 8 and adm.copy_from == (0, 1) and adm.run.start >= 3
+    s.applied()
+    assert s.pool.in_use == 6
+
+
+def test_a_prefix_below_min_hit_is_not_taken():
+    s = _sched(8)
+    chain = _chain(list(range(10)))
+    s.add(SeqSpec(0, 10, lookups=(chain,), own=chain))
+    s.schedule()
+    s.prefilled(0)
+    s.finish(0)
+    s.add(SeqSpec(1, 10, lookups=(chain,), own=chain, min_hit=12))
+    (adm,) = s.schedule().admit
+    assert adm.prefix_tokens == 0
+
+
+def test_the_youngest_is_preempted_when_a_decoding_run_cannot_grow_and_comes_back_first():
+    s = _sched(4, bt=4)
+    s.add(SeqSpec(0, 7))  # 2 blocks
+    s.add(SeqSpec(1, 7))  # 2 blocks: the pool is full
+    s.schedule()
+    s.prefilled(0)
+    s.schedule()  # 0 decodes position 7 (its 8th slot), 1 prefills
+    s.prefilled(1)
+    step = s.schedule()  # 0 needs a 3rd block for position 8: 1 (the youngest) is preempted
+    assert step.preempt == (1,) and step.decode == (0,) and s.preemptions == 1
+    assert s.waiting == 1 and s.running == 1
+    s.finish(0)
+    (adm,) = s.schedule().admit
+    assert adm.rid == 1 and adm.prefix_tokens == 0  # recomputed from its prompt
+
+
+def test_prefix_rules_per_mode():
+    assert recipes(Mode.FULL_PREFILL) == ((EXACT,), EXACT)
+    assert recipes(Mode.BLEND) == ((EXACT, BLEND), BLEND)
+    assert min_prefix(Mode.FULL_PREFILL, 100, 16) == 1
+    assert min_prefix(Mode.BLEND, 100, 16) == 96  # every passage, up to the block they end in
+
+
+@pytest.mark.parametrize("bad", [(0, 4), (4, 0)])
+def test_pool_validates(bad):
+    with pytest.raises(ValueError):
+        BlockPool(*bad)

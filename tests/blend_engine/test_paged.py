@@ -1,0 +1,176 @@
+"""The paged KV pool in the engine loop, on the tiny random Llama (greedy, fp32): automatic prefix
+caching gives the same tokens as computing the prompt, never across tenants; a pool far too small
+for the load preempts and every request still ends with its tokens alone; nothing leaks; a request
+that cannot fit the pool is refused before admission; a seeded schedule of mixed modes arriving at
+random times gives every request its tokens alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.errors import InputError
+from blend_engine.kv_store import MemoryStore
+from blend_engine.scheduler.batch import BatchLimits
+from blend_engine.types import BlendPlan, GenerationConfig, Mode
+
+PASSAGES = [f"Passage {i}: the river {w} flows past {i * 7} old mills and a bridge named {w.upper()}."
+            for i, w in enumerate(["Arno", "Tiber", "Po", "Adige", "Brenta", "Piave"])]
+GEN = GenerationConfig(max_tokens=12, ignore_eos=True)
+
+
+def _engine(runner, pool_tokens: int | None = None, max_batch: int = 8) -> BlendEngine:
+    bt = 16
+    per_token = 2 * runner.shape.n_layers * runner.shape.n_kv_heads * runner.shape.head_dim * runner.dtype.itemsize
+    budget = (pool_tokens or 1 << 16) * per_token
+    limits = BatchLimits(max_batch=max_batch, kv_budget_bytes=budget, prefill_step_tokens=64, block_tokens=bt)
+    return BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits))
+
+
+def _plan(i: int, mode: Mode = Mode.BLEND, salt: str | None = None) -> BlendPlan:
+    k = 2 + i % 3
+    docs = tuple(PASSAGES[(i + j) % len(PASSAGES)] for j in range(k))
+    return BlendPlan(docs, f"Which mill is number {i}?", mode=mode, recompute_ratio=0.3, cache_salt=salt)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_runner):
+    return tiny_runner
+
+
+def _warm(engine: BlendEngine, plans: list[BlendPlan]) -> None:
+    for p in plans:
+        for seg in engine.layout(p).segments[:-1]:
+            engine.cache_ids(seg.token_ids, p.cache_salt)
+
+
+def _alone(runner, plans: list[BlendPlan], gen: GenerationConfig = GEN) -> list[tuple[int, ...]]:
+    """Each plan on a fresh engine of its own (no prefix cached, nothing else running)."""
+    out = []
+    for p in plans:
+        eng = _engine(runner)
+        try:
+            _warm(eng, [p])
+            out.append(eng.run(p, gen).token_ids)
+        finally:
+            eng.close()
+    return out
+
+
+def _together(engine: BlendEngine, plans: list[BlendPlan], delays: list[float] | None = None,
+              gen: GenerationConfig = GEN) -> list:
+    out: list = [None] * len(plans)
+
+    def one(i: int) -> None:
+        if delays:
+            time.sleep(delays[i])  # arrival times only: no assertion depends on them
+        out[i] = engine.run(plans[i], gen).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def _pool_is_empty(engine: BlendEngine) -> bool:
+    st = engine.loop.stats()
+    return st["kv_blocks_in_use"] == 0 and st["running"] == 0 and st["waiting"] == 0
+
+
+@pytest.mark.parametrize("mode", [Mode.FULL_PREFILL, Mode.BLEND, Mode.FULL_REUSE, Mode.PREFIX_CACHE])
+def test_an_exact_repeat_takes_the_cached_prefix_and_gives_the_same_tokens(runner, mode):
+    eng = _engine(runner)
+    try:
+        p = _plan(4, mode)
+        _warm(eng, [p])
+        first = eng.run(p, GEN)
+        again = eng.run(p, GEN)
+        n = eng.layout(p).n_tokens
+        assert first.report.prefix_tokens_reused < again.report.prefix_tokens_reused
+        assert again.report.prefix_tokens_reused == (n - 1) // 16 * 16  # every full block but the last token's
+        assert again.report.recomputed_tokens == n - again.report.prefix_tokens_reused
+        assert again.token_ids == first.token_ids
+        assert _pool_is_empty(eng)
+    finally:
+        eng.close()
+
+
+def test_a_prefix_hit_never_crosses_tenants_and_blend_never_takes_reused_kv(runner):
+    eng = _engine(runner)
+    try:
+        a, b = _plan(1, salt="tenant-a"), _plan(1, salt="tenant-b")
+        _warm(eng, [a, b])
+        eng.run(a, GEN)
+        assert eng.run(b, GEN).report.prefix_tokens_reused == 0
+        reuse = _plan(2, Mode.FULL_REUSE)
+        _warm(eng, [reuse])
+        eng.run(reuse, GEN)
+        assert eng.run(_plan(2, Mode.BLEND), GEN).report.prefix_tokens_reused == 0
+        assert eng.run(_plan(2, Mode.FULL_PREFILL), GEN).report.prefix_tokens_reused == 0
+    finally:
+        eng.close()
+
+
+def test_a_pool_far_too_small_preempts_and_every_request_ends_as_alone(runner):
+    plans = [_plan(i) for i in range(6)]
+    gen = GenerationConfig(max_tokens=64, ignore_eos=True)  # 4 blocks of growth each
+    alone = _alone(runner, plans, gen)
+    longest = max(_engine(runner).layout(p).n_tokens for p in plans)
+    # any two prompts fit at admission, with at most 6 blocks to spare: two of them cannot both grow
+    eng = _engine(runner, pool_tokens=2 * -(-(longest + 1) // 16) * 16)
+    try:
+        _warm(eng, plans)
+        got = _together(eng, plans, gen=gen)
+        assert got == alone
+        assert eng.loop.scheduler.preemptions > 0
+        assert _pool_is_empty(eng)
+    finally:
+        eng.close()
+
+
+def test_a_seeded_schedule_of_mixed_modes_gives_each_request_its_tokens_alone(runner):
+    rng = random.Random(7)
+    modes = [Mode.BLEND, Mode.FULL_PREFILL, Mode.FULL_REUSE, Mode.PREFIX_CACHE]
+    plans = [_plan(rng.randrange(6), rng.choice(modes)) for _ in range(10)]
+    alone = _alone(runner, plans)
+    eng = _engine(runner, pool_tokens=900)
+    try:
+        _warm(eng, plans)
+        got = _together(eng, plans, delays=[rng.random() * 0.5 for _ in plans])
+        assert got == alone
+        assert _pool_is_empty(eng)
+    finally:
+        eng.close()
+
+
+def test_cancelled_and_failed_requests_give_their_blocks_back(runner):
+    eng = _engine(runner)
+    try:
+        p = _plan(3)
+        _warm(eng, [p])
+        g = eng.generate(p, GenerationConfig(max_tokens=50, ignore_eos=True))
+        it = iter(g)
+        next(it)
+        it.close()  # the client left after one delta
+        deadline = time.monotonic() + 30
+        while not _pool_is_empty(eng) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _pool_is_empty(eng)
+    finally:
+        eng.close()
+
+
+def test_a_request_that_cannot_fit_the_pool_is_refused_before_admission(runner):
+    eng = _engine(runner, pool_tokens=64)
+    try:
+        with pytest.raises(InputError, match="KV pool"):
+            eng.run(_plan(0), GenerationConfig(max_tokens=8))
+        assert _pool_is_empty(eng)
+    finally:
+        eng.close()
