@@ -91,6 +91,15 @@ class _BatchCollector(Collector):
         yield GaugeMetricFamily("blendserve_batch_kv_bytes", "KV memory held by the running batch",
                                 value=st["kv_bytes"])
         yield CounterMetricFamily("blendserve_decode_steps", "Batched decode steps run", value=st["decode_steps"])
+        yield GaugeMetricFamily("blendserve_kv_pool_blocks", "Blocks of the paged KV pool", value=st["kv_blocks"])
+        yield GaugeMetricFamily("blendserve_kv_pool_blocks_in_use", "KV pool blocks held by running requests",
+                                value=st["kv_blocks_in_use"])
+        yield GaugeMetricFamily("blendserve_kv_pool_blocks_cached", "KV pool blocks holding cached prefixes (evictable)",
+                                value=st["kv_blocks_cached"])
+        yield CounterMetricFamily("blendserve_preemptions", "Requests preempted because the KV pool was full",
+                                  value=st["preemptions"])
+        yield CounterMetricFamily("blendserve_prefix_hit_tokens", "Prompt tokens taken from the KV pool's prefix cache",
+                                  value=st["prefix_hit_tokens"])
 
 
 class Metrics:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -14,9 +13,9 @@ from typing import Any
 
 from app.conversation import exchanges_to_drop
 from app.worker import Cancelled, EngineWorker, Job
-from blend_engine.cancel import cancel_scope
 from blend_engine.errors import InputError, StorageError
 from blend_engine.explain import Explanation
+from blend_engine.generation import Ended
 from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode, TokenLogprob, Turn
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
@@ -172,6 +171,8 @@ class QueryOutcome:
 
 # ====================================================================== worker-thread code
 _DONE = object()  # the end of a stream of deltas
+
+
 def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]]:
     engine = stack.engine
     if spec.documents is not None:
@@ -224,46 +225,33 @@ def _choice_config(gen: GenerationConfig, index: int) -> GenerationConfig:
     return gen if index == 0 or gen.seed is None else replace(gen, seed=gen.seed + index)
 
 
-def _drain(generation, index: int, out: queue.Queue, should_stop: Callable[[], bool]) -> None:
-    """One choice's deltas into `out`, then `_DONE` (an exception in its place when it failed). Runs
-    under the request's cancellation scope, which the engine carries along with the submission."""
-    try:
-        with cancel_scope(should_stop):
-            for delta in generation.deltas():
-                out.put((index, delta))
-    except BaseException as exc:  # noqa: BLE001 - handed to the request's thread
-        out.put((index, exc))
-    out.put((index, _DONE))
-
-
 def _generate(engine, plan: BlendPlan, gen: GenerationConfig, n: int, job: Job,
               emit: Callable[[StreamDelta], None] | None) -> list:
-    """Sample `n` completions of one prompt, submitted together (the engine loop batches them), each
-    drained on a thread of its own; deltas reach `emit` as they come. A cancelled job (timeout, client
-    gone) stops them at their next layer or token."""
-    generations = [engine.generate(plan, _choice_config(gen, i)) for i in range(n)]
+    """Sample `n` completions of one prompt: n sequences of one request, planned once and batched by
+    the engine loop, their items read here from one queue as they come (no thread per choice);
+    deltas reach `emit`. A cancelled job (timeout, client gone) stops them at their next step."""
     out: queue.Queue = queue.Queue()
-    should_stop = lambda: job.cancelled  # noqa: E731
-    for i, g in enumerate(generations):
-        threading.Thread(target=_drain, args=(g, i, out, should_stop), name=f"choice-{i}", daemon=True).start()
+    handles = engine.start(plan, [_choice_config(gen, i) for i in range(n)], lambda i, item: out.put((i, item)),
+                           should_stop=lambda: job.cancelled)
     running, failure = n, None
     try:
         while running:
             index, item = out.get()
-            if item is _DONE:
+            if isinstance(item, Ended):
                 running -= 1
             elif isinstance(item, BaseException):
+                running -= 1
                 failure = failure or item
             elif emit is not None and not job.cancelled and (item.text or item.logprobs):
                 emit(StreamDelta(index, item.text, item.logprobs))
     finally:
-        for g in generations:
-            g.cancel()  # no-op once finished
+        for h in handles:
+            h.cancel()  # no-op once finished
     if job.cancelled:
         raise Cancelled("request cancelled while generating")
     if failure is not None:
         raise failure
-    return [g.result for g in generations]
+    return [h.result for h in handles]
 
 
 def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> QueryOutcome:

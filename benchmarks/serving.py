@@ -48,6 +48,11 @@ class ServingRow:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    peak_running: int = 0  # most requests in the engine's batch at once (sampled from /metrics)
+    peak_pool_blocks: int = 0  # most KV pool blocks in use at once (sampled)
+    pool_blocks: int = 0
+    preemptions: int = 0  # during this level
+    prefix_hit_tokens: int = 0  # prompt tokens taken from the pool's prefix cache during this level
 
 
 @dataclass
@@ -109,51 +114,91 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict) -> _Sample | int:
     return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens)
 
 
-async def _level(url: str, bodies: list[dict], clients: int) -> tuple[float, list]:
+def _gauges(text: str) -> dict[str, float]:
+    """The engine's pool and batch series from a /metrics scrape."""
+    names = ("blendserve_batch_running", "blendserve_kv_pool_blocks", "blendserve_kv_pool_blocks_in_use",
+             "blendserve_preemptions_total", "blendserve_prefix_hit_tokens_total")
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[name] = float(value)
+    return out
+
+
+async def _level(url: str, bodies: list[dict], clients: int) -> tuple[float, list, list[dict[str, float]]]:
     queue: asyncio.Queue = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
     out: list = []
+    samples: list[dict[str, float]] = []
+    done = asyncio.Event()
 
     async def client(http: httpx.AsyncClient) -> None:
         while not queue.empty():
             out.append(await _one(http, url, queue.get_nowait()))
 
+    async def poll(http: httpx.AsyncClient) -> None:
+        while not done.is_set():
+            samples.append(_gauges((await http.get(f"{url}/metrics")).text))
+            try:
+                await asyncio.wait_for(done.wait(), 0.25)
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+        samples.append(_gauges((await http.get(f"{url}/metrics")).text))
+
     async with httpx.AsyncClient(timeout=3600) as http:
         t0 = time.perf_counter()
+        poller = asyncio.create_task(poll(http))
         await asyncio.gather(*(client(http) for _ in range(clients)))
-        return time.perf_counter() - t0, out
+        seconds = time.perf_counter() - t0
+        done.set()
+        await poller
+        return seconds, out, samples
 
 
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int) -> ServingRow:
+def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int, natural: bool = False) -> ServingRow:
     n = max(clients * rounds, 4)
     bodies = [{"question": qs[i % len(qs)], "top_k": 5, "max_tokens": max_tokens, "temperature": 0.0,
-               "stream": True, "ignore_eos": True} for i in range(n)]
-    seconds, results = asyncio.run(_level(url, bodies, clients))
+               "stream": True, "ignore_eos": not natural} for i in range(n)]
+    seconds, results, gauges = asyncio.run(_level(url, bodies, clients))
+    first, last = gauges[0], gauges[-1]
+
+    def peak(name: str) -> int:
+        return int(max(g.get(name, 0) for g in gauges))
+
+    def grew(name: str) -> int:
+        return int(last.get(name, 0) - first.get(name, 0))
+
     samples = [r for r in results if isinstance(r, _Sample)]
     gaps = [g for s in samples for g in s.gaps_ms]
     ttft = [s.ttft_ms for s in samples]
     row = ServingRow(max_tokens, clients, n, len(samples), sum(r == 503 for r in results),
                      sum(isinstance(r, int) and r != 503 for r in results), seconds, len(samples) / seconds,
                      sum(s.tokens for s in samples) / seconds, _pct(ttft, 50), _pct(ttft, 99), _pct(gaps, 50),
-                     _pct(gaps, 99))
+                     _pct(gaps, 99), peak("blendserve_batch_running"), peak("blendserve_kv_pool_blocks_in_use"),
+                     int(last.get("blendserve_kv_pool_blocks", 0)), grew("blendserve_preemptions_total"),
+                     grew("blendserve_prefix_hit_tokens_total"))
     logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s, TTFT p50 %.0f ms, ITL p50 %.0f ms, "
-                "503s %d", max_tokens, clients, row.answers_per_s, row.tokens_per_s, row.ttft_p50_ms, row.itl_p50_ms,
-                row.rejected_503)
+                "503s %d, peak batch %d, peak pool %d/%d blocks, %d preemptions", max_tokens, clients,
+                row.answers_per_s, row.tokens_per_s, row.ttft_p50_ms, row.itl_p50_ms, row.rejected_503,
+                row.peak_running, row.peak_pool_blocks, row.pool_blocks, row.preemptions)
     return row
 
 
 def table(rows: list[ServingRow]) -> str:
-    head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | 503s |\n"
-            "|---|---|---|---|---|---|---|\n")
+    head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | 503s "
+            "| peak batch | peak pool blocks | preemptions | prefix-hit tokens |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.max_tokens} | {r.clients} | {r.answers_per_s:.3f} | {r.tokens_per_s:.1f} | "
         f"{r.ttft_p50_ms:,.0f} / {r.ttft_p99_ms:,.0f} | {r.itl_p50_ms:,.0f} / {r.itl_p99_ms:,.0f} | "
-        f"{r.rejected_503} |\n" for r in rows)
+        f"{r.rejected_503} | {r.peak_running} | {r.peak_pool_blocks} / {r.pool_blocks} | {r.preemptions} | "
+        f"{r.prefix_hit_tokens:,} |\n" for r in rows)
 
 
 def plot(rows: list[ServingRow], path: Path) -> None:
@@ -188,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--questions", type=int, default=40)
     p.add_argument("--data-dir", type=Path, default=None, help="reuse an ingested data dir (default: a temporary one)")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--natural", action="store_true", help="answers end at EOS (natural lengths), max_tokens a cap")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     qs = questions(args.questions)
@@ -199,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             measure(url, qs, 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
             for mt in (int(x) for x in args.max_tokens.split(",")):
                 for clients in (int(x) for x in args.clients.split(",")):
-                    rows.append(measure(url, qs, clients, mt, args.rounds))
+                    rows.append(measure(url, qs, clients, mt, args.rounds, args.natural))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (args.out / "serving.md").write_text(table(rows))

@@ -19,8 +19,9 @@ tokens recomputed), blend (CacheBlend: every token up to the check layer, then t
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -203,6 +204,18 @@ class BlendEngine:
     def generate(self, plan: BlendPlan, gen: GenerationConfig | None = None) -> Generation:
         """A handle: iterating it submits the request to the engine loop, where it is batched."""
         return Generation(self._submit, plan, gen or GenerationConfig())
+
+    def start(self, plan: BlendPlan, gens: Sequence[GenerationConfig], sink: Callable[[int, object], None],
+              should_stop: Callable[[], bool] | None = None) -> list[Generation]:
+        """The n sequences of one request (one per `GenerationConfig`), laid out and planned once and
+        submitted together; sequence i's items go to `sink(i, item)` from the engine loop's thread
+        (`generation.Generation`). They stop at the next step once `should_stop()` is true. Input
+        errors (context overflow, a prompt the KV pool cannot hold) raise here, before any is queued."""
+        prep = self.prepare(plan, max(g.max_tokens for g in gens))
+        handles = [Generation(None, plan, g, sink=functools.partial(sink, i)) for i, g in enumerate(gens)]
+        for h in handles:
+            self.loop.submit(h, prep, should_stop)
+        return handles
 
     def _submit(self, handle: Generation) -> None:
         self.loop.submit(handle, self.prepare(handle.plan, handle.gen.max_tokens))

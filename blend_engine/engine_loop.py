@@ -121,8 +121,10 @@ class EngineLoop:
                              f"{limits.block_tokens} tokens; the KV pool holds {pool.n_blocks} "
                              f"(BLENDSERVE_BATCH_KV_MB); ask for fewer tokens or fewer passages")
 
-    def submit(self, handle: Generation, prep: Prepared) -> None:
-        check = current_check()
+    def submit(self, handle: Generation, prep: Prepared, should_stop: Callable[[], bool] | None = None) -> None:
+        """Queue one sequence. It stops at the next step once `handle.cancel()` is called or
+        `should_stop()` is true (default: the submitting thread's cancellation scope, if any)."""
+        check = should_stop or current_check()
         req = _Request(next(self._ids), handle, prep, check or (lambda: False), time.perf_counter())
         with self._cond:
             if self._closed:

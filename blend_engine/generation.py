@@ -33,12 +33,23 @@ class Delta:
 _END = object()
 
 
-class Generation:
-    """One request's outputs, filled by the engine loop's thread (`emit`, `end`, `fail`)."""
+@dataclass(frozen=True)
+class Ended:
+    """The last item a sink receives for a generation that completed (`Generation.result`)."""
 
-    def __init__(self, submit: Callable[[Generation], None], plan: BlendPlan, gen: GenerationConfig) -> None:
+    result: BlendResult
+
+
+class Generation:
+    """One sequence's outputs, filled by the engine loop's thread (`emit`, `end`, `fail`): into its
+    own queue, read by iterating it, or into a `sink` that a caller shares between the n sequences
+    of one request (each item is a `Delta`, then `Ended` or the exception it failed with)."""
+
+    def __init__(self, submit: Callable[[Generation], None] | None, plan: BlendPlan, gen: GenerationConfig,
+                 sink: Callable[[object], None] | None = None) -> None:
         self._submit = submit
         self.plan, self.gen = plan, gen
+        self._sink = sink
         self._items: queue.Queue = queue.Queue()
         self._cancelled = threading.Event()
         self._started = False
@@ -58,8 +69,8 @@ class Generation:
 
     def deltas(self) -> Iterator[Delta]:
         """Submit the request (on first use), then yield its deltas until it ends."""
-        if self._started:
-            raise RuntimeError("a Generation can be iterated once")
+        if self._started or self._submit is None:
+            raise RuntimeError("a Generation can be iterated once, and one with a sink not at all")
         self._started = True
         self._submit(self)  # input errors (context overflow, ...) raise here, in the caller's thread
         try:
@@ -83,11 +94,14 @@ class Generation:
 
     # ------------------------------------------------------------------ engine-loop side
     def emit(self, delta: Delta) -> None:
-        self._items.put(delta)
+        self._put(delta)
 
     def end(self, result: BlendResult) -> None:
         self.result = result
-        self._items.put(_END)
+        self._put(Ended(result) if self._sink is not None else _END)
 
     def fail(self, exc: BaseException) -> None:
-        self._items.put(exc if isinstance(exc, BaseException) else Cancelled(str(exc)))
+        self._put(exc if isinstance(exc, BaseException) else Cancelled(str(exc)))
+
+    def _put(self, item: object) -> None:
+        (self._sink or self._items.put)(item)

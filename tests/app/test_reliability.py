@@ -61,12 +61,12 @@ SURROGATE_CASES = [
 def test_lone_surrogate_is_a_422_naming_the_field(client, path, body, param):
     calls = []
     engine = svc(client).stack.engine
-    orig = engine.generate
-    engine.generate = lambda *a, **k: calls.append(1) or orig(*a, **k)  # nothing may be generated first
+    orig = engine.start
+    engine.start = lambda *a, **k: calls.append(1) or orig(*a, **k)  # nothing may be generated first
     try:
         r = post_raw(client, path, body)
     finally:
-        del engine.generate
+        del engine.start
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["param"] == param and "surrogate" in err["message"]

@@ -86,7 +86,8 @@ def test_the_first_token_and_the_answer_do_not_wait_for_the_save_and_the_next_re
     second = engine.run(PLAN, gen)  # finds the entries in flight, waits for them, reuses them
     assert "wait" in events and events.count("copied") == len(PASSAGES) + 1  # the system prompt and each passage
     layout = first.state.layout
-    assert second.report.prefix_tokens_reused == layout.segments[-2].end
+    # the saved entries cover every passage; the KV pool's own prefix cache may take more (every full block)
+    assert second.report.prefix_tokens_reused >= layout.segments[-2].end
     assert second.token_ids == first.result.token_ids
     keys = engine.prepare(PLAN, max_tokens).keys
     for seg, ck, _ in PrefixCache.chain(layout.segments, keys):  # the entry is the first request's KV, bit for bit
