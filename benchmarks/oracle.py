@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.oracle_seam import Oracle, top_positions, true_deviation
 from blend_engine.engine import BlendEngine
 from blend_engine.executor.layers import KVCache
-from blend_engine.executor.oracle import Oracle, top_positions, true_deviation
 from blend_engine.executor.selection import RankSpace
 from blend_engine.layout import PromptLayout
 from blend_engine.model import ModelRunner
@@ -164,15 +164,15 @@ def oracle_first_token(engine: BlendEngine, plan: BlendPlan, refs: OracleRefs, m
         order = refs.compete[torch.argsort(refs.scores[rank], descending=True)]  # [P] best first
         schedule = tuple((layer, kept(refs.n_compete, ratio, mult)) for layer, mult in sorted(narrowing(policy).items()))
         blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=policy)
-        state = engine.prefill(blend, max_new_tokens=1, oracle=Oracle("select", order[:schedule[0][1]], schedule=schedule))
+        state = engine.prefill(blend, max_new_tokens=1, hooks=Oracle("select", order[:schedule[0][1]], schedule=schedule))
         return state.logits, state.report.recomputed_tokens
     chosen = top_positions(refs.scores[rank], refs.compete, kept(refs.n_compete, ratio))  # [R]
     if mode == "select":
         blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=previous_default_policy())
-        state = engine.prefill(blend, max_new_tokens=1, oracle=Oracle("select", chosen))
+        state = engine.prefill(blend, max_new_tokens=1, hooks=Oracle("select", chosen))
         return state.logits, state.report.recomputed_tokens
     state = engine.prefill(dataclasses.replace(plan, mode="full_reuse"), max_new_tokens=1,
-                           oracle=Oracle("fix", chosen, refs.exact))
+                           hooks=Oracle("fix", chosen, refs.exact))
     return state.logits, state.report.recomputed_tokens + int(chosen.shape[0])
 
 

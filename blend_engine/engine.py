@@ -30,8 +30,7 @@ from blend_engine.chunk_cache import ChunkCache
 from blend_engine.engine_loop import EngineLoop, Prepared
 from blend_engine.executor.attention import check_selected_attention
 from blend_engine.executor.decode import decode_batch
-from blend_engine.executor.layers import KVCache
-from blend_engine.executor.oracle import Oracle
+from blend_engine.executor.layers import SERVING, KVCache, LayerHooks
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Generation
 from blend_engine.keys import store_fingerprint
@@ -163,11 +162,11 @@ class BlendEngine:
             floor = NO_PREFIX
         return tuple(chains[r] for r in take), chains[own], floor
 
-    def start_run(self, plan: BlendPlan, prep: Prepared, max_new_tokens: int, oracle: Oracle | None = None,
+    def start_run(self, plan: BlendPlan, prep: Prepared, max_new_tokens: int, hooks: LayerHooks = SERVING,
                   cache: KVCache | None = None) -> PrefillRun:
         """The prefill's tensors; into `cache` (a run of the engine loop's pool) when given."""
         return PrefillRun(self.runner, self.loader, plan, prep.layout, prep.mp, prep.policy, max_new_tokens,
-                          self.config.selected_attention, self.chunks.precompute, oracle, cache)
+                          self.config.selected_attention, self.chunks.precompute, hooks, cache)
 
     def complete_run(self, plan: BlendPlan, prep: Prepared, run: PrefillRun) -> PrefillState:
         state = run.finish()
@@ -182,12 +181,12 @@ class BlendEngine:
             self.prefix_cache.save(prep.layout.segments, prep.keys, state.cache)
 
     @torch.inference_mode()
-    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0, oracle: Oracle | None = None) -> PrefillState:
+    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0, hooks: LayerHooks = SERVING) -> PrefillState:
         """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests); the
-        prefix cache's save is issued once the logits are there. `oracle`: issue #28's oracle bound
-        (`executor.oracle`, benchmarks only)."""
+        prefix cache's save is issued once the logits are there. `hooks`: a research run's seam
+        (`executor.layers.LayerHooks`, overridden in benchmarks/)."""
         prep = self.prepare(plan, max_new_tokens)
-        run = self.start_run(plan, prep, max_new_tokens, oracle)
+        run = self.start_run(plan, prep, max_new_tokens, hooks)
         for _ in run.steps():
             pass
         state = self.complete_run(plan, prep, run)

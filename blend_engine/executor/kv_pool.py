@@ -91,3 +91,14 @@ def _stretches(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((i, b, 1))
     return out
+
+
+def pool_bytes(device: torch.device, budget_bytes: int, gpu_fraction: float | None) -> int:
+    """The pool's size: `budget_bytes` (a setting), or on CUDA with `gpu_fraction` set that share of
+    the device memory free now (call it after the weights are loaded, before any other tier)."""
+    if gpu_fraction is None or device.type != "cuda":
+        return budget_bytes
+    if not 0 < gpu_fraction < 1:
+        raise ValueError("the KV pool's share of free device memory must be within (0, 1)")
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * gpu_fraction)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,9 +28,6 @@ from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import narrowing
 from blend_engine.transfer import PackedLayer, cuda_ready
 from blend_engine.types import SelectionPolicy
-
-if TYPE_CHECKING:
-    from blend_engine.executor.oracle import Oracle
 
 
 class KVCache:
@@ -66,6 +62,27 @@ class Timer:
     wait: float = 0.0
 
 
+class LayerHooks:
+    """The layer loop's seams for research runs (benchmarks/ overrides them); serving runs
+    these defaults, which do what the policy says."""
+
+    def narrowing(self, default: dict[int, float], check_layer: int, blend: bool) -> dict[int, float]:
+        """layer -> multiplier where the selection is made or narrowed."""
+        return default
+
+    def placed(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
+        """After a layer's cached K/V are placed in K, V [H, C, D], before it is computed."""
+
+    def select(self, layer: int, ranked: RankSpace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               K: torch.Tensor, V: torch.Tensor, job: LayerJob, current: torch.Tensor | None,
+               multiplier: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the positions kept [S'], their rows among the current ones [S']): CacheBlend's selection."""
+        return ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, current, multiplier)
+
+
+SERVING = LayerHooks()
+
+
 @dataclass(frozen=True)
 class LayerJob:
     """What one pass over the layers does.
@@ -91,7 +108,7 @@ class LayerJob:
     probe: ScoreProbe | None = None  # explain: keeps the check layer's scores
     attention: str = "auto"  # how selected rows attend (`selection.Selection`)
     timer: Timer = field(default_factory=Timer)  # accumulates host time (the job itself is not changed)
-    oracle: Oracle | None = None  # issue #28's oracle bound (`executor.oracle`): benchmarks only, never serving
+    hooks: LayerHooks = SERVING  # research runs override the selection (benchmarks/)
     cache: KVCache | None = None  # write here (a pool run of capacity >= N) instead of a cache of its own
 
 
@@ -163,16 +180,8 @@ class LayerLoop:
         self.ranked = (RankSpace(job.layout, list(job.cached), r.scaling, policy.sink_tokens, job.ids.device, job.probe,
                                  end_tokens=policy.end_tokens)
                        if job.check_layer is not None else None)
-        self.narrowing = narrowing(policy)  # layer -> multiplier where the selection is made or narrowed
-        self.oracle = job.oracle  # None when serving
-        self.oracle_selects = self.oracle is not None and self.oracle.mode == "select"
-        if self.oracle_selects:
-            if self.ranked is None:
-                raise ValueError("an oracle selection needs a blend (a check layer)")
-            # made at the check layer, then never narrowed, or narrowed at the oracle's own schedule
-            self.narrowing = {layer: 1.0 for layer, _ in self.oracle.schedule} or {policy.check_layer: 1.0}
-            if min(self.narrowing) != policy.check_layer:
-                raise ValueError("an oracle schedule starts at the check layer")
+        # layer -> multiplier where the selection is made or narrowed
+        self.narrowing = job.hooks.narrowing(narrowing(policy), policy.check_layer, self.ranked is not None)
         self.passage_keys = None  # APE (`ape.py`): the cached passages' positions [N] bool, when the policy asks
         if self.ranked is not None and (policy.ape_temperature != 1.0 or policy.ape_scale != 1.0):
             self.passage_keys = self.ranked.pid < len(self.ranked.passages)  # [N] bool
@@ -196,8 +205,7 @@ class LayerLoop:
             K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
             if packed is not None and not self._all_overwritten(layer):
                 self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
-            if self.oracle is not None and self.oracle.mode == "fix":
-                self.oracle.substitute(layer, K, V)  # the chosen positions take the full prefill's K/V
+            self.job.hooks.placed(layer, K, V)
             timer.assemble += time.perf_counter() - t1
             self.clock.mark()
             self._layer(layer, K, V, last=layer == n_layers - 1)
@@ -243,11 +251,7 @@ class LayerLoop:
         job, N = self.job, self.n
         q, k, v = self.r.qkv(layer, self.hidden, self.cos_all, self.sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
         if job.check_layer is not None and layer == job.check_layer:
-            if self.oracle_selects:
-                picked = rows = self.ranked.fixed(self.oracle.chosen(layer))  # [S]: rows are positions here
-            else:
-                picked, rows = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, None,
-                                                       self.narrowing[layer])  # [S]
+            picked, rows = job.hooks.select(layer, self.ranked, q, k, v, K, V, job, None, self.narrowing[layer])  # [S]
             self.sel = self._selection(picked)
             q, self.hidden = q[:, rows], self.hidden[rows]  # [Hq, S, D], [S, E]
         K[:, :N], V[:, :N] = k, v
@@ -259,12 +263,8 @@ class LayerLoop:
         q, k, v = self.r.qkv(layer, self.hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
         keep = None
         if self.ranked is not None and layer in self.narrowing:
-            if self.oracle_selects:
-                narrowed = self.ranked.fixed(self.oracle.chosen(layer))  # [S'] within sel.pos: counts never grow
-                keep = torch.searchsorted(sel.pos, narrowed)  # [S'] their rows
-            else:
-                narrowed, keep = self.ranked.select_rows(q, k, v, K, V, job.ratio, job.policy, sel.pos,
-                                                         self.narrowing[layer])  # [S']
+            narrowed, keep = job.hooks.select(layer, self.ranked, q, k, v, K, V, job, sel.pos,
+                                              self.narrowing[layer])  # [S'] each
         K[:, sel.pos], V[:, sel.pos] = k, v
         if keep is not None:
             q, self.hidden = q[:, keep], self.hidden[keep]  # [Hq, S', D], [S', E]

@@ -27,8 +27,7 @@ from blend_engine.scheduler.plans import ModePlan, Span
 from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, BlendReport, Mode, SelectionPolicy
 
-from .layers import KVCache, LayerJob, LayerLoop, LayerOutput, Timer
-from .oracle import Oracle
+from .layers import SERVING, KVCache, LayerHooks, LayerJob, LayerLoop, LayerOutput, Timer
 from .uploads import upload, upload_ints
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class PrefillRun:
 
     def __init__(self, runner: ModelRunner, loader: LayerLoader, plan: BlendPlan, layout: PromptLayout,
                  mp: ModePlan, policy: SelectionPolicy, extra: int, attention: str,
-                 rebuild: Callable[[tuple[int, ...]], ChunkKV], oracle: Oracle | None = None,
+                 rebuild: Callable[[tuple[int, ...]], ChunkKV], hooks: LayerHooks = SERVING,
                  cache: KVCache | None = None) -> None:
         self.t_start = time.perf_counter()
         self.runner, self.plan, self.layout, self.mp, self.policy = runner, plan, layout, mp, policy
@@ -68,7 +67,7 @@ class PrefillRun:
         recompute = None if mp.recompute is None else span_positions(mp.recompute, runner.device)  # [S]
         self.job = LayerJob(ids, extra, tuple(s for s, _ in mp.cached), self.stream, recompute, mp.check_layer,
                             mp.ratio, policy, layout, rotate=not mp.in_context, probe=self.probe, attention=attention,
-                            oracle=oracle, cache=cache)
+                            hooks=hooks, cache=cache)
         self.loop = LayerLoop(runner, self.job)
 
     def steps(self) -> Iterator[int]:

@@ -205,10 +205,10 @@ class RankSpace:
         return (rows if current is None else current[rows]), rows
 
     def fixed(self, positions: torch.Tensor) -> torch.Tensor:
-        """The forced positions plus `positions` [R], sorted [S]: an oracle's selection (`executor.oracle`;
-        benchmarks only: it reads device values on the host). Every given position must compete."""
+        """The forced positions plus `positions` [R], sorted [S]: a selection given by a research run
+        (`layers.LayerHooks`; it reads device values on the host). Every given position must compete."""
         if positions.numel() and not bool((self.base[positions] == 0).all()):
-            raise ValueError("an oracle selection may only hold competing (cached passage) positions")
+            raise ValueError("a given selection may only hold competing (cached passage) positions")
         forced = torch.nonzero(self.base == float("inf")).flatten()  # [F]
         return torch.unique(torch.cat([forced, positions.to(forced.device)]))  # [S] sorted
 

@@ -1,14 +1,14 @@
-"""Issue #28's oracle seam (`executor.oracle`): a blend whose selection is given ("select"), a full
+"""Issue #28's oracle seam (`benchmarks.oracle_seam`, through `LayerHooks`): a blend whose selection is given ("select"), a full
 reuse whose chosen positions take the full prefill's exact K/V ("fix"), and the true-deviation
-ranking. Benchmarks only; off (None) it changes nothing."""
+ranking. Benchmarks only; serving runs the default hooks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.oracle_seam import Oracle, top_positions, true_deviation
 from blend_engine.executor.layers import KVCache
-from blend_engine.executor.oracle import Oracle, top_positions, true_deviation
 from blend_engine.types import BlendPlan, SelectionPolicy
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures
 from tests.helpers import PASSAGES, QUESTION
@@ -39,18 +39,18 @@ def test_oracle_fix_of_every_passage_token_reproduces_full_prefill(tiny_engine):
     reuse = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"))
     every = _passage_positions(full.layout)
     fixed = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"),
-                                oracle=Oracle("fix", every, full.cache))
+                                hooks=Oracle("fix", every, full.cache))
     assert (reuse.logits - full.logits).abs().max().item() > 1e-2  # reuse alone is off: the test can fail
     assert (fixed.logits - full.logits).abs().max().item() < 1e-3
     assert fixed.report.recomputed_positions == reuse.report.recomputed_positions  # only the question recomputed
     # nothing chosen: plain full reuse
     none = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"),
-                               oracle=Oracle("fix", every[:0], full.cache))
+                               hooks=Oracle("fix", every[:0], full.cache))
     assert torch.equal(none.logits, reuse.logits)
     # half of them: in between, and the chosen rows of the cache hold the exact values at every layer
     half = every[::2]
     part = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"), max_new_tokens=1,
-                               oracle=Oracle("fix", half, full.cache))
+                               hooks=Oracle("fix", half, full.cache))
     for layer in range(tiny_engine.runner.shape.n_layers):
         assert torch.equal(part.cache.k[layer][:, half], full.cache.k[layer][:, half])
         assert torch.equal(part.cache.v[layer][:, half], full.cache.v[layer][:, half])
@@ -63,7 +63,7 @@ def test_oracle_select_keeps_exactly_the_given_set_at_every_layer_after_the_chec
     layout = tiny_engine.layout(BlendPlan(PASSAGES, QUESTION))
     chosen = _passage_positions(layout)[[0, 3, 4, 11, 20]]
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
-                             oracle=Oracle("select", chosen))
+                             hooks=Oracle("select", chosen))
     want = sorted(set(chosen.tolist()) | _question_positions(layout))
     assert list(st.report.recomputed_positions) == want
     n = layout.n_tokens
@@ -79,7 +79,7 @@ def test_oracle_select_with_a_schedule_keeps_the_top_of_its_ranking_at_each_laye
     ranked = _passage_positions(layout).flip(0)[:12]  # rank order: the last passage tokens first
     question = _question_positions(layout)
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
-                             oracle=Oracle("select", ranked, schedule=((1, 12), (2, 5))))
+                             hooks=Oracle("select", ranked, schedule=((1, 12), (2, 5))))
     assert st.report.selected_per_layer == (layout.n_tokens, 12 + len(question), 5 + len(question),
                                             5 + len(question))
     assert list(st.report.recomputed_positions) == sorted(set(ranked[:5].tolist()) | question)
@@ -87,7 +87,7 @@ def test_oracle_select_with_a_schedule_keeps_the_top_of_its_ranking_at_each_laye
         Oracle("select", ranked, schedule=((1, 5), (2, 12)))  # counts may not grow
     with pytest.raises(ValueError, match="check layer"):
         tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
-                            oracle=Oracle("select", ranked, schedule=((2, 5),)))
+                            hooks=Oracle("select", ranked, schedule=((2, 5),)))
 
 
 def test_oracle_select_of_every_passage_token_reproduces_full_prefill(tiny_engine):  # noqa: F811
@@ -95,7 +95,7 @@ def test_oracle_select_of_every_passage_token_reproduces_full_prefill(tiny_engin
     full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
     every = _passage_positions(full.layout)
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
-                             oracle=Oracle("select", every))
+                             hooks=Oracle("select", every))
     assert (st.logits - full.logits).abs().max().item() < 1e-3
 
 
@@ -105,10 +105,10 @@ def test_oracle_select_takes_only_competing_positions(tiny_engine):  # noqa: F81
     for bad in (0, layout.segments[-1].offset):  # the system prefix, the question
         with pytest.raises(ValueError, match="competing"):
             tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=POLICY),
-                                oracle=Oracle("select", torch.tensor([bad])))
+                                hooks=Oracle("select", torch.tensor([bad])))
     with pytest.raises(ValueError, match="check layer"):
         tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_reuse"),
-                            oracle=Oracle("select", _passage_positions(layout)[:2]))
+                            hooks=Oracle("select", _passage_positions(layout)[:2]))
     with pytest.raises(ValueError, match="exact"):
         Oracle("fix", torch.tensor([1]))
     with pytest.raises(ValueError, match="mode"):

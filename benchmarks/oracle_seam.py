@@ -1,6 +1,5 @@
-"""The oracle bound of issue #28: selections made with knowledge of the full prefill. A debug seam
-for `benchmarks.oracle`; a serving request never carries one (`LayerJob.oracle` is None, and the
-layer loop's only cost then is one `is None` test per layer and at the check layer).
+"""The oracle bound of issue #28: selections made with knowledge of the full prefill, run through
+the layer loop's research seam (`executor.layers.LayerHooks`); the serving path never imports it.
 
     | sys | passage_1 .. passage_k | question |
       exact   compete: ranked by their TRUE   forced, as in a blend
@@ -20,19 +19,19 @@ layer loop's only cost then is one `is None` test per layer and at the check lay
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from blend_engine.executor.layers import KVCache
+from blend_engine.executor.layers import KVCache, LayerHooks, LayerJob
+from blend_engine.executor.selection import RankSpace
 
 ORACLE_MODES = ("select", "fix")
 
 
 @dataclass(frozen=True)
-class Oracle:
-    """Which competing positions an oracle run recomputes ("select") or substitutes ("fix")."""
+class Oracle(LayerHooks):
+    """Which competing positions an oracle run recomputes ("select") or substitutes ("fix"); pass it
+    as `hooks` to `BlendEngine.prefill`."""
 
     mode: str
     positions: torch.Tensor  # [R] competing (cached passage) positions (in rank order with a schedule)
@@ -48,6 +47,29 @@ class Oracle:
         if layers != sorted(set(layers)) or counts != sorted(counts, reverse=True) or any(
                 not 0 <= c <= self.positions.shape[0] for c in counts):
             raise ValueError("an oracle schedule's layers must increase and its counts must not grow")
+
+    def narrowing(self, default: dict[int, float], check_layer: int, blend: bool) -> dict[int, float]:
+        """"select": made at the check layer, then never narrowed, or narrowed at its own schedule."""
+        if self.mode != "select":
+            return default
+        if not blend:
+            raise ValueError("an oracle selection needs a blend (a check layer)")
+        steps = {layer: 1.0 for layer, _ in self.schedule} or {check_layer: 1.0}
+        if min(steps) != check_layer:
+            raise ValueError("an oracle schedule starts at the check layer")
+        return steps
+
+    def placed(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
+        if self.mode == "fix":
+            self.substitute(layer, K, V)  # the chosen positions take the full prefill's K/V
+
+    def select(self, layer: int, ranked: RankSpace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               K: torch.Tensor, V: torch.Tensor, job: LayerJob, current: torch.Tensor | None,
+               multiplier: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode != "select":
+            return super().select(layer, ranked, q, k, v, K, V, job, current, multiplier)
+        picked = ranked.fixed(self.chosen(layer))  # [S]: within `current`, counts never grow
+        return picked, (picked if current is None else torch.searchsorted(current, picked))  # rows [S]
 
     def chosen(self, layer: int) -> torch.Tensor:
         """"select": the competing positions kept from this layer on [R'] (all without a schedule)."""
