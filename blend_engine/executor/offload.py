@@ -3,12 +3,13 @@
     cache k[l], v[l] [H, C, D]  --gather-->  one block [2, L, H, T, D] on the device
                                 --one non-blocking copy-->  page-locked host memory
 
-On CUDA the gather and the copy run on the device's one save stream, after what the compute
-stream has queued (a device-side wait, no host sync), and record an event: the engine loop goes
-on decoding while the copy runs, and whoever stores the entry waits for the event (`HostCopy.kv`)
-on its own thread. The cache's tensors are marked in use by the save stream, so a request that
-ends meanwhile cannot hand their memory to another before the copy has read it. On the CPU the
-gather is the copy (plain memory) and is done on return. Shapes: L layers, H kv heads, T tokens,
+On CUDA the gather runs on the compute stream (a device copy, ordered before anything the stream
+writes later: the cache is a run of the paged KV pool, whose blocks go to the next request as soon
+as this one ends), and the copy to the host on the device's one save stream after it (a
+device-side wait, no host sync), recording an event: the engine loop goes on decoding while the
+copy runs, and whoever stores the entry waits for the event (`HostCopy.kv`) on its own thread. The
+gathered block is marked in use by the save stream, so its memory is not reused before the copy
+has read it. On the CPU the gather is the copy (plain memory) and is done on return. Shapes: L layers, H kv heads, T tokens,
 D head dim.
 """
 
@@ -55,16 +56,15 @@ def copy_to_host(cache: KVCache, start: int, end: int) -> HostCopy:
     if device.type == "cpu":
         return HostCopy(_gather(cache, start, end))  # [2, L, H, T, D], a copy
     stream = save_stream(device) if cuda_ready(device) else None
+    block = _gather(cache, start, end)  # [2, L, H, T, D] on the device, on the compute stream
     if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(device))  # after the prefill that filled the cache
+        stream.wait_stream(torch.cuda.current_stream(device))  # after the gather
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        block = _gather(cache, start, end)  # [2, L, H, T, D] on the device
         host = torch.empty(block.shape, dtype=block.dtype, pin_memory=pinnable())  # [2, L, H, T, D]
         host.copy_(block, non_blocking=True)
     if stream is None:  # another device (or a stand-in): the copy is done
         return HostCopy(host)
-    for t in (*cache.k, *cache.v):
-        t.record_stream(stream)  # not reused by another request before the gather has read it
+    block.record_stream(stream)  # not reused before the save stream has read it
     event = torch.cuda.Event()
     event.record(stream)
     return HostCopy(host, event)
