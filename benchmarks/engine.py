@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nwrote {args.out}")
         return
     runner = ModelRunner.load(args.model)
-    engine = BlendEngine(runner, MemoryStore(args.store_mb << 20, kv_format="fp16"), EngineConfig(kv_format="fp16"))
+    engine = BlendEngine(runner, MemoryStore(args.store_mb << 20, kv_format="fp16"),
+                         EngineConfig(kv_format="fp16", prefix_caching=False))
     result: dict = {"model": args.model, "data": args.data.name, "threads": args.threads, "kv_format": "fp16",
                     "store": "memory"}
     if "speed" not in skip:

@@ -51,7 +51,7 @@ def tier_engine(runner: ModelRunner, tier: str) -> Iterator[BlendEngine]:
         else:
             raise ValueError(f"unknown tier {tier!r}")
         try:
-            yield BlendEngine(runner, store, EngineConfig(), loader=build_loader(store))
+            yield BlendEngine(runner, store, EngineConfig(prefix_caching=False), loader=build_loader(store))
         finally:
             store.close()
 

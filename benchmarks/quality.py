@@ -50,8 +50,9 @@ class Engines:
     def build(cls, runner: ModelRunner, memory_bytes: int = 2 << 30) -> Engines:
         store = build_store(memory_bytes=memory_bytes)
         loader = build_loader(store)
-        plain = BlendEngine(runner, store, EngineConfig(), loader=loader)
-        auto = BlendEngine(runner, store, EngineConfig(), loader=loader, controller=BandwidthController())
+        plain = BlendEngine(runner, store, EngineConfig(prefix_caching=False), loader=loader)
+        auto = BlendEngine(runner, store, EngineConfig(prefix_caching=False), loader=loader,
+                           controller=BandwidthController())
         return cls(plain, auto)
 
     def pick(self, spec: ModeSpec) -> BlendEngine:

@@ -110,7 +110,8 @@ def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[tup
     if redis_url:
         stores["redis"] = build_store(memory_bytes=0, redis_url=redis_url, redis_timeout_s=2.0, fingerprint=fp)
     configs = [("ram", 2), ("disk", 2), ("disk", 0)] + ([("redis", 2)] if redis_url else [])
-    engines = {c: BlendEngine(runner, stores[c[0]], EngineConfig(kv_format="fp16"), loader=build_loader(stores[c[0]], c[1]))
+    engines = {c: BlendEngine(runner, stores[c[0]], EngineConfig(kv_format="fp16", prefix_caching=False),
+                             loader=build_loader(stores[c[0]], c[1]))
                for c in configs}
     for name, store in stores.items():
         fill(store, engines[name, 2], chunks)
@@ -152,7 +153,7 @@ def measure_formats(runner: ModelRunner, contexts: list[Context], chunks: dict[t
     logits: dict[tuple[str, Mode], list[torch.Tensor]] = {}
     for fmt in ("fp16", "int8"):
         store = build_store(kv_format=fmt, memory_bytes=16 << 30)
-        eng = BlendEngine(runner, store, EngineConfig(kv_format=fmt), loader=build_loader(store))
+        eng = BlendEngine(runner, store, EngineConfig(kv_format=fmt, prefix_caching=False), loader=build_loader(store))
         fill(store, eng, chunks)
         for c in contexts:  # stores the system prompt's chunk, as a served request does
             eng.run(BlendPlan(passages=c.passages, question=c.question, recompute_ratio=RATIO), GenerationConfig(max_tokens=1))

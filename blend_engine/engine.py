@@ -61,6 +61,9 @@ class EngineConfig:
     # SDPA on a device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
     selected_attention: str = "auto"
     batch: BatchLimits = field(default_factory=BatchLimits)  # continuous batching (`scheduler.batch`)
+    # automatic prefix caching over the KV pool: off, every request computes its whole prompt (a benchmark
+    # comparing modes on one prompt must not let one mode take another's KV)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         check_selected_attention(self.selected_attention)
@@ -158,7 +161,7 @@ class BlendEngine:
         floor = min_prefix(mp.mode, context_end, bt)
         if mp.mode is Mode.PREFIX_CACHE:  # its own prefix cache found mp.prefix_tokens: take more, or none
             floor = max(floor, mp.prefix_tokens + 1)
-        if plan.explain:  # an explanation shows the check layer's scores: computed, never taken
+        if plan.explain or not self.config.prefix_caching:  # explain shows the check layer's scores
             floor = NO_PREFIX
         return tuple(chains[r] for r in take), chains[own], floor
 

@@ -32,8 +32,11 @@ def test_ratio_grows_with_passage_length_within_its_cap():
     assert both.ratio_for([100, 100]) * (200 - 16) + 16 == pytest.approx(0.15 * 200)  # ends come out of it too
 
 
+SWEEP_CONFIG = EngineConfig(kv_format="fp32", prefix_caching=False)  # each variant computes its own prompt
+
+
 def test_sweep_scores_variants_against_cached_references(tiny_runner, tmp_path, monkeypatch):
-    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
     rows = {"toy": [_example(0), _example(1)]}
     variants = {"exact": lengths.Variant(1.0), "default": lengths.Variant(0.15)}
     cells = lengths.sweep(engine, "tiny", rows, [0, 40], variants, tmp_path / "c.json", answers=True)
@@ -90,7 +93,7 @@ def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
     question, and not at all when no oracle runs."""
     from benchmarks import oracle
 
-    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
     rows = {"toy": [_example(0), _example(1)]}
     # the default's shape (check at layer 1, 4x, narrowed) narrowed to 1x within the tiny model's 4 layers
     blend = SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),), query_weighted=True)
@@ -125,7 +128,7 @@ def test_question_mass_pass_is_full_prefills_question(tiny_runner):
     from benchmarks import oracle
     from blend_engine.types import BlendPlan
 
-    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
     ex = _example(0)
     plan = BlendPlan(tuple(p.text for p in ex.paragraphs), ex.question)
     lengths.cache_segments(engine, plan)  # the system prefix too: the oracle ranks cached passages only
@@ -167,7 +170,7 @@ def test_integrated_gradients_sum_to_full_reuses_kl(tiny_runner):
     from benchmarks.scoring import kl
     from blend_engine.types import BlendPlan
 
-    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
     ex = _example(1)
     plan = BlendPlan(tuple(p.text for p in ex.paragraphs), ex.question)
     lengths.cache_segments(engine, plan)

@@ -174,3 +174,13 @@ def test_a_request_that_cannot_fit_the_pool_is_refused_before_admission(runner):
         assert _pool_is_empty(eng)
     finally:
         eng.close()
+
+
+def test_with_prefix_caching_off_every_request_computes_its_whole_prompt(runner):
+    eng = BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(prefix_caching=False))
+    try:
+        p = _plan(5, Mode.FULL_PREFILL)
+        first, again = eng.run(p, GEN), eng.run(p, GEN)
+        assert again.report.prefix_tokens_reused == 0 and again.token_ids == first.token_ids
+    finally:
+        eng.close()
