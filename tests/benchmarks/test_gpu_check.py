@@ -95,14 +95,15 @@ def test_columns_only_some_rows_have_are_shown_with_a_dash_elsewhere():
 
 
 def test_top1_agreement_tolerates_only_a_near_tie_of_full_prefill():
-    from benchmarks.gpu_check import top1_agrees
+    from blend_engine.selfcheck import compare
 
-    full = torch.tensor([1.0, 20.0, 19.95, 3.0], dtype=torch.bfloat16)  # top two within bf16 rounding at 20
-    assert top1_agrees(full, full.clone())
-    assert top1_agrees(full, torch.tensor([1.0, 19.9, 20.0, 3.0], dtype=torch.bfloat16))  # flipped near-tie
-    assert not top1_agrees(full, torch.tensor([1.0, 19.0, 18.0, 21.0], dtype=torch.bfloat16))  # a real disagreement
-    apart = torch.tensor([1.0, 20.0, 17.0, 3.0], dtype=torch.bfloat16)
-    assert not top1_agrees(apart, torch.tensor([1.0, 17.0, 20.0, 3.0], dtype=torch.bfloat16))
+    bf16 = torch.bfloat16
+    full = torch.tensor([1.0, 20.0, 19.95, 3.0], dtype=bf16)  # top two within bf16 rounding at 20
+    assert compare(full, full.clone(), bf16).top1_agrees
+    assert compare(full, torch.tensor([1.0, 19.9, 20.0, 3.0], dtype=bf16), bf16).top1_agrees  # flipped near-tie
+    assert not compare(full, torch.tensor([1.0, 19.0, 18.0, 21.0], dtype=bf16), bf16).top1_agrees  # real disagreement
+    apart = torch.tensor([1.0, 20.0, 17.0, 3.0], dtype=bf16)
+    assert not compare(apart, torch.tensor([1.0, 17.0, 20.0, 3.0], dtype=bf16), bf16).top1_agrees
 
 
 def test_a_failing_timing_model_is_recorded_after_correctness(tmp_path, monkeypatch):
