@@ -52,12 +52,13 @@ def unpack3(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, shape, 
     return g.flatten()[:n].view(*shape).to(dtype)
 
 
-def pack_model(out: Path) -> dict:
+def pack_model(out: Path, runner=None) -> dict:
+    """Pack `runner`'s model and tokenizer (default: SmolLM2 from the local GGUF, fp32) into `out`."""
     from safetensors.torch import save_file
 
     from blend_engine.model import ModelRunner
 
-    runner = ModelRunner.load(dtype="float32", device="cpu")
+    runner = runner or ModelRunner.load(dtype="float32", device="cpu")
     model, tok = runner.model, runner.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
