@@ -89,13 +89,15 @@ class Tolerance:
         return self.tie_ulps * self.eps * max(abs(logit), 1.0)
 
 
-# KL bounds measured on SmolLM2 (bf16 on the CPU, full prefill vs blend@1.0, the probes' 5 prompts:
-# max 3.1e-3 nats, docs/results.md "Fidelity gate by dtype"), about 3x above that; fp16 has 3 more
-# mantissa bits than bf16 (8x finer); fp32 is exact up to summation order.
+# KL bounds between two correct kernels, from measurements on the CPU (docs/results.md, "Fidelity gate by
+# dtype"): full prefill vs blend@1.0 in bf16 gave 2.3e-3 .. 5.1e-3 nats on SmolLM2 (the gate's probes)
+# and 1.4e-2 on the GPU check's 3-bit packed SmolLM2 (600 tokens); bf16's bound is about 2x the
+# largest, still well below a wrong path (full reuse: 0.2 .. 0.95). fp16 has 3 more mantissa bits
+# (8x finer steps, ~64x smaller KL); fp32 is exact up to summation order.
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(eps=torch.finfo(torch.float32).eps, tie_ulps=64, kl=1e-5),
-    torch.float16: Tolerance(eps=torch.finfo(torch.float16).eps, tie_ulps=4, kl=2e-3),
-    torch.bfloat16: Tolerance(eps=torch.finfo(torch.bfloat16).eps, tie_ulps=4, kl=1e-2),
+    torch.float16: Tolerance(eps=torch.finfo(torch.float16).eps, tie_ulps=4, kl=1e-3),
+    torch.bfloat16: Tolerance(eps=torch.finfo(torch.bfloat16).eps, tie_ulps=4, kl=3e-2),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.gpu_check import markdown
@@ -43,6 +44,9 @@ def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatc
         name, dtype = "stub", "bf16"
 
     monkeypatch.setattr(gc, "check_correctness", broken)
+    monkeypatch.setattr(gc, "_preflight", lambda *_a: True)
+    monkeypatch.setattr(gc, "time_decode_floor", lambda *_a: {"tokens": 512, "step_ms": 2.0, "floor_ms": 1.0,
+                        "copy_gb_per_s": 10.0, "over_floor": 2.0})
     monkeypatch.setattr(gc, "_tokenizer", lambda _p: None)
     monkeypatch.setattr(gc, "random_runner", lambda *_a: Runner())
     monkeypatch.setattr(gc, "time_ttft", lambda *_a: broken())
@@ -116,6 +120,7 @@ def test_a_failing_timing_model_is_recorded_after_correctness(tmp_path, monkeypa
 
     correct = {"model": "m", "dtype": "bf16", "kv_format": "bf16", "rows": [], "pass": True}
     monkeypatch.setattr(gc, "check_correctness", lambda *_a: correct)
+    monkeypatch.setattr(gc, "_preflight", lambda *_a: True)
     monkeypatch.setattr(gc, "_tokenizer", broken)  # fails inside the guarded part
     result = gc.run(tmp_path, smoke=True, smollm=None, lengths=[512], reps=1)
     assert set(result["errors"]) == {"timing model"} and result["correctness"]["pass"]
@@ -150,3 +155,92 @@ def test_the_wrapper_passes_lengths_and_reps_through(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "argv").read_text().split() == ["-m", "benchmarks.gpu_check", str(out), "--smoke",
                                                        "--lengths", "1024", "--reps", "2"]
+
+
+# ---------------------------------------------------------------- issue 39: preflight, time plan, exit codes
+def test_the_preflight_runs_every_path_on_the_cpu_and_passes(real_runner):
+    from benchmarks.gpu_common import Setup
+    from benchmarks.gpu_preflight import LAYERS, run_preflight, truncated
+
+    setup = Setup(torch.device("cpu"), torch.bfloat16, smoke=True)
+    made = []
+
+    def factory(device, dtype, layers):
+        made.append((device, dtype, layers))
+        r = truncated(real_runner, layers)
+        r.model.to(device=device, dtype=dtype)
+        from blend_engine.model import ModelRunner
+
+        return ModelRunner(r.model, r.tokenizer, r.name)
+
+    report = run_preflight(setup, factory)
+    assert report["pass"] and report["cuda_skipped"] and report["pinned_skipped"]
+    assert made == [("cpu", torch.bfloat16, LAYERS)] * 2
+    assert {k for k in report if k.startswith("layers_") and k.endswith("_kl")} == {
+        "layers_full_kl", "layers_blend_kl", "layers_decode_kl"}
+
+
+def test_a_failing_preflight_stops_the_check_with_one_line(tmp_path, monkeypatch):
+    import benchmarks.gpu_check as gc
+    import benchmarks.gpu_preflight as gp
+
+    def no_layers(*_a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+
+    monkeypatch.setattr(gp, "_layers", no_layers)
+    monkeypatch.setattr(gc, "check_correctness", lambda *_a: pytest.fail("ran after a failed preflight"))
+    result = gc.run(tmp_path, smoke=True, smollm=None, lengths=[512], reps=1)
+    reason = result["preflight"]["reason"]
+    assert reason == "layers: RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "ttft" not in result and gc.exit_code(result, strict=False) == 3
+    assert "PREFLIGHT FAILED" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_time_plan_skips_the_extras_first_and_says_why(tmp_path, monkeypatch):
+    import benchmarks.gpu_check as gc
+
+    class Runner:
+        name, dtype = "stub", "bf16"
+
+    ran = []
+    monkeypatch.setattr(gc, "_START", gc._START)  # restored afterwards: each stub below spends its estimate
+
+    def spends(name, value=None):
+        def stub(*args):
+            gc._START -= gc.ESTIMATE_S[name]
+            ran.append(f"{name} {args[2]}" if name == "ttft" else name)
+            return value
+        return stub
+
+    correct = {"model": "m", "dtype": "bf16", "kv_format": "bf16", "rows": [], "pass": True}
+    monkeypatch.setattr(gc, "_preflight", lambda *_a: True)
+    monkeypatch.setattr(gc, "check_correctness", spends("correctness", correct))
+    monkeypatch.setattr(gc, "_tokenizer", lambda _p: None)
+    monkeypatch.setattr(gc, "random_runner", spends("timing model", Runner()))
+    for name, attr in (("ttft", "time_ttft"), ("batched", "time_batched"), ("decode", "time_decode_floor"),
+                       ("attention", "time_attention"), ("ingestion", "time_ingestion")):
+        monkeypatch.setattr(gc, attr, spends(name))
+    core = sum(gc.ESTIMATE_S[k] for k in ("correctness", "timing model", "ttft", "batched", "decode"))
+    elapsed = gc.time.perf_counter() - gc._START
+    gc.run(tmp_path, smoke=False, smollm=None, lengths=[8192, 16384], reps=1, budget_s=elapsed + core + 5)
+    assert ran == ["correctness", "timing model", "ttft 8192", "batched", "decode"]  # the core, in order
+    saved = __import__("json").loads((tmp_path / "gpu_check.json").read_text())
+    assert set(saved["skipped"]) == {"attention", "ingestion", "ttft 16384"}
+    assert "left of" in saved["skipped"]["ingestion"]
+
+
+def test_exit_codes_and_strict_mode():
+    from benchmarks.gpu_check import exit_code
+
+    ok = {"preflight": {"pass": True}, "correctness": {"pass": True}}
+    assert exit_code(ok, strict=True) == 0
+    assert exit_code({**ok, "errors": {"batched": "x"}}, strict=False) == 0
+    assert exit_code({**ok, "errors": {"batched": "x"}}, strict=True) == 1
+    assert exit_code({**ok, "correctness": {"pass": False}}, strict=False) == 1
+
+
+def test_requests_in_flight_are_counted_from_the_clients_timestamps():
+    from benchmarks.gpu_batch import max_in_flight
+
+    assert max_in_flight([[0.0, 1.0], [0.5, 2.0], [1.0, 3.0], [2.5, 4.0]]) == 3  # a shared instant counts both
+    assert max_in_flight([[0.0, 1.0], [2.0, 3.0], []]) == 1
