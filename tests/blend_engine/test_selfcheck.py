@@ -221,7 +221,6 @@ def test_the_gate_in_bf16_judges_blend_against_its_own_kernels_and_passes_a_corr
 def test_an_engine_whose_blend_path_is_wrong_fails_the_gate_whatever_the_ratio(bf16_runner, monkeypatch):
     """A blend path that disagrees with full prefill beyond rounding is an engine fault: the gate fails
     and says so, even though blend against its own reference looks perfect."""
-    import torch as _torch
 
     from blend_engine.types import Mode
 
@@ -233,6 +232,6 @@ def test_an_engine_whose_blend_path_is_wrong_fails_the_gate_whatever_the_ratio(b
 
     monkeypatch.setattr(selfcheck, "_logits", broken)
     result = selfcheck.measure(bf16_runner, EngineConfig(default_ratio=1.0, kv_format="bf16"))
-    assert not result.kernels_agree and not result.passed
-    assert result.kl_kernels > selfcheck.tolerance(_torch.bfloat16).kl
+    assert not result.kernels_agree and not result.passed  # the rolled logits pick another token
+    assert result.kl_kernels > 0 and result.kl_blend == 0.0  # blend against its own (wrong) reference looks exact
     assert "engine fault" in GateDecision("enforce", result).reason
