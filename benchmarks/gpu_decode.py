@@ -1,6 +1,7 @@
 """The GPU check's decode step against its bandwidth floor (issue 39, part 6).
 
-One decode step at batch 1 reads every weight once and the context's K/V once: its floor is those
+One decode step at batch 1 reads every weight once (the input embeddings only for one row, unless
+tied to the head) and the context's K/V once: its floor is those
 bytes over the device's memory bandwidth, measured here by a device-to-device copy (bytes read plus
 bytes written, over its time). The step is `BlendEngine.decode_step` (the public synchronous step)
 after a full prefill of ~n tokens; median of `reps` steps after a warm-up. Target on an H200 with
@@ -29,6 +30,17 @@ def copy_bandwidth(setup: Setup, nbytes: int) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
+def read_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every parameter once, except the input embedding table
+    (one row of it is read) unless the output head shares it."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
 def time_decode_floor(setup: Setup, runner: ModelRunner, n_tokens: int, reps: int) -> dict:
     fmt = "bf16" if runner.dtype == torch.bfloat16 else "fp16"
     engine = BlendEngine(runner, HeldStore("none", lambda t: t), EngineConfig(kv_format=fmt))
@@ -45,7 +57,7 @@ def time_decode_floor(setup: Setup, runner: ModelRunner, n_tokens: int, reps: in
 
     step_ms = median_ms(step, setup, reps)
     shape = runner.shape
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = read_weight_bytes(runner.model)
     kv = 2 * shape.n_layers * shape.n_kv_heads * start * shape.head_dim * runner.dtype.itemsize
     bandwidth = copy_bandwidth(setup, 1 << 30 if setup.device.type == "cuda" else 64 << 20)
     floor_ms = (weights + kv) / bandwidth * 1e3

@@ -244,3 +244,14 @@ def test_requests_in_flight_are_counted_from_the_clients_timestamps():
 
     assert max_in_flight([[0.0, 1.0], [0.5, 2.0], [1.0, 3.0], [2.5, 4.0]]) == 3  # a shared instant counts both
     assert max_in_flight([[0.0, 1.0], [2.0, 3.0], []]) == 1
+
+
+def test_the_decode_floor_counts_the_input_embeddings_only_when_the_head_shares_them():
+    from benchmarks.gpu_decode import read_weight_bytes
+    from tests.helpers import tiny_model
+
+    untied, tied = tiny_model(), tiny_model(tie_word_embeddings=True)
+    embed = untied.get_input_embeddings().weight
+    every = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert read_weight_bytes(untied) == every - embed.numel() * embed.element_size()
+    assert read_weight_bytes(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())
