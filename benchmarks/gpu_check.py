@@ -59,31 +59,66 @@ __all__ = ["check_correctness", "main", "markdown", "run", "time_attention", "ti
 
 
 # ============================================================================ (1) correctness
+FP32_SPREAD = 2.0  # blend@1.0 may be this many times farther from the fp32 answer than full prefill is
+
+
 def check_correctness(setup: Setup, smollm: Path | None, tmp: Path) -> dict:
+    """Blend@1.0 against full prefill per tier and question. A row passes when blend@1.0 picks full
+    prefill's token (or the other of a near-tie) and its KL is within the compute dtype's bound, or,
+    beyond that bound, when it is no farther from the exact answer (full prefill in fp32, same
+    weights) than `FP32_SPREAD` x full prefill's own distance to it: the dtype's rounding, not the
+    engine, made the difference."""
     runner = _runner(smollm, str(setup.device), setup.dtype)
     fmt = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(runner.dtype, "fp16")
+    questions = QUESTIONS[:1] if setup.smoke else QUESTIONS
+    passages = make_passages(BlendEngine(runner, MemoryStore(1 << 20)), 600 if setup.smoke else 2048, seed=1)
+    exact = _exact_logits(setup, smollm, passages, questions)
     memory = MemoryStore(1 << 30, kv_format=fmt)
     disk = DiskStore(tmp / "smol", 1 << 30, kv_format=fmt)
     rows = []
     for tier, store, depth in (("memory", memory, 0), ("disk", disk, 2)):
         engine = BlendEngine(runner, store, EngineConfig(kv_format=fmt), loader=LayerLoader(store, depth))
-        passages = make_passages(engine, 600 if setup.smoke else 2048, seed=1)
         for p in passages:
             engine.ensure_cached(p)
-        for question in QUESTIONS[:1] if setup.smoke else QUESTIONS:
-            full = engine.prefill(BlendPlan(tuple(passages), question, mode="full_prefill")).logits
-            one = engine.prefill(BlendPlan(tuple(passages), question, mode="blend", recompute_ratio=1.0)).logits
-            reuse = engine.prefill(BlendPlan(tuple(passages), question, mode="full_reuse")).logits
-            blend = engine.prefill(BlendPlan(tuple(passages), question, mode="blend", recompute_ratio=0.15)).logits
-            verdict = compare(full, one, runner.dtype)  # blend@1.0 vs full prefill: the dtype's tolerance
-            rows.append({"tier": tier, "question": question, "same_argmax": verdict.same_top1,
-                         "top1_agrees": verdict.top1_agrees, "near_tie": verdict.near_tie, "top2_gap": verdict.margin,
-                         "kl_ratio1": verdict.kl, "kl_ok": verdict.kl_ok, "kl_full_reuse": kl(full, reuse),
-                         "kl_blend015": kl(one, blend)})  # blend@0.15 against its same-kernel reference
-    ok = all(r["top1_agrees"] and r["kl_ok"] for r in rows)
+        for question in questions:
+            rows.append(_correctness_row(engine, tier, passages, question, exact.get(question)))
+    ok = all(r["pass"] for r in rows)
     tol = tolerance(runner.dtype)
     return {"model": runner.name, "dtype": str(runner.dtype), "kv_format": fmt, "rows": rows, "pass": ok,
             "kl_tolerance": tol.kl, "tie_ulps": tol.tie_ulps}
+
+
+def _exact_logits(setup: Setup, smollm: Path | None, passages: list[str], questions) -> dict[str, torch.Tensor]:
+    """Full prefill's first-token logits [V] in fp32 (the same weights): the exact answer, or {} when
+    the check already runs in fp32."""
+    if setup.dtype == torch.float32:
+        return {}
+    runner = _runner(smollm, str(setup.device), torch.float32)
+    engine = BlendEngine(runner, MemoryStore(1 << 20, kv_format="fp32"), EngineConfig(kv_format="fp32"))
+    out = {q: engine.prefill(BlendPlan(tuple(passages), q, mode="full_prefill")).logits.float() for q in questions}
+    del engine, runner
+    if setup.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _correctness_row(engine: BlendEngine, tier: str, passages: list[str], question: str,
+                     exact: torch.Tensor | None) -> dict:
+    def logits(mode: str, ratio: float | None = None) -> torch.Tensor:
+        return engine.prefill(BlendPlan(tuple(passages), question, mode=mode, recompute_ratio=ratio)).logits  # [V]
+
+    full, one = logits("full_prefill"), logits("blend", 1.0)
+    reuse, blend = logits("full_reuse"), logits("blend", 0.15)
+    verdict = compare(full, one, engine.runner.dtype)  # blend@1.0 vs full prefill: the dtype's tolerance
+    row = {"tier": tier, "question": question, "same_argmax": verdict.same_top1, "top1_agrees": verdict.top1_agrees,
+           "near_tie": verdict.near_tie, "top2_gap": verdict.margin, "kl_ratio1": verdict.kl, "kl_ok": verdict.kl_ok,
+           "kl_full_reuse": kl(full, reuse), "kl_blend015": kl(one, blend)}  # blend@0.15 against its same-kernel reference
+    within = verdict.kl_ok
+    if exact is not None:
+        row["kl_full_vs_fp32"], row["kl_ratio1_vs_fp32"] = kl(exact, full), kl(exact, one)
+        within = within or row["kl_ratio1_vs_fp32"] <= FP32_SPREAD * row["kl_full_vs_fp32"] + 1e-4
+    row["pass"] = verdict.top1_agrees and within
+    return row
 
 
 # Seconds each part needs on an H200 (estimates; a part starts only while its estimate fits in what is

@@ -255,3 +255,34 @@ def test_the_decode_floor_counts_the_input_embeddings_only_when_the_head_shares_
     every = sum(p.numel() * p.element_size() for p in untied.parameters())
     assert read_weight_bytes(untied) == every - embed.numel() * embed.element_size()
     assert read_weight_bytes(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())
+
+
+def test_a_kl_beyond_the_dtype_bound_passes_only_when_full_prefill_is_as_far_from_fp32():
+    """Correctness row: blend@1.0 beyond bf16's KL bound still passes when full prefill in bf16 is
+    about as far from the fp32 answer (rounding, not the engine); not when blend@1.0 alone drifts."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_check import _correctness_row
+    from blend_engine.selfcheck import tolerance
+
+    exact = torch.tensor([0.0, 6.0, 1.0, 0.5, 4.0])
+    full = torch.tensor([0.0, 6.0, 1.8, 0.5, 3.2])
+    one = torch.tensor([0.0, 6.0, 0.2, 0.5, 4.7])  # on the other side of the exact answer
+
+    class Engine:
+        runner = SimpleNamespace(dtype=torch.bfloat16)
+
+        def __init__(self, one):
+            self.by_mode = {("full_prefill", None): full, ("blend", 1.0): one, ("full_reuse", None): full + 1,
+                            ("blend", 0.15): one}
+
+        def prefill(self, plan):
+            return SimpleNamespace(logits=self.by_mode[(plan.mode.value, plan.recompute_ratio)])
+
+    row = _correctness_row(Engine(one), "memory", ["p"], "q?", exact)
+    assert row["kl_ratio1"] > tolerance(torch.bfloat16).kl and not row["kl_ok"]  # beyond the dtype's bound...
+    assert row["kl_ratio1_vs_fp32"] <= 2 * row["kl_full_vs_fp32"] and row["pass"]  # ...but no farther from fp32
+    drift = torch.tensor([0.0, 6.0, -1.0, 0.5, 5.5])
+    row = _correctness_row(Engine(drift), "memory", ["p"], "q?", exact)
+    assert row["top1_agrees"] and not row["pass"]
+    assert not _correctness_row(Engine(one), "memory", ["p"], "q?", None)["pass"]  # no fp32 answer: the bound rules
