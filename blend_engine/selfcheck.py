@@ -296,7 +296,9 @@ def _logits(engine: BlendEngine, passages: tuple[str, ...], question: str, mode:
 def _probe_means(engine: BlendEngine, probe: Probe, ratio: float) -> ProbeMeans:
     """Per mode (blend, full_reuse): mean first-token KL to its reference and top-1 agreement over a
     probe. full_reuse's reference is full prefill; blend's is blend@1.0 (the same kernels), itself
-    checked against full prefill within the compute dtype's tolerance."""
+    checked against full prefill within the compute dtype's tolerance. In fp32 (the CPU service)
+    the two kernels agree to ~1e-7 nats (docs/results.md), so full prefill serves as both and the
+    gate costs what it did before (three prefills per prompt)."""
     dtype = engine.runner.dtype
     kls: dict[Mode, list[float]] = {Mode.BLEND: [], Mode.FULL_REUSE: []}
     agree: dict[Mode, list[float]] = {Mode.BLEND: [], Mode.FULL_REUSE: []}
@@ -304,8 +306,11 @@ def _probe_means(engine: BlendEngine, probe: Probe, ratio: float) -> ProbeMeans:
     for passages, question in probe:
         _cache_segments(engine, BlendPlan(passages, question))
         full = _logits(engine, passages, question, Mode.FULL_PREFILL)  # [V]
-        same_kernels = _logits(engine, passages, question, Mode.BLEND, 1.0)  # [V]
-        kernels.append(compare(full, same_kernels, dtype))
+        if dtype == torch.float32:  # the kernels agree to ~1e-7 nats in fp32: the extra prefill buys nothing
+            same_kernels = full
+        else:
+            same_kernels = _logits(engine, passages, question, Mode.BLEND, 1.0)  # [V]
+            kernels.append(compare(full, same_kernels, dtype))
         for mode, ref in ((Mode.BLEND, same_kernels), (Mode.FULL_REUSE, full)):
             got = _logits(engine, passages, question, mode, ratio if mode is Mode.BLEND else None)  # [V]
             verdict = compare(ref, got, dtype)
