@@ -31,7 +31,7 @@ def time_batched(setup: Setup, runner: ModelRunner, clients: tuple[int, ...], n_
     dt = torch.bfloat16 if fmt == "bf16" else torch.float16
     pin = setup.device.type == "cuda"
     store = HeldStore("pinned", lambda t: t.to("cpu", dt).pin_memory() if pin else t.to("cpu", dt))
-    engine = BlendEngine(runner, store, _config(fmt, max(clients)))
+    engine = BlendEngine(runner, store, _config(fmt, runner, max(clients), n_tokens + max_tokens))
     contexts = [make_passages(engine, n_tokens - 64, seed=100 + i) for i in range(n_contexts)]
     for passages in contexts:
         cache_kv(engine, passages, [store])
@@ -44,12 +44,19 @@ def time_batched(setup: Setup, runner: ModelRunner, clients: tuple[int, ...], n_
     return {"tokens": engine.layout(plans[0]).n_tokens, "max_tokens": max_tokens, "rows": rows}
 
 
-def _config(fmt: str, clients: int) -> EngineConfig:
-    """The engine configured to admit `clients` requests at once with no KV limit (the one place that
-    names the batching engine's limits: #35 may rename them)."""
+KV_SLACK = 1.25  # the batch's KV budget over what its requests need (block rounding, prefill chunks)
+
+
+def _config(fmt: str, runner: ModelRunner, clients: int, tokens_per_request: int) -> EngineConfig:
+    """The engine configured to admit `clients` requests of `tokens_per_request` tokens at once, its KV
+    budget what they need (the paged pool of #35 allocates its whole budget on the device: never a
+    blanket limit). The one place that names the batching engine's limits."""
     from blend_engine.scheduler.batch import BatchLimits
 
-    return EngineConfig(kv_format=fmt, batch=BatchLimits(max_batch=clients, kv_budget_bytes=1 << 40))
+    s = runner.shape
+    per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * runner.dtype.itemsize  # K and V, every layer
+    budget = int(KV_SLACK * clients * tokens_per_request * per_token)
+    return EngineConfig(kv_format=fmt, batch=BatchLimits(max_batch=clients, kv_budget_bytes=budget))
 
 
 def _level(engine: BlendEngine, plans: list[BlendPlan], gen: GenerationConfig) -> dict:

@@ -286,3 +286,14 @@ def test_a_kl_beyond_the_dtype_bound_passes_only_when_full_prefill_is_as_far_fro
     row = _correctness_row(Engine(drift), "memory", ["p"], "q?", exact)
     assert row["top1_agrees"] and not row["pass"]
     assert not _correctness_row(Engine(one), "memory", ["p"], "q?", None)["pass"]  # no fp32 answer: the bound rules
+
+
+def test_the_batched_run_sizes_its_kv_budget_to_its_requests(tiny_runner):
+    """Never a blanket budget: the paged pool allocates all of it on the device."""
+    from benchmarks.gpu_batch import KV_SLACK, _config
+
+    s = tiny_runner.shape
+    per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * tiny_runner.dtype.itemsize
+    config = _config("fp16", tiny_runner, 64, 8224)
+    assert config.batch.max_batch == 64
+    assert config.batch.kv_budget_bytes == int(KV_SLACK * 64 * 8224 * per_token)
