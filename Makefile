@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare bench-peer-install bench-peer clean
+.PHONY: install run test lint bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,11 @@ bench-loader: $(STAMP)
 # the GPU check's carry folder (.gpucarry/smollm2, ~58 MB, git-ignored): see benchmarks/README.md "GPU check"
 gpu-prepare: $(STAMP)
 	PYTHON=$(PY) bash benchmarks/gpu_check.sh --prepare
+
+# the whole GPU check rehearsed on the CPU with the GPU image's versions (.venv-gpu-rehearse, git-ignored):
+# see benchmarks/README.md "GPU check"; not in CI (about 9 minutes here: a venv of ~1 GB, then bf16 on the CPU)
+gpu-rehearse: gpu-prepare
+	bash benchmarks/gpu_rehearse.sh
 
 # llama.cpp peer (optional, not needed by CI): llama-cpp-cffi's prebuilt CPU llama.cpp, see benchmarks/README.md
 LLAMA_CPP_CFFI := llama-cpp-cffi==0.4.42

@@ -33,5 +33,5 @@ fi
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia_smi.csv" 2>&1 || true
 # 8 minutes at most on an H200: the check itself is sized for ~3-4; the timeout keeps what was written
-timeout 470 "$PY" -m benchmarks.gpu_check "$out" --smollm .gpucarry/smollm2 "$@" 2>&1 | tee "$out/gpu_check.log"
+timeout -k 10 470 "$PY" -m benchmarks.gpu_check "$out" --smollm .gpucarry/smollm2 "$@" 2>&1 | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -52,12 +52,13 @@ def unpack3(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, shape, 
     return g.flatten()[:n].view(*shape).to(dtype)
 
 
-def pack_model(out: Path) -> dict:
+def pack_model(out: Path, runner=None) -> dict:
+    """Pack `runner`'s model and tokenizer (default: SmolLM2 from the local GGUF, fp32) into `out`."""
     from safetensors.torch import save_file
 
     from blend_engine.model import ModelRunner
 
-    runner = ModelRunner.load(dtype="float32", device="cpu")
+    runner = runner or ModelRunner.load(dtype="float32", device="cpu")
     model, tok = runner.model, runner.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -82,12 +83,18 @@ def pack_model(out: Path) -> dict:
     return {"folder": str(out), "bytes": size}
 
 
-def load_packed(folder: Path, device: str, dtype: torch.dtype):
-    """(model, tokenizer) from a `pack_model` folder, weights de-quantized on `device`."""
+def load_packed(folder: Path, device: str, dtype: torch.dtype, layers: int | None = None):
+    """(model, tokenizer) from a `pack_model` folder, weights de-quantized on `device`; `layers`: only
+    the first that many decoder layers (the preflight's truncated model: built and de-quantized
+    without the rest)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(folder)
+    if layers is not None:
+        config.num_hidden_layers = min(layers, config.num_hidden_layers)
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:config.num_hidden_layers]
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # random init, replaced below
     packed = load_file(str(folder / "packed3.safetensors"), device=device)

@@ -6,8 +6,9 @@ from __future__ import annotations
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"# GPU check ({env['device_name']}, torch {env['torch']}, transformers {env['transformers']})", ""]
+    lines += _preflight(result.get("preflight"))
     if "correctness" not in result:
-        return "\n".join(lines)
+        return "\n".join(lines + _tail(result))
     c = result["correctness"]
     lines += [f"## (1) correctness: {c['model']}, {c['dtype']}, KV {c['kv_format']}: "
               f"{'PASS' if c['pass'] else 'FAIL'}", "",
@@ -19,7 +20,7 @@ def markdown(result: dict) -> str:
                      f"{r['kl_full_reuse']:.3f} | {r['kl_blend015']:.3f} |")
     t = result.get("ttft")
     if t is None:
-        return "\n".join(lines)
+        return "\n".join(lines + _tail(result))
     lines += ["", f"## (2) time to first token, ms (median of {result['reps']}; {result['timing_model']}; "
               "random weights: timing only)", ""]
     keys = list(dict.fromkeys(k for r in t["rows"] for k in r if k.endswith("_ms") and k != "layout_ms"))
@@ -45,24 +46,43 @@ def markdown(result: dict) -> str:
                      f"expanded, as the engine runs it on CUDA), additive float mask {a['float_mask_ms']:.2f} ms, 4 blocks "
                      f"{a['blocks_ms']:.2f} ms, FlexAttention {_flex(a)}; all {a['tokens']} rows causal "
                      f"{a['full_causal_ms']:.2f} ms (one layer)")
-    for name, err in result.get("errors", {}).items():
-        lines += ["", f"**{name} failed**: `{err.strip().splitlines()[-1]}` (traceback in the JSON)"]
+    return "\n".join(lines + _tail(result))
+
+
+def _preflight(p: dict | None) -> list[str]:
+    if p is None:
+        return []
+    if p.get("pass"):
+        return [f"preflight passed in {p['seconds']:.1f} s", ""]
+    return [f"**PREFLIGHT FAILED**: {p.get('reason')}", ""]
+
+
+def _tail(result: dict) -> list[str]:
+    """Ingestion, the batched run, the decode floor, then what failed and what the time plan skipped."""
+    lines: list[str] = []
     i = result.get("ingestion")
-    if i is None:
-        return "\n".join(lines)
-    lines += ["", f"## (3) ingestion precompute ({i['passages']} passages of {i['passage_tokens']} tokens)", "",
+    if i is not None:
+        lines += ["", f"## (3) ingestion precompute ({i['passages']} passages of {i['passage_tokens']} tokens)", "",
               f"one at a time: {i['one_at_a_time_passages_per_s']:.1f} passages/s; batched ({i['batch']}): "
               f"{i['batched_passages_per_s']:.1f} passages/s", ""]
     b = result.get("batched")
     if b is not None:
         lines += [f"## (4) continuous batching: {b['tokens']} tokens blended per request (ratio 0.15, KV in pinned "
                   f"RAM), {b['max_tokens']} tokens decoded each", "",
-                  "| clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | largest decode batch |",
+                  "| clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | most in flight |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['clients']} | {r['answers_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / "
-                  f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['max_batch_seen']} |"
+                  f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r.get('max_in_flight', '-')} |"
                   for r in b["rows"]]
-    return "\n".join(lines)
+    d = result.get("decode")
+    if d is not None:
+        lines += ["", f"## (5) decode step at {d['tokens']} tokens: {d['step_ms']:.2f} ms, floor {d['floor_ms']:.2f} ms "
+                  f"(weights + KV over a {d['copy_gb_per_s']:.0f} GB/s copy): {d['over_floor']:.2f}x the floor"]
+    for name, err in result.get("errors", {}).items():
+        lines += ["", f"**{name} failed**: `{err.strip().splitlines()[-1]}` (traceback in the JSON)"]
+    for name, why in result.get("skipped", {}).items():
+        lines += ["", f"*{name} skipped*: {why}"]
+    return lines
 
 
 def _service(r: dict) -> str:

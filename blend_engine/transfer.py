@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv_store.codec import ChunkMeta, QuantLayer, decode_raw, dequantize_k, dequantize_v
+from blend_engine.kv_store.codec import FLOAT_FORMATS, ChunkMeta, QuantLayer, decode_raw, dequantize_k, dequantize_v
 from blend_engine.kv_store.loader import LayerKV
-from blend_engine.kv_store.staging import StagedLayer, StagingRing
+from blend_engine.kv_store.staging import ALIGN, StagedLayer, StagingRing, pinnable
 from blend_engine.scheduler.controller import PathCosts
 
 
@@ -106,6 +106,7 @@ class LayerPacker:
         self._events: list[object | None] = [None] * self._slots
         self._next = 0
         self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._row_index: tuple[tuple, torch.Tensor] | None = None  # (layout, [2, H, Tc] gather rows), `_rows`
         self.uploaded_bytes = 0  # host-to-device bytes of staged layers (a device tier's chunks move none)
         self._moved: list = [0, 0.0]  # bytes, seconds of finished uploads not yet reported (upload_totals)
         self._timings: list[tuple[object, object, int]] = []  # CUDA: (start, end event, bytes) in flight
@@ -241,28 +242,77 @@ class LayerPacker:
     def _upload(self, staged: StagedLayer) -> PackedLayer:
         """A staged layer to the device: one copy of the staging slot (the chunks read into it, and
         those copied into it here; split where a device-resident chunk's region lies between), one
-        per chunk held in a tier's pinned memory, none for a chunk the device tier holds (decoded
-        where it lies), then K and V (int8: and scales) concatenated once, all on the copy stream."""
+        per chunk held in a tier's pinned memory, none for a chunk the device tier holds (copied
+        device to device into its region), then K and V taken out of the block by ONE gather
+        (`_rows`: an index made once per stream; int8, or a layout whose rows do not align: per
+        chunk views concatenated), all on the copy stream."""
         slot = staged.slot
         at, direct, runs = staged.gather()  # pageable tier buffers copied into the slot
         hosted = [o + len(b) for o, b in zip(at, staged.blobs) if o is not None]
+        rows = self._rows(staged, at)
         moved = self.uploaded_bytes
         with self._on_copy_stream():
             started = self._record(timing=True)
-            block = torch.empty(max(hosted, default=0), dtype=torch.uint8, device=self.device)  # [bytes], like the slot
+            size = slot.buf.numel() if rows is not None else max(hosted, default=0)
+            block = torch.empty(size, dtype=torch.uint8, device=self.device)  # [bytes], like the slot
             for start, end in runs:  # one DMA for the slot (one per run between device-resident chunks)
                 block[start:end].copy_(slot.buf[start:end], non_blocking=True)
                 self.uploaded_bytes += end - start
             for o, src in direct:
                 block[o:o + src.numel()].copy_(src, non_blocking=True)  # one DMA per pinned chunk
                 self.uploaded_bytes += src.numel()
-            parts = [decode_raw(m, self._resident(b) if o is None else block[o:o + m.layer_nbytes], quantized=True)
-                     for m, o, b in zip(staged.metas, at, staged.blobs)]
-            packed = self._concat(parts, staged.metas)
+            if rows is not None:
+                packed = self._gathered(block, rows, staged)
+            else:
+                parts = [decode_raw(m, self._resident(b) if o is None else block[o:o + m.layer_nbytes], quantized=True)
+                         for m, o, b in zip(staged.metas, at, staged.blobs)]
+                packed = self._concat(parts, staged.metas)
             packed.ready = slot.fence = self._record(timing=True)
         if started is not None:
             self._timings.append((started, packed.ready, self.uploaded_bytes - moved))
         return packed
+
+    def _rows(self, staged: StagedLayer, at: list[int | None]) -> torch.Tensor | None:
+        """The gather index [2, H, Tc] int64 on the device: for K then V, per head and cached token, the
+        row (D values) of the layer's block that holds it. The same for every layer of a stream (its
+        chunks' regions do not move), so it is built and moved once. None when one gather cannot do:
+        int8, mixed formats or shapes, or a blob not starting on a row boundary."""
+        metas = staged.metas
+        m0 = metas[0]
+        if m0.fmt not in FLOAT_FORMATS or any((m.fmt, m.n_heads, m.head_dim) != (m0.fmt, m0.n_heads, m0.head_dim)
+                                              for m in metas):
+            return None
+        row = m0.head_dim * FLOAT_FORMATS[m0.fmt].itemsize  # bytes of one [D] row
+        starts = tuple(staged.slot.offsets[i] if o is None else o for i, o in enumerate(at))
+        if ALIGN % row or any(s % row for s in starts):
+            return None
+        key = (starts, tuple(m.n_tokens for m in metas), m0.n_heads, row)
+        if self._row_index is not None and self._row_index[0] == key:
+            return self._row_index[1]
+        H = m0.n_heads
+        heads = torch.arange(H)[:, None]  # [H, 1]
+        k_rows, v_rows = [], []
+        for s, m in zip(starts, metas):
+            base = s // row + heads * m.n_tokens + torch.arange(m.n_tokens)[None, :]  # [H, T]: K's rows
+            k_rows.append(base)
+            v_rows.append(base + H * m.n_tokens)  # V follows K in the blob
+        index = torch.stack([torch.cat(k_rows, dim=1), torch.cat(v_rows, dim=1)])  # [2, H, Tc]
+        with self._on_copy_stream():
+            index = (index.pin_memory() if pinnable() else index).to(self.device, non_blocking=True)  # [2, H, Tc]
+        self._row_index = (key, index)
+        return index
+
+    def _gathered(self, block: torch.Tensor, rows: torch.Tensor, staged: StagedLayer) -> PackedLayer:
+        """K and V [H, Tc, D] out of the layer's block [bytes] by one index_select over its rows; a
+        device tier's chunks are first copied (device to device) into their regions of the block."""
+        m0 = staged.metas[0]
+        for i, (m, b) in enumerate(zip(staged.metas, staged.blobs)):
+            if isinstance(b, torch.Tensor):
+                o = staged.slot.offsets[i]
+                block[o:o + m.layer_nbytes].copy_(self._resident(b), non_blocking=True)  # [bytes], on the device
+        values = block.view(FLOAT_FORMATS[m0.fmt]).view(-1, m0.head_dim)  # [R, D]
+        kv = values.index_select(0, rows.view(-1)).view(*rows.shape, m0.head_dim)  # [2, H, Tc, D]: the one gather
+        return PackedLayer(kv[0], kv[1])
 
     def _resident(self, blob: torch.Tensor) -> torch.Tensor:
         """A device tier's blob [bytes] on this packer's device (it is, unless tiers and engine

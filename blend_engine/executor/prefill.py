@@ -108,8 +108,9 @@ def _stream(runner: ModelRunner, loader: LayerLoader, mp: ModePlan, rebuild: Cal
 
     loader = loader if mp.store is loader.store else LayerLoader(mp.store)
     packer = LayerPacker(runner.device, runner.dtype, slots=loader.prefetch_depth + 2)
+    whole = range(mp.check_layer) if mp.check_layer is not None and mp.recompute is None else ()  # never loaded
     return loader.stream([k for _, k in mp.cached], runner.shape.n_layers, repair, packer,
-                         stored=packer.moves_int8)  # int8 moves as int8, dequantized on the device
+                         stored=packer.moves_int8, skip=whole)  # int8 moves as int8, dequantized on the device
 
 
 def _final_positions(out: LayerOutput, n: int) -> list[int]:

@@ -21,7 +21,6 @@ positive one on a device that is not CUDA, or more than the device has free fail
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +62,11 @@ def device_cache_bytes(gb: float | None, device: torch.device | str, reserved_by
     return want
 
 
+def _host_view(blob: Blob | torch.Tensor) -> torch.Tensor:
+    """A blob as a uint8 tensor [n] over the same memory (no copy)."""
+    return blob if isinstance(blob, torch.Tensor) else torch.frombuffer(blob, dtype=torch.uint8)  # [n]
+
+
 @dataclass
 class _Entry:
     meta: ChunkMeta
@@ -86,17 +90,32 @@ class DeviceStore(HeldTier):
 
     def _upload(self, meta: ChunkMeta, blobs: Sequence[Blob]) -> torch.Tensor:
         """The chunk's blobs in one device tensor [L * layer_nbytes], the copy finished (a put is off
-        the critical path: a store after compute, or a promotion after the stream's last layer)."""
+        the critical path: a store after compute, or a promotion after the stream's last layer).
+
+        On CUDA the copies run on the tier's copy stream, ordered on both sides: the copy stream
+        first waits for the current (compute) stream, whose pool the new tensor came from (its
+        memory may still be read by kernels queued there); then an event recorded on the copy
+        stream, after the copies, is waited for by the compute stream (device side) and by this
+        thread (the host buffers, `frombuffer` views that the allocator does not track, are read
+        until then)."""
         n = meta.layer_nbytes
         data = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)  # [L * n]
         if self.device.type == "meta":
             return data
-        with torch.cuda.stream(self._copies) if self._cuda else contextlib.nullcontext():
+        if not self._cuda:
             for i, b in enumerate(blobs):
-                src = b if isinstance(b, torch.Tensor) else torch.frombuffer(b, dtype=torch.uint8)  # [n]
-                data[i * n:(i + 1) * n].copy_(src, non_blocking=self._cuda)  # async only from pinned memory
-        if self._cuda:
-            self._copies.synchronize()
+                data[i * n:(i + 1) * n].copy_(_host_view(b))  # [n]
+            return data
+        compute = torch.cuda.current_stream(self.device)
+        self._copies.wait_stream(compute)  # the allocation may reuse memory the compute stream still reads
+        with torch.cuda.stream(self._copies):
+            for i, b in enumerate(blobs):
+                data[i * n:(i + 1) * n].copy_(_host_view(b), non_blocking=True)  # [n], async from pinned memory
+            done = torch.cuda.Event()
+            done.record(self._copies)  # on the copy stream, after its copies
+        data.record_stream(self._copies)  # written there: freed only after the copy stream is done with it
+        compute.wait_event(done)  # the compute stream reads the chunk only after its copy
+        done.synchronize()  # the host buffers (`blobs`) are read until here: only then may the caller free them
         return data
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob | torch.Tensor] | None:

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,6 +43,12 @@ Repair = Callable[[str], ChunkKV]
 LayerKV = list[tuple[torch.Tensor, torch.Tensor] | QuantLayer]
 Pack = Callable[[LayerKV], object]
 READERS = 4  # chunk reads in flight per layer
+CUDA_PREFETCH_DEPTH = 2  # layers read ahead by default where CUDA exists: the copy of i+1 overlaps layer i
+
+
+def default_prefetch_depth() -> int:
+    """`CUDA_PREFETCH_DEPTH` where a CUDA device exists, else 0 (the CPU reads synchronously: no copy to overlap)."""
+    return CUDA_PREFETCH_DEPTH if torch.cuda.is_available() else 0
 
 
 @functools.cache
@@ -67,8 +73,9 @@ class LayerStream:
     """Synchronous stream: reads layer i when the engine asks for it (no overlap)."""
 
     def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair,
-                 pack: Pack | None = None, stored: bool = False) -> None:
+                 pack: Pack | None = None, stored: bool = False, skip: Collection[int] = ()) -> None:
         self._store = store
+        self._skip = frozenset(skip)  # layers the consumer recomputes whole: yielded as None, never read
         self._pack = pack
         self._stored = stored
         self._keys = list(keys)
@@ -193,18 +200,30 @@ class LayerStream:
                 self._store.count_upload(nbytes, seconds)  # the last leg of the path, for the controller
 
     # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[LayerKV]:
+    def _load(self, layer: int) -> object | None:
+        """Layer `layer` read and packed; None for a skipped layer (nothing read, no slot used)."""
+        if layer in self._skip:
+            return None
+        item = self._read(layer)
+        return self._pack(item) if self._pack is not None else item
+
+    def __iter__(self) -> Iterator[LayerKV | None]:
         for layer in range(self._n_layers):
             t0 = time.perf_counter()
-            item = self._read(layer)
-            if self._pack is not None:
-                item = self._pack(item)
+            item = self._load(layer)
             read = time.perf_counter() - t0
             self.trace.read_s.append(read)
             self.trace.wait_s.append(read)
             yield item
 
+    def _complete_promotions(self) -> None:
+        """A tiered store promotes a chunk once every layer has passed: read the skipped ones now."""
+        complete = getattr(self._store, "complete_promotions", None)
+        if self._skip and complete is not None:
+            complete(self._keys, self._skip)
+
     def close(self) -> None:
+        self._complete_promotions()
         self._finish()
 
 
@@ -216,8 +235,8 @@ class PrefetchStream(LayerStream):
     """
 
     def __init__(self, store: KVStore, keys: Sequence[str], n_layers: int, repair: Repair, depth: int,
-                 pack: Pack | None = None, stored: bool = False) -> None:
-        super().__init__(store, keys, n_layers, repair, pack, stored)
+                 pack: Pack | None = None, stored: bool = False, skip: Collection[int] = ()) -> None:
+        super().__init__(store, keys, n_layers, repair, pack, stored, skip)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="kv-prefetch", daemon=True)
@@ -233,11 +252,10 @@ class PrefetchStream(LayerStream):
                 if self._stop.is_set():
                     return
                 t0 = time.perf_counter()
-                item = self._read(layer)
-                if self._pack is not None:
-                    item = self._pack(item)
+                item = self._load(layer)
                 self.trace.read_s.append(time.perf_counter() - t0)
                 self._offer((item, None))
+            self._complete_promotions()  # here, on the reader thread, after the last layer
         except BaseException as exc:  # handed to the consumer, raised there
             self._offer((None, exc))
 
@@ -270,18 +288,21 @@ class PrefetchStream(LayerStream):
 
 
 class LayerLoader:
-    """Opens layer streams on a store; prefetch_depth 0 reads synchronously."""
+    """Opens layer streams on a store; prefetch_depth 0 reads synchronously, None (the default)
+    means `default_prefetch_depth()`: 2 where CUDA exists, else 0."""
 
-    def __init__(self, store: KVStore, prefetch_depth: int = 0) -> None:
+    def __init__(self, store: KVStore, prefetch_depth: int | None = None) -> None:
+        prefetch_depth = default_prefetch_depth() if prefetch_depth is None else prefetch_depth
         if prefetch_depth < 0:
             raise ValueError("prefetch_depth must be >= 0")
         self.store = store
         self.prefetch_depth = prefetch_depth
 
     def stream(self, keys: Sequence[str], n_layers: int, repair: Repair, pack: Pack | None = None,
-               stored: bool = False) -> LayerStream:
+               stored: bool = False, skip: Collection[int] = ()) -> LayerStream:
         """`pack` turns each layer's chunk list into the item yielded (run where the read runs);
-        `stored`: layers as stored (int8 not dequantized, see the module doc)."""
+        `stored`: layers as stored (int8 not dequantized, see the module doc); `skip`: layers the
+        consumer recomputes whole (a blend's layers below its check layer), yielded as None unread."""
         if self.prefetch_depth == 0:
-            return LayerStream(self.store, keys, n_layers, repair, pack, stored)
-        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth, pack, stored)
+            return LayerStream(self.store, keys, n_layers, repair, pack, stored, skip)
+        return PrefetchStream(self.store, keys, n_layers, repair, self.prefetch_depth, pack, stored, skip)

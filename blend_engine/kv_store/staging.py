@@ -90,14 +90,24 @@ def is_pinned(blob) -> bool:
 
 
 class _Lease:
-    """A slot's buffer and the fence of the last copy out of it (handed back with the buffer)."""
+    """A slot's buffer, the fence of the last copy out of it, and the other host buffers that copy
+    reads (a tier's pinned blobs, `held`): all handed back together, so a slot collected while its
+    last copy is in flight keeps those buffers alive until the fence has passed."""
 
-    __slots__ = ("raw", "pinned", "fence")
+    __slots__ = ("raw", "pinned", "fence", "held")
 
     def __init__(self, raw: torch.Tensor, pinned: bool) -> None:
         self.raw = raw
         self.pinned = pinned
         self.fence: object | None = None
+        self.held: list[object] = []
+
+    def settle(self) -> None:
+        """Wait for the last copy out of this buffer (and out of `held`), then let go of `held`."""
+        if self.fence is not None:
+            self.fence.synchronize()
+            self.fence = None
+        self.held.clear()
 
 
 class HostBuffers:
@@ -123,17 +133,21 @@ class HostBuffers:
         if lease is None:
             raw = torch.empty(-(-nbytes // _GRAIN) * _GRAIN, dtype=torch.uint8, pin_memory=pinned)  # [bytes]
             return _Lease(raw, pinned)
-        if lease.fence is not None:
-            lease.fence.synchronize()  # the last copy out of it is done
-            lease.fence = None
+        lease.settle()  # the last copy out of it (and of what it held) is done
         return lease
 
     def give(self, lease: _Lease) -> None:
+        """Take a buffer back; its fence and held buffers come with it (settled when it is reused,
+        or here when it is dropped for room)."""
+        dropped = []
         with self._lock:
             self._free.append(lease)
             total = sum(x.raw.numel() for x in self._free)
             while total > self.keep_bytes:
-                total -= self._free.pop(0).raw.numel()
+                dropped.append(self._free.pop(0))
+                total -= dropped[-1].raw.numel()
+        for old in dropped:
+            old.settle()  # freed only once no copy reads it
 
     def free_bytes(self) -> int:
         with self._lock:
@@ -165,7 +179,12 @@ class StagingSlot:
         self.buf = raw[start:start + total]  # [bytes]
         self._array = self.buf.numpy()  # [bytes]
         self._view = memoryview(self._array)
-        self.held: list[object] = []  # buffers that must outlive the copy (a tier's own pinned blobs)
+
+    @property
+    def held(self) -> list[object]:
+        """Buffers that must outlive the copy out of this slot (a tier's own pinned blobs): kept by
+        the lease, so they outlive the slot too while that copy is in flight."""
+        return self._lease.held
 
     @property
     def fence(self) -> object | None:
@@ -202,10 +221,7 @@ class StagingSlot:
 
     def reuse(self) -> None:
         """Wait until the consumer's copy out of this slot is done, then forget what it held."""
-        if self._lease.fence is not None:
-            self._lease.fence.synchronize()
-        self._lease.fence = None
-        self.held.clear()
+        self._lease.settle()
 
 
 class StagingRing:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from blend_engine.kv_store.base import StoreStats
@@ -115,6 +115,23 @@ class TieredStore(BlobStore):
                 return
             del self._partials[key]
         self._promote(key, source, meta, p.blobs)
+
+    def complete_promotions(self, keys: Sequence[str], layers: Collection[int]) -> None:
+        """Promote the chunks whose promotion waits only on `layers`, which a stream skipped (layers its
+        consumer recomputes whole): read those from the tier that served the rest, outside any staging
+        slot, after the stream's own reads."""
+        for key in keys:
+            with self._lock:
+                p = self._partials.get(key)
+                missing = [i for i, b in enumerate(p.blobs) if b is None] if p is not None else [None]
+                if not set(missing) <= set(layers):
+                    continue
+                source, meta = p.source, p.meta
+            for layer in missing:
+                got = self.tiers[source].get_blob(key, layer)
+                if got is None or got[0] != meta:
+                    break
+                self._collect(key, source, layer, meta, got[1])
 
     def _promote(self, key: str, source: int, meta: ChunkMeta, blobs: Sequence[Blob]) -> None:
         if self._put_into(self.tiers[:source], key, meta, blobs):

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from app.main import create_app
@@ -68,8 +69,8 @@ def test_long_probe_passages_are_long_and_the_answer_is_never_in_the_first():
 def test_a_failed_long_probe_fails_the_gate_though_the_short_one_passes(tiny_runner, monkeypatch):
     from blend_engine.types import Mode
 
-    good = {Mode.BLEND: (0.01, 1.0), Mode.FULL_REUSE: (0.2, 0.5)}  # 0.05x: passes
-    bad = {Mode.BLEND: (0.05, 0.5), Mode.FULL_REUSE: (0.1, 0.5)}  # 0.5x: fails
+    good = selfcheck.ProbeMeans({Mode.BLEND: (0.01, 1.0), Mode.FULL_REUSE: (0.2, 0.5)})  # 0.05x: passes
+    bad = selfcheck.ProbeMeans({Mode.BLEND: (0.05, 0.5), Mode.FULL_REUSE: (0.1, 0.5)})  # 0.5x: fails
     calls = iter([good, bad])
     monkeypatch.setattr(selfcheck, "_probe_means", lambda *_a: next(calls))
     result = selfcheck.measure(tiny_runner, EngineConfig(kv_format="fp32"), probe=[], long_probe=[(("x",), "q")])
@@ -158,3 +159,79 @@ def test_command_line(tiny_runner, tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps(cfg))
     assert selfcheck.main(args) == 2
     assert "RoPE type 'dynamic'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- judged by the compute dtype (issue #39)
+def test_a_near_tie_flipped_in_bf16_counts_as_agreement_though_the_logits_are_fp32():
+    """The engine's logits are fp32 tensors computed in bf16: the tie is judged by bf16's resolution
+    (an fp32 epsilon on them, the old rule, called this flip a disagreement)."""
+    from blend_engine.selfcheck import compare, tolerance
+
+    ref = torch.tensor([0.0, 30.0, 29.875, 5.0])  # fp32 storage; a 0.125 gap is ~half a bf16 step at 30
+    flipped = torch.tensor([0.0, 29.875, 30.0, 5.0])
+    got = compare(ref, flipped, torch.bfloat16)
+    assert got.near_tie and not got.same_top1 and got.top1_agrees
+    old_rule_tol = 2 * torch.finfo(ref.dtype).eps * 30.0
+    assert 0.125 > old_rule_tol  # what the old check would have refused
+    assert not compare(ref, flipped, torch.float32).top1_agrees  # in fp32 the same flip is a real disagreement
+    far = torch.tensor([0.0, 30.0, 27.0, 5.0])
+    assert not compare(far, torch.tensor([0.0, 27.0, 30.0, 5.0]), torch.bfloat16).top1_agrees
+    assert tolerance(torch.bfloat16).kl > tolerance(torch.float16).kl > tolerance(torch.float32).kl
+    with pytest.raises(ValueError, match="no fidelity tolerance"):
+        tolerance(torch.int8)
+
+
+def test_kl_within_the_dtype_tolerance_passes_and_beyond_fails():
+    from blend_engine.selfcheck import compare, tolerance
+
+    ref = torch.zeros(50)
+    ref[3] = 8.0
+    tol = tolerance(torch.bfloat16).kl
+    small, large = ref.clone(), ref.clone()
+    small[3] = 7.99
+    large[3] = 5.0  # the top token's probability drops a lot: far beyond bf16 rounding
+    assert compare(ref, small, torch.bfloat16).kl < tol and compare(ref, small, torch.bfloat16).passed
+    assert compare(ref, large, torch.bfloat16).kl > tol and not compare(ref, large, torch.bfloat16).passed
+
+
+@pytest.fixture(scope="module")
+def bf16_runner(real_runner):
+    """The tiny random Llama in bf16 on the CPU: what a GPU computes in, on CI."""
+    import torch as _torch
+
+    from blend_engine.model import ModelRunner
+    from tests.helpers import tiny_model
+
+    return ModelRunner(tiny_model().to(_torch.bfloat16), real_runner.tokenizer, "tiny-bf16")
+
+
+def test_the_gate_in_bf16_judges_blend_against_its_own_kernels_and_passes_a_correct_engine(bf16_runner):
+    """bf16 on the CPU: full prefill and blend@1.0 differ by rounding only (within bf16's tolerance),
+    blend at ratio 1.0 equals its reference exactly, and the gate passes."""
+    import torch as _torch
+
+    assert bf16_runner.dtype == _torch.bfloat16
+    result = selfcheck.measure(bf16_runner, EngineConfig(default_ratio=1.0, kv_format="bf16"))
+    assert result.dtype == "bfloat16" and result.kernels_agree
+    assert 0.0 <= result.kl_kernels <= selfcheck.tolerance(_torch.bfloat16).kl
+    assert result.kl_blend == 0.0 and result.top1_blend == 1.0 and result.kl_blend_long == 0.0
+    assert result.kl_full_reuse > 0 and result.passed
+
+
+def test_an_engine_whose_blend_path_is_wrong_fails_the_gate_whatever_the_ratio(bf16_runner, monkeypatch):
+    """A blend path that disagrees with full prefill beyond rounding is an engine fault: the gate fails
+    and says so, even though blend against its own reference looks perfect."""
+
+    from blend_engine.types import Mode
+
+    real = selfcheck._logits
+
+    def broken(engine, passages, question, mode, ratio=None):
+        out = real(engine, passages, question, mode, ratio)
+        return out.roll(1) if mode is Mode.BLEND else out  # a wrong blend path, the same at every ratio
+
+    monkeypatch.setattr(selfcheck, "_logits", broken)
+    result = selfcheck.measure(bf16_runner, EngineConfig(default_ratio=1.0, kv_format="bf16"))
+    assert not result.kernels_agree and not result.passed  # the rolled logits pick another token
+    assert result.kl_kernels > 0 and result.kl_blend == 0.0  # blend against its own (wrong) reference looks exact
+    assert "engine fault" in GateDecision("enforce", result).reason
