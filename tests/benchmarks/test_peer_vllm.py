@@ -201,10 +201,18 @@ def test_blendserve_cases_name_their_modes():
 # ----------------------------------------------------------------------------- arguments
 
 
-def test_quick_means_one_question_and_one_round():
+def test_quick_means_one_question_per_size_and_one_round():
     args = peer_vllm.parse_args(["--quick", "--questions", "5"])
-    assert (args.questions, args.rounds) == (1, 1)
+    assert (args.questions, args.rounds) == (1, 1) and "prefix_cache" in args.skip
     assert args.sizes == [2000, 4000, 7600] and args.clients == [1, 8, 16]
+    assert peer_vllm.rag_plan(args) == [("musique", 2000), ("hotpotqa", 4000), ("musique", 7600)]
+
+
+def test_a_full_run_asks_every_dataset_at_every_size():
+    args = peer_vllm.parse_args(["--questions", "2", "--sizes", "2000,4000"])
+    plan = peer_vllm.rag_plan(args)
+    assert len(plan) == 2 * 2 * 2 and plan.count(("hotpotqa", 4000)) == 2
+    assert "prefix_cache" not in args.skip
 
 
 @pytest.mark.parametrize("argv", [["--sizes", "100"], ["--sizes", "9000"], ["--sizes", "2k"], ["--clients", "0"],
