@@ -1,11 +1,14 @@
-"""Start-up work done on a thread started by the lifespan: build the stack, run the fidelity gate, start
-the ingestion job runner (resuming unfinished jobs); /readyz turns true then. On the first start (no
-passage ingested yet) the bundled sample corpus is then ingested as a background job: questions are
-answered meanwhile from what is indexed so far, and /readyz reports the job's progress (`ingestion`)."""
+"""Start-up work done on a thread started by the lifespan: build the stack, start the ingestion job runner
+(resuming unfinished jobs); /readyz turns true then. The fidelity gate runs on a thread of its own from
+that moment: until it has decided, blend requests are answered by full prefill (under
+BLENDSERVE_FIDELITY_GATE=enforce) and /readyz says `blend: checking`. On the first start (no passage
+ingested yet) the bundled sample corpus is then ingested as a background job: questions are answered
+meanwhile from what is indexed so far, and /readyz reports the job's progress (`ingestion`)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +34,32 @@ def run_fidelity_gate(stack, metrics) -> GateDecision:
     return decision
 
 
+def _gate_in_background(stack, metrics) -> None:
+    """The gate thread's body: decide, publish, then let blend requests through (or not). Never raises."""
+    t0 = time.perf_counter()
+    try:
+        decision = run_fidelity_gate(stack, metrics)
+    except Exception as exc:  # noqa: BLE001 - an unexpected failure leaves blend unchecked, named in /readyz
+        logger.exception("fidelity gate failed")
+        decision = GateDecision(stack.settings.fidelity_gate, None, error=f"{type(exc).__name__}: {exc}")
+    stack.gate = decision
+    stack.gate_checking = False
+    logger.info("fidelity gate decided in %.1f s: blend %s", time.perf_counter() - t0,
+                "off (full prefill)" if decision.fallback else "on")
+
+
+def start_fidelity_gate(stack, metrics) -> threading.Thread | None:
+    """Run the gate on a thread of its own (None when it is off); blend is `checking` until it decides."""
+    if stack.settings.fidelity_gate == "off":
+        stack.gate = run_fidelity_gate(stack, metrics)  # off: decided at once, nothing measured
+        return None
+    stack.gate_checking = True
+    thread = threading.Thread(target=_gate_in_background, args=(stack, metrics), name="blendserve-gate",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
 def submit_sample(stack, runner: JobRunner) -> str | None:
     """First start (nothing stored, no sample job on record): the sample corpus as a background job. Its id."""
     path = sample_to_ingest(stack)
@@ -52,15 +81,13 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             stack.close()
             return
         svc.stack = stack
-        stack.gate = run_fidelity_gate(stack, svc.metrics)  # before ready: blend may fall back
-        if svc.closing.is_set():
-            return
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set)
         svc.jobs = jobs  # the lifespan closes it from here on
         jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
         if svc.closing.is_set():
             return
+        start_fidelity_gate(stack, svc.metrics)  # blend is served by full prefill until it decides
         svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
         submit_sample(stack, svc.jobs)
