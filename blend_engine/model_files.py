@@ -76,13 +76,20 @@ def _gguf_cache_dir(gguf: Path, cache_root: Path | None = None, dtype: torch.dty
 
 
 @contextlib.contextmanager
-def _prepare_lock(cached: Path) -> Iterator[None]:
-    """One process prepares a model at a time (two starts do not race); the others wait, then reuse it."""
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    with open(cached.with_name(cached.name + ".lock"), "a+b") as fh:
+def _prepare_lock(cached: Path) -> Iterator[bool]:
+    """One process prepares a model at a time (two starts do not race); the others wait, then reuse it.
+    Yields False when the cache folder cannot be locked (read-only, missing): then nothing is cached."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(cached.with_name(cached.name + ".lock"), "a+b")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        logger.warning("cannot lock the model cache %s (%s); preparing the model without caching it", cached, exc)
+        yield False
+        return
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
@@ -96,13 +103,9 @@ def _load_hf(spec: str, dtype: torch.dtype, cache_root: Path | None = None):
     if gguf_file is not None:
         cached = _gguf_cache_dir(folder / gguf_file, cache_root, dtype)
         if not (cached / "config.json").exists():
-            try:
-                with _prepare_lock(cached):
-                    if not (cached / "config.json").exists():
-                        return _prepare_gguf(folder / gguf_file, dtype, cached)
-            except OSError as exc:  # a read-only cache: convert in memory, every start
-                logger.warning("could not lock the model cache %s (%s); converting without caching", cached, exc)
-                return _prepare_gguf(folder / gguf_file, dtype, None)
+            with _prepare_lock(cached) as locked:
+                if not locked or not (cached / "config.json").exists():  # else another start prepared it meanwhile
+                    return _prepare_gguf(folder / gguf_file, dtype, cached if locked else None)
         folder = cached
     config = AutoConfig.from_pretrained(folder)
     check_blendable(config)

@@ -134,3 +134,17 @@ def test_one_pass_reader_matches_transformers_generic_loader(arch, tmp_path):
     again = ModelRunner.load(str(path), device="cpu", dtype="bfloat16", cache_dir=tmp_path / "cache")
     assert all(torch.equal(a, b) for a, b in zip(runner.model.state_dict().values(),
                                                  again.model.state_dict().values()))
+
+
+def test_unwritable_model_cache_prepares_in_memory(tmp_path):
+    """A cache folder that cannot be created (here: a file in the way) costs the cache, not the start."""
+    torch.manual_seed(0)
+    original = perturb(ARCHS["llama"][1]())
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf(original, "llama", path)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    runner = ModelRunner.load(str(path), device="cpu", dtype="float32", cache_dir=blocker / "cache")
+    ids = torch.tensor([runner.encode(QUESTION)])
+    with torch.no_grad():
+        assert torch.allclose(runner.model(ids).logits, original(ids).logits, atol=1e-4)
