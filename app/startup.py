@@ -34,8 +34,22 @@ def run_fidelity_gate(stack, metrics) -> GateDecision:
     return decision
 
 
-def _gate_in_background(stack, metrics) -> None:
+FIRST_BATCH_WAIT_S = 120.0  # the longest the gate waits for a first start's first searchable passages
+
+
+def _await_first_passages(stack, closing: threading.Event, timeout_s: float = FIRST_BATCH_WAIT_S) -> None:
+    """On a first start, let the sample's first batch in before the gate takes its share of the CPU: the
+    first answer needs passages, blend can wait (it is served by full prefill meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while stack.pipeline.db.counts()["passages"] == 0 and time.monotonic() < deadline:
+        if closing.wait(0.5):
+            return
+
+
+def _gate_in_background(stack, metrics, closing: threading.Event, first_start: bool) -> None:
     """The gate thread's body: decide, publish, then let blend requests through (or not). Never raises."""
+    if first_start:
+        _await_first_passages(stack, closing)
     t0 = time.perf_counter()
     try:
         decision = run_fidelity_gate(stack, metrics)
@@ -48,14 +62,16 @@ def _gate_in_background(stack, metrics) -> None:
                 "off (full prefill)" if decision.fallback else "on")
 
 
-def start_fidelity_gate(stack, metrics) -> threading.Thread | None:
-    """Run the gate on a thread of its own (None when it is off); blend is `checking` until it decides."""
+def start_fidelity_gate(stack, metrics, closing: threading.Event | None = None,
+                        first_start: bool = False) -> threading.Thread | None:
+    """Run the gate on a thread of its own (None when it is off); blend is `checking` until it decides.
+    `first_start` (the sample corpus is being ingested): it starts once the first passages are searchable."""
     if stack.settings.fidelity_gate == "off":
         stack.gate = run_fidelity_gate(stack, metrics)  # off: decided at once, nothing measured
         return None
     stack.gate_checking = True
-    thread = threading.Thread(target=_gate_in_background, args=(stack, metrics), name="blendserve-gate",
-                              daemon=True)
+    thread = threading.Thread(target=_gate_in_background, name="blendserve-gate", daemon=True,
+                              args=(stack, metrics, closing or threading.Event(), first_start))
     thread.start()
     return thread
 
@@ -87,10 +103,11 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
         if svc.closing.is_set():
             return
-        start_fidelity_gate(stack, svc.metrics)  # blend is served by full prefill until it decides
+        stack.gate_checking = stack.settings.fidelity_gate != "off"  # blend: full prefill until the gate decides
         svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
-        submit_sample(stack, svc.jobs)
+        sample = submit_sample(stack, svc.jobs)
+        start_fidelity_gate(stack, svc.metrics, svc.closing, first_start=sample is not None)
     except Exception as exc:  # noqa: BLE001 - reported by /readyz, the process stays up for /healthz
         svc.error = f"{type(exc).__name__}: {exc}"
         logger.exception("start-up failed")

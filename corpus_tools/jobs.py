@@ -149,7 +149,7 @@ class JobStore:
             self._conn.execute("UPDATE jobs SET updated_at = ? WHERE id = ?", (time.time(), job_id))
 
 
-FIRST_SLICE = 8  # documents ingested (and published) first, so a big file answers questions within seconds
+FIRST_SLICE = 2  # documents ingested (and published) first, so a big file answers questions within seconds
 
 
 def _counted(docs: list[Document], tick: Callable[[int], None], start: int = 0) -> Iterator[Document]:

@@ -173,3 +173,43 @@ def test_question_during_sample_ingestion_503_then_answer(tmp_path, tiny_stack_f
         assert r.json()["sources"] and all(s["text"] for s in r.json()["sources"])
         done = poll(lambda: (info := c.get("/v1/status").json()["ingestion"])["status"] == "done" and info)
         assert done["processed"] == done["documents"] == len(FIXTURE_DOCS) and done["eta_s"] == 0.0
+
+
+def test_first_start_gate_waits_for_the_first_searchable_passages(tmp_path, tiny_stack_factory, monkeypatch):
+    """On a first start the gate begins once the sample's first batch is searchable (the first answer
+    needs the CPU more than blend does); blend is `checking` meanwhile."""
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("".join(json.dumps({"title": d["title"], "text": d["text"]}) + "\n" for d in FIXTURE_DOCS))
+    release, decided = threading.Event(), threading.Event()
+    seen: list[int] = []
+    stacks: list = []
+
+    def decide(mode, runner, config, data_dir):
+        seen.append(stacks[0].pipeline.db.counts()["passages"])  # passages searchable when the gate starts
+        decided.set()
+        return GateDecision(mode, None)
+
+    def held_factory(settings):
+        stack = tiny_stack_factory(settings)
+        stacks.append(stack)
+        ingest = stack.pipeline.ingest
+
+        def held(*args, **kwargs):
+            assert release.wait(30)
+            return ingest(*args, **kwargs)
+
+        stack.pipeline.ingest = held
+        return stack
+
+    monkeypatch.setattr("app.startup.decide", decide)
+    settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample,
+                             fidelity_gate="enforce")
+    with TestClient(create_app(settings, held_factory)) as c:
+        ready = wait_ready(c)
+        assert ready["blend"]["state"] == "checking"
+        poll(lambda: (c.get("/readyz").json().get("ingestion") or {}).get("status") == "running")
+        assert not decided.is_set()
+        release.set()
+        assert decided.wait(60)
+        assert seen and seen[0] > 0, seen
+        poll(lambda: c.get("/readyz").json()["blend"]["state"] == "on")
