@@ -76,6 +76,12 @@ def start_fidelity_gate(stack, metrics, closing: threading.Event | None = None,
     return thread
 
 
+def _serving(stack) -> bool:
+    """The engine has requests running or waiting (background ingestion yields to them)."""
+    stats = stack.engine.loop.stats()
+    return stats["running"] + stats["waiting"] > 0
+
+
 def submit_sample(stack, runner: JobRunner) -> str | None:
     """First start (nothing stored, no sample job on record): the sample corpus as a background job. Its id."""
     path = sample_to_ingest(stack)
@@ -98,7 +104,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             return
         svc.stack = stack
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
-        jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set)
+        jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set, busy=lambda: _serving(stack))
         svc.jobs = jobs  # the lifespan closes it from here on
         jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
         if svc.closing.is_set():
