@@ -50,6 +50,8 @@ def _gate_in_background(stack, metrics, closing: threading.Event, first_start: b
     """The gate thread's body: decide, publish, then let blend requests through (or not). Never raises."""
     if first_start:
         _await_first_passages(stack, closing)
+    if closing.is_set():
+        return
     t0 = time.perf_counter()
     try:
         decision = run_fidelity_gate(stack, metrics)
@@ -102,6 +104,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         if svc.closing.is_set():
             stack.close()
             return
+        stack.gate_checking = settings.fidelity_gate != "off"  # blend: full prefill until the gate decides
         svc.stack = stack
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set, busy=lambda: _serving(stack))
@@ -109,7 +112,6 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
         if svc.closing.is_set():
             return
-        stack.gate_checking = stack.settings.fidelity_gate != "off"  # blend: full prefill until the gate decides
         svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
         sample = submit_sample(stack, svc.jobs)
