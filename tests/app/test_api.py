@@ -121,7 +121,7 @@ def test_memory_tier_budget_in_gb_overrides_the_mb_setting(tmp_path, monkeypatch
 
 SERVICE_ONLY = ("host", "port", "api_key", "tenant_keys", "max_queue", "workers", "request_timeout_s", "max_body_bytes",
                 "max_question_chars", "max_documents", "max_document_chars", "max_title_chars", "max_new_tokens",
-                "max_top_k", "explain_max_tokens", "log_level", "max_upload_mb", "max_upload_files")
+                "max_top_k", "explain_max_tokens", "log_level", "max_upload_mb", "max_upload_files", "source_text_chars")
 
 
 def test_service_settings_extend_the_shared_ones_under_the_same_names(tmp_path, monkeypatch):
