@@ -61,8 +61,6 @@ async def readyz(request: Request, svc: State) -> JSONResponse:
         status = "ready" if ready else ("error" if svc.error else "starting")
         reason = None if ready else ("start-up failed; details at /v1/status" if svc.error else _LOADING)
         body = {"ready": ready, "status": status, **({"reason": reason} if reason else {})}
-        if ready:
-            body["blend"] = {"state": (svc.blend() or {}).get("state")}
         return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
     return await _readiness(svc)
 
