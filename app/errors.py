@@ -10,11 +10,13 @@ import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.service import Busy, RequestTimeout, ServiceError, StorageFault, storage_fault
+from app.service import Busy, NoPassagesYet, RequestTimeout, ServiceError, StorageFault, storage_fault
 from app.worker import Cancelled, QueueFull
 from blend_engine.errors import StorageError
 from retrieval.passages import PassageStoreError
@@ -94,8 +96,13 @@ async def _service(request: Request, exc: ServiceError) -> JSONResponse:
         metrics.storage_errors.inc()
         logger.error("%s %s: %s", request.method, endpoint_of(request), exc.message, exc_info=exc.__cause__)
     metrics.requests.labels(endpoint_of(request), str(exc.status_code)).inc()
-    return error_response(exc.status_code, exc.message, exc.code, param=getattr(exc, "param", None),
-                          headers=exc.headers)
+    response = error_response(exc.status_code, exc.message, exc.code, param=getattr(exc, "param", None),
+                              headers=exc.headers)
+    if isinstance(exc, NoPassagesYet):  # with the ingestion's progress, so the caller sees when to come back
+        body = error_body(exc.message, exc.code, error_kind(exc.status_code))
+        body["ingestion"] = await run_in_threadpool(request.app.state.svc.ingestion)
+        response = JSONResponse(jsonable_encoder(body), status_code=exc.status_code, headers=exc.headers)
+    return response
 
 
 async def _full(request: Request, exc: QueueFull) -> JSONResponse:

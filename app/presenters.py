@@ -80,7 +80,7 @@ def passages_out(refs: Sequence[PassageRef]) -> list[PassageOut]:
 def sources_out(refs: Sequence[PassageRef]) -> list[SourceOut]:
     """The passages as citable sources: number n is the `[n]` before the passage in the prompt."""
     return [SourceOut(index=n, id=p.id, doc_id=p.doc_id, title=p.title, passage=p.seq, location=p.location or None,
-                      score=p.score)
+                      score=p.score, text=p.text, truncated=p.truncated)
             for n, p in enumerate(refs, 1)]
 
 

@@ -115,6 +115,8 @@ class SourceOut(BaseModel):
     passage: int = Field(description="its index in its document (a supplied document: its index in `documents`)")
     location: str | None = Field(None, description="where in its document: page or heading path (null when none)")
     score: float | None = Field(description="retrieval score; null for a supplied document")
+    text: str = Field("", description="the cited passage as stored (cut to BLENDSERVE_SOURCE_TEXT_CHARS when set)")
+    truncated: bool = Field(False, description="`text` was cut to BLENDSERVE_SOURCE_TEXT_CHARS")
 
 
 class TopLogprob(BaseModel):
@@ -436,7 +438,8 @@ class Readiness(BaseModel):
     store: dict[str, Any] | None = None
     sync: dict[str, Any] | None = None  # the index against the passage store's change log (generation, lag)
     fidelity: dict[str, Any] | None = None
-    ingestion: dict[str, Any] | None = None  # the first-start sample job's progress (status, documents, processed)
+    blend: dict[str, Any] | None = None  # {state: checking | on | off, reason}: the fidelity gate's verdict
+    ingestion: dict[str, Any] | None = None  # the sample job's progress (status, documents, processed, passages, eta_s)
     error: str | None = None
 
 

@@ -56,6 +56,14 @@ class NotReady(ServiceError):
     headers = {"Retry-After": "5"}
 
 
+class NoPassagesYet(ServiceError):
+    """Nothing is searchable yet (the first start's sample corpus is still on its first batch): retry soon."""
+
+    status_code = 503
+    code = "index_empty"
+    headers = {"Retry-After": "2"}
+
+
 class RequestTimeout(ServiceError):
     status_code = 504
     code = "timeout"
@@ -111,6 +119,7 @@ class QuerySpec:
     numbered: bool = True  # `[n]` before passage n, so that answers can cite it
     n: int = 1  # completions sampled for the one prompt
     cache_salt: str | None = None  # the request's KV namespace (with the API key's, `tenancy`)
+    source_chars: int | None = None  # a source's text is cut to this many characters (None: whole passage)
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,8 @@ class PassageRef:
     doc_id: str | None = None  # retrieved passages: their document, and where in it (page / heading path)
     location: str | None = None
     seq: int = 0  # the passage's index in its document (a supplied one: in `documents`)
+    text: str = ""  # the passage as stored (a supplied document's text), cut to `QuerySpec.source_chars`
+    truncated: bool = False  # `text` was cut
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ class StreamDelta:
     index: int
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this text came from, when asked
+    sources: tuple[PassageRef, ...] = ()  # set on the one delta sent before the first token: the cited passages
 
 
 @dataclass(frozen=True)
@@ -177,18 +189,44 @@ def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]
     engine = stack.engine
     if spec.documents is not None:
         texts = [format_passage(d.text, d.title) for d in spec.documents]
-        out = tuple(PassageRef(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None, seq=i)
+        out = tuple(PassageRef(id=engine.key_of(engine.passage_tokens(t)), title=d.title or "", score=None, seq=i,
+                               **_text(d.text, spec.source_chars))
                     for i, (t, d) in enumerate(zip(texts, spec.documents)))
         return texts, out
     hits = stack.retriever.search(spec.search or spec.question, spec.top_k, mode=spec.retrieval, filters=spec.filters)
     if not hits and not spec.filters.empty:
         raise BadRequest("no passages match the filters (or none matched the question's words in lexical retrieval)")
+    if not hits and stack.pipeline.db.counts()["passages"] == 0:
+        raise NoPassagesYet("no passage is searchable yet: the corpus is still being ingested (see `ingestion`); "
+                            "retry shortly, ingest documents, or pass `documents`")
     if not hits:
-        raise BadRequest("no passages to answer from: the index is empty; ingest documents or pass `documents`")
+        raise BadRequest("no passages match the question (lexical retrieval found none of its words)")
     texts = [format_passage(h.text, h.title) for h in hits]
     out = tuple(PassageRef(id=str(h.id), title=h.title or "", score=float(h.score), doc_id=h.doc_id,
-                           location=h.location, seq=h.seq) for h in hits)
+                           location=h.location, seq=h.seq, **_text(h.text, spec.source_chars)) for h in hits)
     return texts, out
+
+
+def _text(text: str, limit: int | None) -> dict:
+    """A source's text fields: the passage, cut to `limit` characters when it is longer."""
+    cut = limit is not None and len(text) > limit
+    return {"text": text[:limit] if cut else text, "truncated": cut}
+
+
+def _sources_first(emit: Callable[[StreamDelta], None] | None,
+                   passages: tuple[PassageRef, ...]) -> Callable[[StreamDelta], None] | None:
+    """`emit` that sends the sources (one `StreamDelta` with `sources`) just before the first token."""
+    if emit is None:
+        return None
+    sent = [False]
+
+    def first_then(delta: StreamDelta) -> None:
+        if not sent[0]:
+            sent[0] = True
+            emit(StreamDelta(delta.index, "", sources=passages))
+        emit(delta)
+
+    return first_then
 
 
 def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, tuple[str, ...]]:
@@ -212,8 +250,13 @@ def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, 
     return replace(plan, turns=plan.turns[drop:]), (note,)
 
 
+GATE_CHECKING = "full_prefill: the start-up fidelity gate is still checking blend"
+
+
 def _gated_mode(stack, mode: Mode) -> tuple[Mode, str | None]:
-    """Blend falls back to full prefill while the start-up fidelity gate is failed and enforced."""
+    """Blend falls back to full prefill while the enforced start-up fidelity gate is failed or still running."""
+    if mode is Mode.BLEND and getattr(stack, "gate_checking", False) and stack.settings.fidelity_gate == "enforce":
+        return Mode.FULL_PREFILL, GATE_CHECKING
     gate = getattr(stack, "gate", None)
     if mode is Mode.BLEND and gate is not None and gate.fallback:
         return Mode.FULL_PREFILL, gate.reason
@@ -270,7 +313,7 @@ def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], No
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain,
                          turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
         plan, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
-        results = _generate(stack.engine, plan, spec.gen, spec.n, job, emit)
+        results = _generate(stack.engine, plan, spec.gen, spec.n, job, _sources_first(emit, passages))
     except InputError as exc:  # the engine's and the plan's input errors (context overflow, ...)
         raise BadRequest(str(exc)) from exc
     except StorageError as exc:  # not the caller's fault: a logged, counted 5xx

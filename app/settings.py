@@ -37,6 +37,9 @@ class ServiceSettings(Settings):
     max_upload_mb: int = Field(50, ge=1, le=4096, description="largest file POST /v1/documents/upload takes (413)")
     max_upload_files: int = Field(20, ge=1, le=1000, description="files per upload request")
     max_new_tokens: int = Field(1024, ge=1, description="upper bound for a request's max_tokens")
+    # issue #38: how much of each cited passage an answer's `sources` carry
+    source_text_chars: int | None = Field(None, ge=1, description="an answer's sources carry each passage's text "
+                                                                  "cut to this many characters; unset = whole")
     max_top_k: int = Field(50, ge=1)
     explain_max_tokens: int = Field(4096, ge=1, description="tokens explained per request (explain=true); "
                                                             "the rest are counted but not listed")

@@ -1,11 +1,14 @@
-"""Start-up work done on a thread started by the lifespan: build the stack, run the fidelity gate, start
-the ingestion job runner (resuming unfinished jobs); /readyz turns true then. On the first start (no
-passage ingested yet) the bundled sample corpus is then ingested as a background job: questions are
-answered meanwhile from what is indexed so far, and /readyz reports the job's progress (`ingestion`)."""
+"""Start-up work done on a thread started by the lifespan: build the stack, start the ingestion job runner
+(resuming unfinished jobs); /readyz turns true then. The fidelity gate runs on a thread of its own from
+that moment: until it has decided, blend requests are answered by full prefill (under
+BLENDSERVE_FIDELITY_GATE=enforce) and /readyz says `blend: checking`. On the first start (no passage
+ingested yet) the bundled sample corpus is then ingested as a background job: questions are answered
+meanwhile from what is indexed so far, and /readyz reports the job's progress (`ingestion`)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +34,56 @@ def run_fidelity_gate(stack, metrics) -> GateDecision:
     return decision
 
 
+FIRST_BATCH_WAIT_S = 120.0  # the longest the gate waits for a first start's first searchable passages
+
+
+def _await_first_passages(stack, closing: threading.Event, timeout_s: float = FIRST_BATCH_WAIT_S) -> None:
+    """On a first start, let the sample's first batch in before the gate takes its share of the CPU: the
+    first answer needs passages, blend can wait (it is served by full prefill meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while stack.pipeline.db.counts()["passages"] == 0 and time.monotonic() < deadline:
+        if closing.wait(0.5):
+            return
+
+
+def _gate_in_background(stack, metrics, closing: threading.Event, first_start: bool) -> None:
+    """The gate thread's body: decide, publish, then let blend requests through (or not). Never raises."""
+    if first_start:
+        _await_first_passages(stack, closing)
+    if closing.is_set():
+        return
+    t0 = time.perf_counter()
+    try:
+        decision = run_fidelity_gate(stack, metrics)
+    except Exception as exc:  # noqa: BLE001 - an unexpected failure leaves blend unchecked, named in /readyz
+        logger.exception("fidelity gate failed")
+        decision = GateDecision(stack.settings.fidelity_gate, None, error=f"{type(exc).__name__}: {exc}")
+    stack.gate = decision
+    stack.gate_checking = False
+    logger.info("fidelity gate decided in %.1f s: blend %s", time.perf_counter() - t0,
+                "off (full prefill)" if decision.fallback else "on")
+
+
+def start_fidelity_gate(stack, metrics, closing: threading.Event | None = None,
+                        first_start: bool = False) -> threading.Thread | None:
+    """Run the gate on a thread of its own (None when it is off); blend is `checking` until it decides.
+    `first_start` (the sample corpus is being ingested): it starts once the first passages are searchable."""
+    if stack.settings.fidelity_gate == "off":
+        stack.gate = run_fidelity_gate(stack, metrics)  # off: decided at once, nothing measured
+        return None
+    stack.gate_checking = True
+    thread = threading.Thread(target=_gate_in_background, name="blendserve-gate", daemon=True,
+                              args=(stack, metrics, closing or threading.Event(), first_start))
+    thread.start()
+    return thread
+
+
+def _serving(stack) -> bool:
+    """The engine has requests running or waiting (background ingestion yields to them)."""
+    stats = stack.engine.loop.stats()
+    return stats["running"] + stats["waiting"] > 0
+
+
 def submit_sample(stack, runner: JobRunner) -> str | None:
     """First start (nothing stored, no sample job on record): the sample corpus as a background job. Its id."""
     path = sample_to_ingest(stack)
@@ -51,19 +104,18 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         if svc.closing.is_set():
             stack.close()
             return
+        stack.gate_checking = settings.fidelity_gate != "off"  # blend: full prefill until the gate decides
         svc.stack = stack
-        stack.gate = run_fidelity_gate(stack, svc.metrics)  # before ready: blend may fall back
-        if svc.closing.is_set():
-            return
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
-        jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set)
+        jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set, busy=lambda: _serving(stack))
         svc.jobs = jobs  # the lifespan closes it from here on
         jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
         if svc.closing.is_set():
             return
         svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
-        submit_sample(stack, svc.jobs)
+        sample = submit_sample(stack, svc.jobs)
+        start_fidelity_gate(stack, svc.metrics, svc.closing, first_start=sample is not None)
     except Exception as exc:  # noqa: BLE001 - reported by /readyz, the process stays up for /healthz
         svc.error = f"{type(exc).__name__}: {exc}"
         logger.exception("start-up failed")

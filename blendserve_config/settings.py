@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(0.5, gt=0)
     # model and engine
     model: str = "smollm2-135m-instruct"
+    # issue #38: where a GGUF model is prepared once (de-quantized into its run dtype); unset = ~/.cache/blendserve/models
+    model_cache_dir: Path | None = Field(None, description="folder of prepared (de-quantized) GGUF models; unset = "
+                                                           "~/.cache/blendserve/models")
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     default_mode: Mode = Mode.BLEND
@@ -105,7 +108,7 @@ class Settings(BaseSettings):
     ivf_min_train: int = Field(20_000, ge=64, description="ivf stays exact flat until this many vectors")
 
     _empty_is_none = field_validator("redis_url", "database_url", "precompute_batch", "reranker", "memory_cache_gb",
-                                     "device_cache_gb",
+                                     "device_cache_gb", "model_cache_dir",
                                      mode="before")(empty_is_none)
 
     @field_validator("reranker")

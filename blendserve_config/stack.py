@@ -46,6 +46,7 @@ class Stack:
     pipeline: IngestPipeline
     sync: IndexSync | None = None
     gate: GateDecision | None = None  # the start-up fidelity gate's outcome (set by the service)
+    gate_checking: bool = False  # the gate is running (in the background): blend is not yet decided
 
     def start_sync(self) -> IndexSync | None:
         """Follow the passage store's change log (other replicas', the CLI's ingestions) on a thread."""
@@ -139,7 +140,7 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     """Everything from settings; `runner`, `embedder` and `store` may be passed in (tests, reuse)."""
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype)
+    runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype, settings.model_cache_dir)
     settings = settings.model_copy(update={"kv_format": resolve_format(settings.kv_format, runner.dtype,
                                                                        runner.device.type)})
     store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format),

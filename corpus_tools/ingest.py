@@ -29,10 +29,12 @@ cancellation checked between those forwards; at most an ingest batch (`batch_siz
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +125,27 @@ class _Run:
     complete: list[str] = field(default_factory=list)  # doc ids whose every passage is staged
     vecs: dict[int, np.ndarray] = field(default_factory=dict)  # vec_id -> embedding of a passage new to the index
     published: dict[str, set[str]] = field(default_factory=dict)  # doc id -> passage ids this run made visible
+
+
+_pace = threading.local()
+
+
+@contextlib.contextmanager
+def paced(wait: Callable[[], None]) -> Iterator[None]:
+    """Call `wait` on this thread before each passage's KV precompute (a background job yields to the
+    requests the engine is serving; `wait` returns when it may go on)."""
+    previous = getattr(_pace, "wait", None)
+    _pace.wait = wait
+    try:
+        yield
+    finally:
+        _pace.wait = previous
+
+
+def _yield_point() -> None:
+    wait = getattr(_pace, "wait", None)
+    if wait is not None:
+        wait()
 
 
 def default_precompute_batch(device_type: str) -> int:
@@ -255,7 +278,10 @@ class Ingestion:
             existing = c.db.get_many([cand.pid for cand in batch])
             if self.precompute_batch > 1:
                 self._precompute_missing(batch, tally)
-            rows = [self._cache_one(cand, existing.get(cand.pid), tally) for cand in batch]
+            rows = []
+            for cand in batch:
+                _yield_point()  # a background job steps aside for requests here (`paced`)
+                rows.append(self._cache_one(cand, existing.get(cand.pid), tally))
             fresh = [r for r in rows if r.vec_id not in c.index]
             t = time.perf_counter()
             if fresh:

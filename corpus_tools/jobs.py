@@ -27,6 +27,7 @@ from pathlib import Path
 
 from blend_engine.cancel import Cancelled, cancel_scope
 from corpus_tools.documents import Document, Reader, resolve_doc_id
+from corpus_tools.ingest import paced
 from corpus_tools.pipeline import IngestPipeline
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,8 @@ class JobStore:
             self._conn.execute("UPDATE jobs SET updated_at = ? WHERE id = ?", (time.time(), job_id))
 
 
-FIRST_SLICE = 8  # documents ingested (and published) first, so a big file answers questions within seconds
+YIELD_MAX_S = 2.0  # the longest a job waits for requests to finish before its next passage (no starvation)
+FIRST_SLICE = 2  # documents ingested (and published) first, so a big file answers questions within seconds
 
 
 def _counted(docs: list[Document], tick: Callable[[int], None], start: int = 0) -> Iterator[Document]:
@@ -177,8 +179,9 @@ class JobRunner:
     file at ingestion's next checkpoint and leaves the job to be resumed at the next start."""
 
     def __init__(self, pipeline: IngestPipeline, data_dir: Path, should_stop: Callable[[], bool] = lambda: False,
-                 progress_interval_s: float = 0.5) -> None:
+                 progress_interval_s: float = 0.5, busy: Callable[[], bool] | None = None) -> None:
         self.pipeline = pipeline
+        self._busy = busy  # the engine serves requests: a job yields before each passage (YIELD_MAX_S at most)
         self.store = JobStore(Path(data_dir) / JOBS_FILE)
         self.upload_dir = Path(data_dir) / UPLOADS_DIR
         self._should_stop = should_stop
@@ -256,6 +259,16 @@ class JobRunner:
     def _stopping(self) -> bool:
         return self._closed or self._should_stop()
 
+    def _yield_to_requests(self) -> None:
+        """Before each passage's KV precompute: wait while the engine serves requests (a question asked
+        during a background ingestion is decoded without a precompute between its tokens), at most
+        YIELD_MAX_S, so a steady stream of requests slows the job but never stops it."""
+        if self._busy is None:
+            return
+        deadline = time.monotonic() + YIELD_MAX_S
+        while self._busy() and time.monotonic() < deadline and not self._stopping():
+            time.sleep(0.02)
+
     def _loop(self) -> None:
         while True:
             with self._wake:
@@ -330,7 +343,7 @@ class JobRunner:
         passages = new = kv = 0
         errors: list[str] = []
         try:
-            with cancel_scope(stop):
+            with cancel_scope(stop), paced(self._yield_to_requests):
                 for start, part in ((0, head), (len(head), rest)):  # a few documents first: answers within seconds
                     if part:
                         s = self.pipeline.ingest(_counted(part, tick, start), progress=False, publish="batch")

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from app.auth import Tenant
 from app.conversation import ConversationError, from_messages
 from app.openai_fields import message_texts, refuse_unsupported
-from app.presenters import Answered, chat_logprobs, chat_response, openai_extras, usage
+from app.presenters import Answered, chat_logprobs, chat_response, openai_extras, sources_out, usage
 from app.routes.common import Head, openai_spec
 from app.schemas import ChatCompletionRequest, ChatCompletionResponse
 from app.service import QuerySpec, StreamDelta
@@ -24,7 +24,8 @@ ENDPOINT = "/v1/chat/completions"
 
 class ChatFrames:
     """OpenAI `chat.completion.chunk` frames: per choice its role, one per delta, its finish; the
-    last finish carries Blendserve's `passages`, `sources`, `notes` and `blend`; the usage when asked
+    last finish carries Blendserve's `passages`, `sources`, `notes` and `blend` (the sources also in an empty
+    chunk before the first token); the usage when asked
     for, then `[DONE]`; an error as a bare envelope."""
 
     def __init__(self, head: Head, n: int, include_usage: bool) -> None:
@@ -40,6 +41,8 @@ class ChatFrames:
         return tuple(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n))
 
     def delta(self, delta: StreamDelta) -> str:
+        if delta.sources:  # before the first token: an empty delta carrying Blendserve's `sources`
+            return self._chunk(delta.index, {}, sources=sources_out(delta.sources))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
         return self._chunk(delta.index, {"content": delta.text}, logprobs=logprobs)
 

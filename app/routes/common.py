@@ -33,6 +33,7 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
         system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.explain_max_tokens,
         retrieval=req.retrieval, filters=NO_FILTERS if req.filters is None else Filters(**req.filters.model_dump()),
         turns=turns, search=search, n=n, cache_salt=cache_namespace(tenant, req.cache_salt),
+        source_chars=settings.source_text_chars,
     )
 
 

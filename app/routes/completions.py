@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from app.auth import Tenant
 from app.openai_fields import refuse_unsupported
-from app.presenters import Answered, completion_logprobs, completion_response, openai_extras, usage
+from app.presenters import Answered, completion_logprobs, completion_response, openai_extras, sources_out, usage
 from app.routes.common import Head, openai_spec
 from app.schemas import CompletionRequest, CompletionResponse
 from app.service import StreamDelta
@@ -38,6 +38,8 @@ class CompletionFrames:
         return ()
 
     def delta(self, delta: StreamDelta) -> str:
+        if delta.sources:  # before the first token: an empty chunk carrying Blendserve's `sources`
+            return self._chunk(delta.index, "", sources=sources_out(delta.sources))
         offset = self.offsets.get(delta.index, 0)
         self.offsets[delta.index] = offset + len(delta.text)
         logprobs = completion_logprobs(delta.logprobs, offset) if delta.logprobs else None

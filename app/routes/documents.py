@@ -1,4 +1,4 @@
-"""/v1/documents: ingest (all or nothing), get and delete documents."""
+"""/v1/documents: ingest (all or nothing), get and delete documents; /v1/passages/{id}: one passage."""
 
 from __future__ import annotations
 
@@ -60,3 +60,14 @@ async def delete_document(doc_id: str, stack: ReadyStack) -> Response:
     if not await run_in_threadpool(stack.pipeline.delete_document, doc_id):
         return _not_found(doc_id)
     return Response(status_code=204)
+
+
+@router.get("/v1/passages/{passage_id}", responses={404: {}})
+async def get_passage(passage_id: str, stack: ReadyStack) -> dict:
+    """One stored passage by its id (a source's `id`): its text, document, title, location, tokens."""
+    rows = await run_in_threadpool(stack.pipeline.db.get_many, [passage_id])
+    row = rows.get(passage_id)
+    if row is None:
+        return error_response(404, f"passage {passage_id!r} not found", "not_found")
+    return {"id": row.id, "doc_id": row.doc_id, "passage": row.seq, "title": row.title, "text": row.text,
+            "location": row.location or None, "token_count": row.token_count, "source": row.source}

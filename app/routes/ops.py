@@ -34,30 +34,19 @@ def _sync_status(stack: Stack) -> dict | None:
             "start": sync.start_info}
 
 
-def _ingestion(svc: AppState) -> dict | None:
-    """The sample corpus job's progress (the first start ingests it in the background); None when there is none."""
-    runner = svc.jobs
-    job_id = runner.store.latest("sample") if runner is not None else None
-    job = runner.get(job_id) if job_id else None
-    if job is None:
-        return None
-    return {"job_id": job.id, "status": job.status, "documents": job.as_dict()["documents"],
-            "processed": job.as_dict()["processed"], "error": job.error}
-
-
 async def _readiness(svc: AppState) -> JSONResponse:
     """Ready or not, with the model, index and store details (the data dir, counts, store stats)."""
     if svc.error is not None or not svc.ready:
         body = Readiness(ready=False, status="error" if svc.error else "starting", error=svc.error,
-                         reason="start-up failed" if svc.error else _LOADING)
+                         reason="start-up failed" if svc.error else _LOADING, blend=svc.blend())
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "5"})
     stack = svc.stack
     index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
     gate = getattr(stack, "gate", None)
     body = Readiness(ready=True, status="ready", model=getattr(stack.engine.runner, "name", svc.settings.model),
                      index=jsonable_encoder(index), store=jsonable_encoder(store), sync=_sync_status(stack),
-                     fidelity=None if gate is None else jsonable_encoder(gate.as_dict()),
-                     ingestion=await run_in_threadpool(_ingestion, svc))
+                     fidelity=None if gate is None else jsonable_encoder(gate.as_dict()), blend=svc.blend(),
+                     ingestion=await run_in_threadpool(svc.ingestion))
     return JSONResponse(body.model_dump())
 
 

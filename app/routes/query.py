@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from fastapi import APIRouter
 
 from app.auth import Tenant
-from app.presenters import Answered, chat_logprobs
+from app.presenters import Answered, chat_logprobs, sources_out
 from app.routes.common import build_spec
 from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
 from app.service import StreamDelta
@@ -20,12 +20,15 @@ ENDPOINT = "/v1/query"
 
 
 class QueryFrames:
-    """`delta` events with the text, a `done` event with the whole response, or an `error` event."""
+    """A `sources` event before the first token, `delta` events with the text, a `done` event with the
+    whole response, or an `error` event."""
 
     def opening(self) -> Iterable[str]:
         return ()
 
     def delta(self, delta: StreamDelta) -> str:
+        if delta.sources:
+            return sse({"sources": sources_out(delta.sources)}, "sources")
         extra = {"logprobs": chat_logprobs(delta.logprobs).content} if delta.logprobs else {}
         return sse({"text": delta.text, **extra}, "delta")
 

@@ -10,7 +10,8 @@ const TIMINGS = [["retrieval_ms", "retrieval"], ["kv_load_ms", "KV load"], ["rec
   ["ttft_ms", "TTFT"], ["total_ms", "total"]];
 
 // What the last request produced; read by the browser test.
-window.blendserve = { last: null, deltas: 0, compare: null, busy: false, job: null, ingestion: null };
+window.blendserve = { last: null, deltas: 0, compare: null, busy: false, job: null, ingestion: null, blend: null,
+  sources: null };
 const FINAL = ["done", "failed", "cancelled"];
 
 // ------------------------------------------------------------------ request building
@@ -139,7 +140,10 @@ async function ask() {
     const resp = await postJSON(body);
     let final = null;
     for await (const ev of readEvents(resp)) {
-      if (ev.event === "delta") {
+      if (ev.event === "sources") {  // before the first token: the cited passages, with their text
+        window.blendserve.sources = JSON.parse(ev.data).sources;
+        renderSources(window.blendserve.sources);
+      } else if (ev.event === "delta") {
         answer.textContent += JSON.parse(ev.data).text;
         window.blendserve.deltas += 1;
         setStatus("Generating…");
@@ -197,27 +201,37 @@ function renderAnswer(el, text, sources) {
     if (!known.has(n)) continue;
     el.append(text.slice(last, m.index));
     const a = document.createElement("a");
-    a.href = `#passage-${n}`;
+    a.href = `#source-${n}`;
     a.textContent = m[0];
+    const cited = sources.find((s) => s.index === n);
+    if (cited && cited.text) a.title = cited.text;  // the cited text on hover, beside the mark
     el.append(a);
     last = m.index + m[0].length;
   }
   el.append(text.slice(last));
 }
 
-// Sources under the answer: [n] title, document and passage index, score; each links to its passage.
+// Sources under the answer: [n] title, document and passage index, score, and the cited text itself
+// (what the model read); each links to its passage in the explain view.
 function renderSources(sources) {
   const list = $("citations");
   list.replaceChildren();
   for (const s of sources) {
     const li = document.createElement("li");
     li.value = s.index;
+    li.id = `source-${s.index}`;
     const a = document.createElement("a");
     a.href = `#passage-${s.index}`;
     a.textContent = `[${s.index}] ${s.title || "(untitled passage)"}`;
     const where = s.doc_id === null ? `given passage ${s.passage + 1}` : `${s.doc_id}, passage ${s.passage + 1}`;
     const score = s.score === null ? "" : `, score ${s.score.toFixed(3)}`;
     li.append(a, ` — ${where}${score}`);
+    if (s.text) {
+      const quote = document.createElement("blockquote");
+      quote.className = "source-text";
+      quote.textContent = s.text + (s.truncated ? " …" : "");
+      li.append(quote);
+    }
     list.append(li);
   }
   $("cited").hidden = sources.length === 0;
@@ -517,23 +531,35 @@ async function upload() {
   }
 }
 
+function describeStart(info, blend) {
+  const parts = [];
+  if (info) {
+    const eta = info.eta_s ? `, about ${Math.ceil(info.eta_s)} s left` : "";
+    parts.push(`Sample corpus: ${info.processed} of ${info.documents || "?"} documents ingested, ` +
+      `${info.passages ?? "?"} passages searchable (${info.status}${eta}${info.error ? ": " + info.error : ""}). ` +
+      (info.passages ? "Questions use what is indexed so far." : "Questions can be asked once the first passages are in."));
+  }
+  if (blend) parts.push(`Blend: ${blend.state}${blend.reason ? " (" + blend.reason + ")" : ""}.`);
+  return parts.join(" ");
+}
+
 async function watchIngestion() {
-  // the first start ingests the sample corpus in the background; show its progress until it ends
-  for (let idle = 0; idle < 5;) {  // a ready server with no sample job for 5 s: nothing to show
-    let info = null;
+  // the first start ingests the sample corpus and checks blend in the background; show both until they end
+  for (let idle = 0; idle < 5;) {  // a ready server with nothing in progress for 5 s: stop polling
+    let info = null, blend = null;
     try {
       const resp = await fetch("/v1/status", { headers: authOnly() });
-      if (resp.ok) {
-        info = (await resp.json()).ingestion || null;
-        if (!info) idle += 1;
-      } else if (resp.status !== 503 && resp.status !== 401) return;
+      if (resp.ok || resp.status === 503) {
+        const body = await resp.json();
+        info = body.ingestion || null;
+        blend = body.blend || null;
+      } else if (resp.status === 401) { /* no key yet: try again */ } else return;
     } catch (e) { /* the server restarts: try again */ }
-    if (info) {
-      window.blendserve.ingestion = info;
-      $("ingestion").textContent = `Sample corpus: ${info.processed} of ${info.documents || "?"} documents ingested ` +
-        `(${info.status}${info.error ? ": " + info.error : ""}). Questions use what is indexed so far.`;
-      if (FINAL.includes(info.status)) return;
-    }
+    window.blendserve.ingestion = info;
+    window.blendserve.blend = blend;
+    $("ingestion").textContent = describeStart(info, blend);
+    const busy = (info && !FINAL.includes(info.status)) || (blend && blend.state === "checking") || (!info && !blend);
+    if (!busy) idle += 1;
     await new Promise((r) => setTimeout(r, 1000));
   }
 }

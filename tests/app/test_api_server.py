@@ -127,7 +127,12 @@ def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
     proc, url, auth, log_path = real_server
     assert httpx.get(f"{url}/healthz").status_code == 200  # no auth for health
     assert httpx.post(f"{url}/v1/query", json={"question": "q?"}).status_code == 401
-    fidelity = httpx.get(f"{url}/v1/status", headers=auth).json()["fidelity"]  # the start-up gate ran on SmolLM2
+    deadline = time.monotonic() + 180  # ready before the gate: it decides in the background (issue #38)
+    while (status := httpx.get(f"{url}/v1/status", headers=auth).json())["blend"]["state"] == "checking":
+        assert time.monotonic() < deadline, status["blend"]
+        time.sleep(0.5)
+    fidelity = status["fidelity"]  # the start-up gate ran on SmolLM2
+    assert status["blend"]["state"] == "on", status["blend"]
     assert fidelity["gate"] == "enforce" and fidelity["result"]["passed"] and not fidelity["fallback"]
     assert "fidelity gate passed" in log_path.read_text()
     r = httpx.post(f"{url}/v1/documents", json={"documents": DOCS}, headers=auth, timeout=120)

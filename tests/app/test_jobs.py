@@ -193,3 +193,38 @@ def test_uploading_a_changed_file_replaces_its_passages_and_their_kv(client):
     new = client.get("/v1/documents/changing.txt").json()["passages"]
     assert second["status"] == "done" and [p["text"] for p in new] == ["The ferry now leaves at ten."]
     assert not engine.store.contains(old[0]["kv_key"]) and engine.store.contains(new[0]["kv_key"])
+
+
+def test_background_job_yields_to_requests_before_each_passage(tmp_path, tiny_stack_factory, monkeypatch):
+    """While the engine serves requests (`busy`), a job precomputes nothing; once they end it goes on."""
+    from corpus_tools import jobs as jobs_module
+    from corpus_tools.jobs import JobRunner
+
+    monkeypatch.setattr(jobs_module, "YIELD_MAX_S", 60.0)
+    stack = tiny_stack_factory(make_settings(tmp_path / "data"))
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("".join(json.dumps({"title": f"T{i}", "text": f"Sample fact number {i}."}) + "\n"
+                              for i in range(3)))
+    serving_requests, asked = threading.Event(), threading.Event()
+    serving_requests.set()
+
+    puts: list[int] = []
+
+    def busy() -> bool:
+        if not puts:
+            puts.append(stack.store.stats().puts)  # the system prefix and markers are in; no passage yet
+        asked.set()
+        return serving_requests.is_set()
+
+    runner = JobRunner(stack.pipeline, tmp_path / "data", busy=busy)
+    try:
+        runner.start()
+        job = runner.submit("sample", [JobFile(sample.name, str(sample), sample.stat().st_size)])
+        assert asked.wait(60)  # the job reached its first passage and asks whether requests are running
+        assert stack.pipeline.db.counts()["passages"] == 0 and stack.store.stats().puts == puts[0]  # nothing computed
+        serving_requests.clear()
+        done = runner.wait_idle(job.id, 120)
+        assert done.status == "done" and stack.pipeline.db.counts()["passages"] == 3
+    finally:
+        runner.close()
+        stack.close()

@@ -126,6 +126,9 @@ def test_ask_stream_heatmap_compare_in_a_real_browser(browser, tmp_path, tiny_st
         links = d.find_elements(By.CSS_SELECTOR, "#citations a")
         assert [a.text for a in links] == [f"[{s['index']}] {s['title']}" for s in last["sources"]]
         assert [a.get_attribute("href").split("#")[1] for a in links] == [i.get_attribute("id") for i in items]
+        # beside each source, the text it cites (issue #38)
+        quotes = d.find_elements(By.CSS_SELECTOR, "#citations .source-text")
+        assert [q.text for q in quotes] == [s["text"].strip() for s in last["sources"]]
         assert all("cache hit · memory" in i.text and "retrieval score" in i.text for i in items)
         timings = {e.get_attribute("data-key") for e in d.find_elements(By.CSS_SELECTOR, "#timings dd")}
         assert timings == {"retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms"}
@@ -202,7 +205,8 @@ def test_upload_box_and_sample_ingestion_progress_in_a_real_browser(browser, tmp
         info = _wait(d, "window.blendserve.ingestion && window.blendserve.ingestion.status === 'done' "
                         "&& window.blendserve.ingestion")
         assert info["processed"] == info["documents"] == 3
-        assert "Sample corpus: 3 of 3 documents ingested (done)" in d.find_element(By.ID, "ingestion").text
+        assert "Sample corpus: 3 of 3 documents ingested, 3 passages searchable (done)" in \
+            d.find_element(By.ID, "ingestion").text
 
         d.find_element(By.ID, "files").send_keys(f"{good}\n{scan}")  # two files in one multiple input
         d.find_element(By.ID, "upload-submit").click()

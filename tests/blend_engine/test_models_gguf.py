@@ -84,14 +84,13 @@ def write_gguf(model, arch_name: str, path) -> None:
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_gguf_file_loads_exactly_and_blends(arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("BLENDSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+def test_gguf_file_loads_exactly_and_blends(arch, tmp_path):
     torch.manual_seed(0)
     original = perturb(ARCHS[arch][1]())
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(original, arch, path)
 
-    runner = ModelRunner.load(str(path), device="cpu", dtype="float32")
+    runner = ModelRunner.load(str(path), device="cpu", dtype="float32", cache_dir=tmp_path / "cache")
     assert runner.model.config.model_type == arch
     engine = BlendEngine(runner, MemoryStore(1 << 30, kv_format="fp32"), EngineConfig(kv_format="fp32"))
     full = engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
@@ -106,3 +105,46 @@ def test_gguf_file_loads_exactly_and_blends(arch, tmp_path, monkeypatch):
     assert blend.report.cache_hits >= len(PASSAGES)
     assert (blend.logits - full.logits).abs().max().item() < 1e-4
     assert any((tmp_path / "cache").iterdir())  # de-quantized once, cached for the next start
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_one_pass_reader_matches_transformers_generic_loader(arch, tmp_path):
+    """gguf_convert (one fast metadata pass) gives the config and tokenizer transformers' generic
+    GGUF loader gives, and the prepared folder is written once, in the run dtype."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from blend_engine import gguf_convert
+    from blend_engine.model_files import _gguf_cache_dir
+
+    torch.manual_seed(0)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(perturb(ARCHS[arch][1]()), arch, path)
+    ours = gguf_convert.read_config(path).to_dict()
+    ref = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).to_dict()
+    for key in ("_name_or_path", "transformers_version"):
+        ours.pop(key, None), ref.pop(key, None)
+    assert ours == ref
+    tok, ref_tok = gguf_convert.read_tokenizer(path), AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert tok.encode(QUESTION) == ref_tok.encode(QUESTION) and tok.chat_template == ref_tok.chat_template
+
+    runner = ModelRunner.load(str(path), device="cpu", dtype="bfloat16", cache_dir=tmp_path / "cache")
+    cached = _gguf_cache_dir(path, tmp_path / "cache", torch.bfloat16)
+    assert cached.name.endswith("-bfloat16") and (cached / "config.json").exists()
+    assert runner.model.dtype == torch.bfloat16
+    again = ModelRunner.load(str(path), device="cpu", dtype="bfloat16", cache_dir=tmp_path / "cache")
+    assert all(torch.equal(a, b) for a, b in zip(runner.model.state_dict().values(),
+                                                 again.model.state_dict().values()))
+
+
+def test_unwritable_model_cache_prepares_in_memory(tmp_path):
+    """A cache folder that cannot be created (here: a file in the way) costs the cache, not the start."""
+    torch.manual_seed(0)
+    original = perturb(ARCHS["llama"][1]())
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf(original, "llama", path)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    runner = ModelRunner.load(str(path), device="cpu", dtype="float32", cache_dir=blocker / "cache")
+    ids = torch.tensor([runner.encode(QUESTION)])
+    with torch.no_grad():
+        assert torch.allclose(runner.model(ids).logits, original(ids).logits, atol=1e-4)
