@@ -63,10 +63,12 @@ class _Sample:
 
 
 @contextmanager
-def service(data_dir: Path) -> Iterator[str]:
-    """`python -m app` with its defaults (the sample corpus ingested on first start into `data_dir`)."""
+def service(data_dir: Path, settings: dict[str, str] | None = None) -> Iterator[str]:
+    """`python -m app` with its defaults, or `settings` (BLENDSERVE_* names) over them (the sample
+    corpus ingested on first start into `data_dir`)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
+    env.update(settings or {})
     env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_PORT": str(port), "BLENDSERVE_LOG_LEVEL": "warning",
                 "PYTHONPATH": str(REPO)})
     with app_process(env, data_dir / "server.log", 900) as url:
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="reuse an ingested data dir (default: a temporary one)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--natural", action="store_true", help="answers end at EOS (natural lengths), max_tokens a cap")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a BLENDSERVE_* setting for the service (repeatable), e.g. BLENDSERVE_MAX_BATCH=16")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     qs = questions(args.questions)
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="blendserve-serving-") as tmp:
         data_dir = args.data_dir or Path(tmp)
         data_dir.mkdir(parents=True, exist_ok=True)
-        with service(data_dir) as url:
+        with service(data_dir, dict(kv.split("=", 1) for kv in args.set)) as url:
             measure(url, qs, 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
             for mt in (int(x) for x in args.max_tokens.split(",")):
                 for clients in (int(x) for x in args.clients.split(",")):
