@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from app.main import create_app
 from app.settings import ServiceSettings
-from blend_engine.types import default_policy
+from blend_engine.types import SelectionPolicy
 from blendserve_config.settings import Settings
 from tests.helpers import make_settings, serving, svc, wait_ready
 
@@ -283,7 +283,7 @@ def test_query_explain(client, mode):
         assert "".join(p["tokens"]) == passage_text(format_passage(doc["text"], doc["title"]))
     assert "".join(ex["question"]["tokens"]).count("What is the capital of France?") == 1
     if mode == "blend":
-        assert ex["check_layer"] == default_policy().check_layer and "deviation" in ex["metric"]
+        assert ex["check_layer"] == SelectionPolicy().check_layer and "deviation" in ex["metric"]
         assert all(p["cache"] == "hit" and p["tier"] == "memory" for p in ex["passages"])
         assert all(s is not None and s >= 0 for p in ex["passages"] for s in p["scores"])
         assert 0 < ex["passage_recomputed_tokens"] < sum(p["n_tokens"] for p in ex["passages"])
