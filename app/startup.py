@@ -18,10 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 def run_fidelity_gate(stack, metrics) -> GateDecision:
-    """The start-up fidelity gate (BLENDSERVE_FIDELITY_GATE); its numbers go to the log and metrics.
+    """The start-up fidelity gate (BLENDSERVE_ENGINE_FIDELITY_GATE); its numbers go to the log and metrics.
 
     A probe that cannot be read (sample corpus missing) leaves blend enabled, with the error shown."""
-    mode = stack.settings.fidelity_gate
+    mode = stack.settings.engine.fidelity_gate
     try:
         decision = decide(mode, stack.runner, stack.engine.config, stack.settings.data_dir)
     except (OSError, ValueError) as exc:
@@ -46,7 +46,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
     settings = svc.settings
     t0 = time.perf_counter()
     try:
-        logger.info("loading model %s, index and KV store (data dir %s)", settings.model, settings.data_dir)
+        logger.info("loading model %s, index and KV store (data dir %s)", settings.model.name, settings.data_dir)
         stack = factory(settings)
         if svc.closing.is_set():
             stack.close()

@@ -45,8 +45,9 @@ def wait(fn, timeout: float, step: float = 0.1):
 
 def measure(clone: Path, port: int, sample_timeout: float) -> dict:
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "BLENDSERVE_PORT": str(port), "BLENDSERVE_HOST": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
-    env = {k: v for k, v in env.items() if not k.startswith("BLENDSERVE_") or k in ("BLENDSERVE_PORT", "BLENDSERVE_HOST")}
+    env = {**os.environ, "BLENDSERVE_SERVICE_PORT": str(port), "BLENDSERVE_SERVICE_HOST": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+    listener = ("BLENDSERVE_SERVICE_PORT", "BLENDSERVE_SERVICE_HOST")
+    env = {k: v for k, v in env.items() if not k.startswith("BLENDSERVE_") or k in listener}
     log = (clone / "run.log").open("w")
     t0 = time.perf_counter()
     proc = subprocess.Popen(["make", "-o", ".venv/.installed", "run"], cwd=clone, env=env, stdout=log,

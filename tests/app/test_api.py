@@ -95,46 +95,49 @@ def test_startup_failure_is_reported_by_readyz(tmp_path):
 def test_settings_fail_fast_naming_the_field(monkeypatch):
     with pytest.raises(ValidationError, match="port"):
         ServiceSettings(_env_file=None, port=0)
-    monkeypatch.setenv("BLENDSERVE_MAX_QUEUE", "zero")
+    monkeypatch.setenv("BLENDSERVE_SERVICE_MAX_QUEUE", "zero")
     with pytest.raises(ValidationError, match="max_queue"):
         ServiceSettings(_env_file=None)
-    monkeypatch.delenv("BLENDSERVE_MAX_QUEUE")
-    monkeypatch.setenv("BLENDSERVE_DEFAULT_MODE", "turbo")
+    monkeypatch.delenv("BLENDSERVE_SERVICE_MAX_QUEUE")
+    monkeypatch.setenv("BLENDSERVE_ENGINE_DEFAULT_MODE", "turbo")
     with pytest.raises(ValidationError, match="default_mode"):
         Settings(_env_file=None)
 
 
-def test_memory_tier_budget_in_gb_overrides_the_mb_setting(tmp_path, monkeypatch):
+def test_memory_tier_budget_in_gb_is_an_alias_of_the_mb_setting(tmp_path, monkeypatch):
     from blendserve_config.stack import build_store_from
 
-    assert Settings(_env_file=None, memory_cache_mb=64).memory_cache_bytes == 64 << 20
-    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "1.5")
-    settings = Settings(_env_file=None, memory_cache_mb=64, data_dir=tmp_path, disk_direct_io=True, kv_format="fp16")
-    assert settings.memory_cache_bytes == 3 << 29
+    assert Settings(_env_file=None, store={"memory_cache_mb": 64}).store.memory_cache_bytes == 64 << 20
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_MB", "64")
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "1.5")  # the old GB twin still wins over the old MB name
+    with pytest.warns(DeprecationWarning, match="BLENDSERVE_STORE_MEMORY_CACHE_MB"):
+        settings = Settings(_env_file=None, data_dir=tmp_path, store={"disk_direct_io": True, "kv_format": "fp16"})
+    assert settings.store.memory_cache_mb == 1536 and settings.store.memory_cache_bytes == 3 << 29
     store = build_store_from(settings)
     assert store.tier("memory").stats().bytes_budget == 3 << 29 and store.tier("disk").direct_io
     store.close()
+    monkeypatch.setenv("BLENDSERVE_STORE_MEMORY_CACHE_MB", "32")  # the new name wins over both
+    assert Settings(_env_file=None).store.memory_cache_mb == 32
     monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "-1")
-    with pytest.raises(ValidationError, match="memory_cache_gb"):
+    monkeypatch.delenv("BLENDSERVE_STORE_MEMORY_CACHE_MB")
+    with pytest.raises(ValidationError, match="memory_cache_mb"):
         Settings(_env_file=None)
 
 
-SERVICE_ONLY = ("host", "port", "api_key", "tenant_keys", "max_queue", "workers", "request_timeout_s", "max_body_bytes",
-                "max_question_chars", "max_documents", "max_document_chars", "max_title_chars", "max_new_tokens",
-                "max_top_k", "explain_max_tokens", "log_level", "max_upload_mb", "max_upload_files")
+SERVICE_GROUPS = ("service", "limits", "auth")
 
 
-def test_service_settings_extend_the_shared_ones_under_the_same_names(tmp_path, monkeypatch):
+def test_service_settings_extend_the_shared_ones(tmp_path, monkeypatch):
     shared, service = Settings.model_fields, ServiceSettings.model_fields
-    assert not set(SERVICE_ONLY) & set(shared) and set(service) == set(shared) | set(SERVICE_ONLY)
-    assert all(service[name].default == field.default for name, field in shared.items())
+    assert not set(SERVICE_GROUPS) & set(shared) and set(service) == set(shared) | set(SERVICE_GROUPS)
     monkeypatch.chdir(tmp_path)  # one .env for both, as in a deployment
-    (tmp_path / ".env").write_text("BLENDSERVE_MAX_QUEUE=3\nBLENDSERVE_PORT=8123\nBLENDSERVE_CHUNK_TOKENS=128\n")
-    monkeypatch.setenv("BLENDSERVE_WORKERS", "2")
+    (tmp_path / ".env").write_text("BLENDSERVE_SERVICE_MAX_QUEUE=3\nBLENDSERVE_SERVICE_PORT=8123\n"
+                                   "BLENDSERVE_INGEST_CHUNK_TOKENS=128\n")
+    monkeypatch.setenv("BLENDSERVE_SERVICE_WORKERS", "2")
     s = ServiceSettings()
-    assert (s.max_queue, s.port, s.workers, s.chunk_tokens) == (3, 8123, 2, 128)
-    cli = Settings()  # the CLI reads the same file and ignores what is not its own
-    assert cli.chunk_tokens == 128 and not hasattr(cli, "max_queue")
+    assert (s.service.max_queue, s.service.port, s.service.workers, s.ingest.chunk_tokens) == (3, 8123, 2, 128)
+    cli = Settings()  # the CLI reads the same file and ignores the service's groups
+    assert cli.ingest.chunk_tokens == 128 and not hasattr(cli, "service")
 
 
 def test_create_app_refuses_the_shared_settings(tmp_path):
@@ -454,7 +457,7 @@ def test_chat_completions_with_the_openai_client(client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
 
     models = oa.models.list()
-    assert [m.id for m in models.data] == [svc(client).settings.model]
+    assert [m.id for m in models.data] == [svc(client).settings.model.name]
 
 
 def test_chat_with_inline_documents_and_system_message(client):
@@ -681,7 +684,7 @@ def test_request_timeout_is_504_and_frees_the_slot(tmp_path, tiny_stack_factory)
 
         assert not engine.store.contains(engine.key_of(engine.passage_tokens(format_passage("Timeout text."))))
         assert "blendserve_timeouts_total 2.0" in c.get("/metrics").text
-        c.app.state.svc.settings.request_timeout_s = 60
+        c.app.state.svc.settings.service.request_timeout_s = 60
         assert c.post("/v1/query", json=body).status_code == 200
 
 

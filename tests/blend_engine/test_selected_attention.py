@@ -83,10 +83,10 @@ def test_the_setting_reaches_the_engine(real_runner, monkeypatch):
     from blendserve_config.settings import Settings
     from blendserve_config.stack import build_engine
 
-    monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "flex")
+    monkeypatch.setenv("BLENDSERVE_ENGINE_SELECTED_ATTENTION", "flex")
     engine = build_engine(Settings(_env_file=None), real_runner, MemoryStore(1 << 20))
     assert engine.config.selected_attention == "flex"
-    monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "fastest")
+    monkeypatch.setenv("BLENDSERVE_ENGINE_SELECTED_ATTENTION", "fastest")
     with pytest.raises(ValueError, match="selected_attention"):
         Settings(_env_file=None)
 
