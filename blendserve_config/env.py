@@ -143,7 +143,10 @@ def read_names(values: Mapping[str, str]) -> dict[str, Any]:
         if a.env in ours:
             _warn(a)
             value = ours[a.env]
-            put(a.group, a.field, a.convert(value) if a.convert and value.strip() else value)
+            if a.convert is None:
+                put(a.group, a.field, value)
+            elif value.strip():  # a blank twin (`BLENDSERVE_MEMORY_CACHE_GB=`) was unset, as before
+                put(a.group, a.field, a.convert(value))
     for name, value in ours.items():
         if name in valid:
             put(*valid[name], value)

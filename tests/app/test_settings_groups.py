@@ -58,6 +58,13 @@ def test_old_names_still_work_with_a_warning_naming_the_new_one(monkeypatch, cap
     assert "use BLENDSERVE_RETRIEVAL_METHOD" in logged
 
 
+def test_a_blank_gb_twin_is_unset_as_before(monkeypatch):
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_MB", "64")
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", " ")
+    with pytest.warns(DeprecationWarning):
+        assert Settings(_env_file=None).store.memory_cache_mb == 64
+
+
 def test_a_new_name_wins_over_its_old_one(monkeypatch):
     monkeypatch.setenv("BLENDSERVE_MAX_BATCH", "3")
     monkeypatch.setenv("BLENDSERVE_ENGINE_MAX_BATCH", "5")
