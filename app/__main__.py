@@ -8,6 +8,7 @@ import sys
 from pydantic import ValidationError
 
 from app.settings import ServiceSettings
+from blendserve_config.env import SettingsNameError
 
 logger = logging.getLogger("app")
 
@@ -20,16 +21,19 @@ def main() -> int:
         lines = [f"  BLENDSERVE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()]
         logger.error("invalid configuration:\n%s", "\n".join(lines))
         return 2
-    logging.getLogger().setLevel(settings.log_level.upper())
+    except SettingsNameError as exc:  # an unknown BLENDSERVE_* name, with the closest valid one
+        logger.error("invalid configuration: %s", exc)
+        return 2
+    logging.getLogger().setLevel(settings.service.log_level.upper())
 
     import uvicorn
 
     from app.main import create_app
 
     app = create_app(settings)
-    logger.info("serving on http://%s:%d (docs at /docs)", settings.host, settings.port)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=10)
+    svc = settings.service
+    logger.info("serving on http://%s:%d (docs at /docs)", svc.host, svc.port)
+    uvicorn.run(app, host=svc.host, port=svc.port, log_level=svc.log_level.lower(), timeout_graceful_shutdown=10)
     return 0
 
 

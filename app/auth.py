@@ -1,4 +1,4 @@
-"""Optional bearer-token auth: with `BLENDSERVE_API_KEY` or `BLENDSERVE_TENANT_KEYS` set, everything
+"""Optional bearer-token auth: with `BLENDSERVE_AUTH_API_KEY` or `BLENDSERVE_AUTH_TENANT_KEYS` set, everything
 but health needs one of the keys. A tenant key also names the caller's KV cache namespace: the
 middleware puts the tenant's name in the request's state (`tenant_of`), and every KV key of its
 requests is salted with it (`cache_namespace`), so tenants never share (nor time) cached KV."""

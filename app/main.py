@@ -49,7 +49,7 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc: AppState = app.state.svc
-        svc.worker = EngineWorker(settings.request_threads, settings.max_queue)
+        svc.worker = EngineWorker(settings.request_threads, settings.service.max_queue)
         svc.metrics.bind_worker(svc.worker)
         starter = threading.Thread(target=build_and_warm, args=(svc, factory), name="blendserve-startup", daemon=True)
         starter.start()
@@ -92,7 +92,7 @@ def create_app(settings: ServiceSettings | None = None, stack_factory: StackFact
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     # outermost first: size limit, then auth (both pure ASGI, streaming untouched)
-    app.add_middleware(BearerAuthMiddleware, keyring=Keyring(settings.api_key, settings.tenant_keys))
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
-                       per_path={UPLOAD_PATH: settings.max_upload_body_bytes})
+    app.add_middleware(BearerAuthMiddleware, keyring=Keyring(settings.auth.api_key, settings.auth.tenant_keys))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes,
+                       per_path={UPLOAD_PATH: settings.limits.max_upload_body_bytes})
     return app

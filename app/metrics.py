@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from blend_engine.kv_store.base import KVStore
 from blend_engine.scheduler.plans import RatioSource
 from blend_engine.types import BlendReport
 
@@ -18,16 +19,10 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 
 
-def _tiers(store) -> list:
-    """The store and, for a tiered store, each tier below it (attribute `tiers`, when present)."""
-    tiers = list(getattr(store, "tiers", None) or [])
-    return tiers if tiers else [store]
-
-
 class _StoreCollector(Collector):
     """Reads the KV store's own counters at scrape time: hits and misses per tier."""
 
-    def __init__(self, get_store: Callable[[], object | None]) -> None:
+    def __init__(self, get_store: Callable[[], KVStore | None]) -> None:
         self._get_store = get_store
 
     def collect(self) -> Iterable[Metric]:
@@ -37,7 +32,7 @@ class _StoreCollector(Collector):
         entries = GaugeMetricFamily("blendserve_kv_store_entries", "Entries held per tier", labels=["tier"])
         store = self._get_store()
         if store is not None:
-            for tier in _tiers(store):
+            for tier in store.tiers:
                 try:
                     st = tier.stats()
                 except Exception:  # noqa: BLE001 - a scrape must never fail on a flaky tier

@@ -77,8 +77,8 @@ class QueryRequest(BaseModel):
     documents: list[InlineDocument] | None = Field(
         None, min_length=1, description="use exactly these passages, in this order, instead of retrieval"
     )
-    mode: ModeName | None = Field(None, description="defaults to BLENDSERVE_DEFAULT_MODE (blend)")
-    retrieval: RetrievalName | None = Field(None, description="dense, lexical or hybrid; null = BLENDSERVE_RETRIEVAL")
+    mode: ModeName | None = Field(None, description="defaults to BLENDSERVE_ENGINE_DEFAULT_MODE (blend)")
+    retrieval: RetrievalName | None = Field(None, description="dense, lexical or hybrid; null = BLENDSERVE_RETRIEVAL_METHOD")
     filters: SearchFilters | None = Field(None, description="retrieve only passages matching these")
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="blend only; null = server default")
     max_tokens: int = Field(64, ge=1)
@@ -115,8 +115,8 @@ class SourceOut(BaseModel):
     passage: int = Field(description="its index in its document (a supplied document: its index in `documents`)")
     location: str | None = Field(None, description="where in its document: page or heading path (null when none)")
     score: float | None = Field(description="retrieval score; null for a supplied document")
-    text: str = Field("", description="the cited passage as stored (cut to BLENDSERVE_SOURCE_TEXT_CHARS when set)")
-    truncated: bool = Field(False, description="`text` was cut to BLENDSERVE_SOURCE_TEXT_CHARS")
+    text: str = Field("", description="the cited passage as stored (cut to BLENDSERVE_LIMITS_SOURCE_TEXT_CHARS when set)")
+    truncated: bool = Field(False, description="`text` was cut to BLENDSERVE_LIMITS_SOURCE_TEXT_CHARS")
 
 
 class TopLogprob(BaseModel):
@@ -215,7 +215,7 @@ class Explain(BaseModel):
 
     check_layer: int | None = Field(description="blend's check layer; null in modes that rank nothing")
     metric: str = Field(description="what a score is, e.g. 'k deviation x question attention'")
-    max_tokens: int = Field(description="BLENDSERVE_EXPLAIN_MAX_TOKENS: tokens listed at most, in prompt order")
+    max_tokens: int = Field(description="BLENDSERVE_LIMITS_EXPLAIN_MAX_TOKENS: tokens listed at most, in prompt order")
     explained_tokens: int = Field(description="tokens listed (passages and question)")
     truncated: bool = Field(description="true when some tokens were not listed")
     passage_recomputed_tokens: int

@@ -255,7 +255,7 @@ GATE_CHECKING = "full_prefill: the start-up fidelity gate is still checking blen
 
 def _gated_mode(stack, mode: Mode) -> tuple[Mode, str | None]:
     """Blend falls back to full prefill while the enforced start-up fidelity gate is failed or still running."""
-    if mode is Mode.BLEND and getattr(stack, "gate_checking", False) and stack.settings.fidelity_gate == "enforce":
+    if mode is Mode.BLEND and getattr(stack, "gate_checking", False) and stack.settings.engine.fidelity_gate == "enforce":
         return Mode.FULL_PREFILL, GATE_CHECKING
     gate = getattr(stack, "gate", None)
     if mode is Mode.BLEND and gate is not None and gate.fallback:

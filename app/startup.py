@@ -21,10 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 def run_fidelity_gate(stack, metrics) -> GateDecision:
-    """The start-up fidelity gate (BLENDSERVE_FIDELITY_GATE); its numbers go to the log and metrics.
+    """The start-up fidelity gate (BLENDSERVE_ENGINE_FIDELITY_GATE); its numbers go to the log and metrics.
 
     A probe that cannot be read (sample corpus missing) leaves blend enabled, with the error shown."""
-    mode = stack.settings.fidelity_gate
+    mode = stack.settings.engine.fidelity_gate
     try:
         decision = decide(mode, stack.runner, stack.engine.config, stack.settings.data_dir)
     except (OSError, ValueError) as exc:
@@ -57,7 +57,7 @@ def _gate_in_background(stack, metrics, closing: threading.Event, first_start: b
         decision = run_fidelity_gate(stack, metrics)
     except Exception as exc:  # noqa: BLE001 - an unexpected failure leaves blend unchecked, named in /readyz
         logger.exception("fidelity gate failed")
-        decision = GateDecision(stack.settings.fidelity_gate, None, error=f"{type(exc).__name__}: {exc}")
+        decision = GateDecision(stack.settings.engine.fidelity_gate, None, error=f"{type(exc).__name__}: {exc}")
     stack.gate = decision
     stack.gate_checking = False
     logger.info("fidelity gate decided in %.1f s: blend %s", time.perf_counter() - t0,
@@ -68,7 +68,7 @@ def start_fidelity_gate(stack, metrics, closing: threading.Event | None = None,
                         first_start: bool = False) -> threading.Thread | None:
     """Run the gate on a thread of its own (None when it is off); blend is `checking` until it decides.
     `first_start` (the sample corpus is being ingested): it starts once the first passages are searchable."""
-    if stack.settings.fidelity_gate == "off":
+    if stack.settings.engine.fidelity_gate == "off":
         stack.gate = run_fidelity_gate(stack, metrics)  # off: decided at once, nothing measured
         return None
     stack.gate_checking = True
@@ -99,12 +99,12 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
     settings = svc.settings
     t0 = time.perf_counter()
     try:
-        logger.info("loading model %s, index and KV store (data dir %s)", settings.model, settings.data_dir)
+        logger.info("loading model %s, index and KV store (data dir %s)", settings.model.name, settings.data_dir)
         stack = factory(settings)
         if svc.closing.is_set():
             stack.close()
             return
-        stack.gate_checking = settings.fidelity_gate != "off"  # blend: full prefill until the gate decides
+        stack.gate_checking = settings.engine.fidelity_gate != "off"  # blend: full prefill until the gate decides
         svc.stack = stack
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set, busy=lambda: _serving(stack))

@@ -82,7 +82,7 @@ class AppState:
         if stack is None:
             return None
         if getattr(stack, "gate_checking", False):
-            enforced = stack.settings.fidelity_gate == "enforce"
+            enforced = stack.settings.engine.fidelity_gate == "enforce"
             return {"state": "checking", "reason": "the start-up fidelity gate is running; blend requests are "
                     + ("answered by full prefill until it passes" if enforced else "served meanwhile (warn)")}
         gate = getattr(stack, "gate", None)

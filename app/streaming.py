@@ -66,7 +66,7 @@ async def run_to_completion(svc: AppState, spec: QuerySpec, name: str, endpoint:
     """A query run on the engine queue and awaited whole; counted and logged under `endpoint`."""
     stack = svc.require_stack()
     answered: Answered = await run_job(svc.worker, lambda job: answer(stack, spec, job),
-                                       svc.settings.request_timeout_s, name)
+                                       svc.settings.service.request_timeout_s, name)
     svc.observe(endpoint, answered.outcome)
     return answered
 
@@ -75,7 +75,7 @@ async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Fr
     """A streaming query as an SSE response written by `frames`."""
     stack = svc.require_stack()
     handle = StreamHandle(svc.worker, lambda job, emit: answer(stack, spec, job, emit),
-                          svc.settings.request_timeout_s, "query-stream")
+                          svc.settings.service.request_timeout_s, "query-stream")
     try:
         first = await handle.first()
         done = handle.result() if first is None else None

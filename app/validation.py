@@ -58,13 +58,13 @@ def field_error(loc: tuple, msg: str, value: Any = None) -> RequestValidationErr
 def check_limits(settings: ServiceSettings, *, question: str, top_k: int, max_tokens: int, documents: list | None,
                  question_loc: tuple = ("question",)) -> None:
     """Limits that depend on ServiceSettings; 422 naming the field."""
-    if len(question) > settings.max_question_chars:
+    if len(question) > settings.limits.max_question_chars:
         raise field_error(question_loc, f"question is {len(question)} characters; the limit is "
-                                        f"{settings.max_question_chars}")
-    if documents is None and top_k > settings.max_top_k:  # top_k is unused when the caller brings documents
-        raise field_error(("top_k",), f"top_k must be at most {settings.max_top_k}", top_k)
-    if max_tokens > settings.max_new_tokens:
-        raise field_error(("max_tokens",), f"max_tokens must be at most {settings.max_new_tokens}", max_tokens)
+                                        f"{settings.limits.max_question_chars}")
+    if documents is None and top_k > settings.limits.max_top_k:  # top_k is unused when the caller brings documents
+        raise field_error(("top_k",), f"top_k must be at most {settings.limits.max_top_k}", top_k)
+    if max_tokens > settings.limits.max_new_tokens:
+        raise field_error(("max_tokens",), f"max_tokens must be at most {settings.limits.max_new_tokens}", max_tokens)
     check_documents(settings, documents)
 
 
@@ -72,12 +72,12 @@ def check_documents(settings: ServiceSettings, documents: list | None) -> None:
     """Count, title and text limits of documents (each with `title` and `text`)."""
     if documents is None:
         return
-    if len(documents) > settings.max_documents:
-        raise field_error(("documents",), f"{len(documents)} documents; the limit is {settings.max_documents}")
+    if len(documents) > settings.limits.max_documents:
+        raise field_error(("documents",), f"{len(documents)} documents; the limit is {settings.limits.max_documents}")
     for i, doc in enumerate(documents):
-        if doc.title is not None and len(doc.title) > settings.max_title_chars:
+        if doc.title is not None and len(doc.title) > settings.limits.max_title_chars:
             raise field_error(("documents", i, "title"), f"title is {len(doc.title)} characters; the limit is "
-                                                         f"{settings.max_title_chars}")
-        if len(doc.text) > settings.max_document_chars:
+                                                         f"{settings.limits.max_title_chars}")
+        if len(doc.text) > settings.limits.max_document_chars:
             raise field_error(("documents", i, "text"), f"document text is {len(doc.text)} characters; the limit "
-                                                        f"is {settings.max_document_chars}")
+                                                        f"is {settings.limits.max_document_chars}")

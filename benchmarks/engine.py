@@ -34,39 +34,40 @@ import torch
 
 from benchmarks import lengths as length_sweep
 from benchmarks.data import HOTPOTQA_FILE, MUSIQUE_FILE, Example, default_data_dir, passages_of, read_examples
+from benchmarks.policies import PREVIOUS_DEFAULT, plain
 from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
-from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, previous_default_policy
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
 from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
 
 _GRADUAL = ((2, 3.0), (3, 2.0), (5, 1.5), (8, 1.0))
 ABLATION: dict[str, SelectionPolicy] = {
-    "v@1 (LMCache-style)": SelectionPolicy(check_layer=1, metric="v"),
-    "k@1": SelectionPolicy(check_layer=1, metric="k"),
-    "kv@1": SelectionPolicy(check_layer=1, metric="kv"),
-    "k@2": SelectionPolicy(check_layer=2, metric="k"),
-    "kv@1+sink4": SelectionPolicy(check_layer=1, metric="kv", sink_tokens=4),
-    "epic sink8 only": SelectionPolicy(use_deviation=False, sink_tokens=8),
-    "k@1 gradual 2>1.5>1": SelectionPolicy(metric="k", check_multiplier=2.0, schedule=((2, 1.5), (3, 1.0))),
-    "kv@1 gradual 4>3>2>1.5>1": SelectionPolicy(metric="kv", check_multiplier=4.0, schedule=_GRADUAL),
-    "k@1 gradual 4>3>2>1.5>1": SelectionPolicy(metric="k", check_multiplier=4.0, schedule=_GRADUAL),
-    "k@1 query-weighted": SelectionPolicy(metric="k", query_weighted=True),
-    "kv@1 query-weighted": SelectionPolicy(metric="kv", query_weighted=True),
-    "v gradual query-weighted": SelectionPolicy(metric="v", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
-    "kv gradual query-weighted": SelectionPolicy(metric="kv", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
-    "k gradual 4x > 3x > 2x > 1.5x > 1x by layer 8, query-weighted (default until the 4-layer one)": SelectionPolicy(
+    "v@1 (LMCache-style)": plain(check_layer=1, metric="v"),
+    "k@1": plain(check_layer=1, metric="k"),
+    "kv@1": plain(check_layer=1, metric="kv"),
+    "k@2": plain(check_layer=2, metric="k"),
+    "kv@1+sink4": plain(check_layer=1, metric="kv", sink_tokens=4),
+    "epic sink8 only": plain(use_deviation=False, sink_tokens=8),
+    "k@1 gradual 2>1.5>1": plain(metric="k", check_multiplier=2.0, schedule=((2, 1.5), (3, 1.0))),
+    "kv@1 gradual 4>3>2>1.5>1": plain(metric="kv", check_multiplier=4.0, schedule=_GRADUAL),
+    "k@1 gradual 4>3>2>1.5>1": plain(metric="k", check_multiplier=4.0, schedule=_GRADUAL),
+    "k@1 query-weighted": plain(metric="k", query_weighted=True),
+    "kv@1 query-weighted": plain(metric="kv", query_weighted=True),
+    "v gradual query-weighted": plain(metric="v", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
+    "kv gradual query-weighted": plain(metric="kv", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
+    "k gradual 4x > 3x > 2x > 1.5x > 1x by layer 8, query-weighted (default until the 4-layer one)": plain(
         metric="k", check_multiplier=4.0, schedule=_GRADUAL, query_weighted=True),
-    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted (previous default)": previous_default_policy(),
-    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted, sinks 8": SelectionPolicy(
+    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted (previous default)": PREVIOUS_DEFAULT,
+    "k gradual 4x > 2x > 1.5x > 1x by layer 4, query-weighted, sinks 8": plain(
         metric="k", check_multiplier=4.0, schedule=((2, 2.0), (3, 1.5), (4, 1.0)), sink_tokens=8, query_weighted=True),
-    "k@2 gradual 4x > 2x > 1.5x > 1x by layer 5, query-weighted, sinks 8": SelectionPolicy(
+    "k@2 gradual 4x > 2x > 1.5x > 1x by layer 5, query-weighted, sinks 8": plain(
         check_layer=2, metric="k", check_multiplier=4.0, schedule=((3, 2.0), (4, 1.5), (5, 1.0)), sink_tokens=8,
         query_weighted=True),
-    "k gradual 4x > 2x > 1x by layer 4, query-weighted": SelectionPolicy(
+    "k gradual 4x > 2x > 1x by layer 4, query-weighted": plain(
         metric="k", check_multiplier=4.0, schedule=((2, 2.0), (4, 1.0)), query_weighted=True),
 }
 ABLATION |= {f"default + {name}": pol for name, pol in length_sweep.policy_options().items()}  # issue #28's

@@ -50,6 +50,7 @@ def wait(fn, timeout: float, step: float = 0.1):
 def _env(port: int, model_cache: Path | None) -> dict:
     """The service's environment: no BLENDSERVE_* of ours but the listener (and the cold model cache)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
+    # the release before the settings groups (`--ref`) reads only the flat names; today's takes them too
     env.update({"BLENDSERVE_PORT": str(port), "BLENDSERVE_HOST": "127.0.0.1", "HF_HUB_OFFLINE": "1"})
     if model_cache is not None:
         env["BLENDSERVE_MODEL_CACHE_DIR"] = str(model_cache)

@@ -1,6 +1,6 @@
 """`python -m benchmarks.ingest` (`make bench-ingest`): ingestion rate, KV bytes per token, index search latency.
 
-Ingestion runs the configured model (BLENDSERVE_MODEL, default SmolLM2-135M) over the first
+Ingestion runs the configured model (BLENDSERVE_MODEL_NAME, default SmolLM2-135M) over the first
 --passages records of the sample corpus into a temporary data directory. Index latency uses
 synthetic unit vectors (384-d, the embedder's width) at 10K and 100K vectors, one query at a time.
 """
@@ -27,7 +27,7 @@ def bench_ingest(n_passages: int, corpus: Path, tmp: Path) -> dict:
     lines = corpus.read_text().splitlines(keepends=True)[:n_passages]
     subset = tmp / "corpus.jsonl"
     subset.write_text("".join(lines))
-    settings = Settings(data_dir=tmp / "data", ingest_sample_on_start=False)
+    settings = Settings(data_dir=tmp / "data", ingest={"sample_on_start": False})
     t0 = time.perf_counter()
     stack = build_stack(settings)
     startup = time.perf_counter() - t0

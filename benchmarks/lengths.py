@@ -34,9 +34,10 @@ import torch
 
 from benchmarks.data import Example, passages_of, shuffled
 from benchmarks.oracle import LazyRefs, OracleRefs, oracle_first_token
+from benchmarks.policies import PREVIOUS_DEFAULT, previous_default
 from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine
-from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy, previous_default_policy
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -74,20 +75,17 @@ class Variant:
         if self.oracle:
             what = ("oracle", self.oracle, self.oracle_rank, ratio, ORACLE_VERSION)
             return hashlib.sha1(repr(what).encode()).hexdigest()[:16]
-        return hashlib.sha1(repr((ratio, self.policy or default_policy(), 0.0, 1.0, 1.0)).encode()).hexdigest()[:16]
+        return hashlib.sha1(repr((ratio, self.policy or SelectionPolicy(), 0.0, 1.0, 1.0)).encode()).hexdigest()[:16]
 
 
-def _d(**kw) -> SelectionPolicy:
-    """The default policy before issue #28 (`previous_default_policy`) with some fields changed."""
-    base = previous_default_policy()
-    return SelectionPolicy(**{f: kw.get(f, getattr(base, f)) for f in base.__dataclass_fields__})
+_d = previous_default  # the default policy before issue #28 with some fields changed
 
 
 # The options of issue #28, each a change to the previous default at ratio 0.15 unless named
 # otherwise; the previous default at 0.15 and 0.30. "sinks 8 + check@2" won and is the default now.
 SWEEP: dict[str, Variant] = {
-    "blend@0.15 default": Variant(0.15, previous_default_policy()),
-    "blend@0.30 default": Variant(0.30, previous_default_policy()),
+    "blend@0.15 default": Variant(0.15, PREVIOUS_DEFAULT),
+    "blend@0.30 default": Variant(0.30, PREVIOUS_DEFAULT),
     "alloc by length": Variant(0.15, _d(allocation="length")),
     "alloc by question attention": Variant(0.15, _d(allocation="attention")),
     "sinks 8 (EPIC)": Variant(0.15, _d(sink_tokens=8)),

@@ -24,7 +24,7 @@ them (a 4K-token context), fp16 and int8. Per format:
 Reference and tier are measured alternately, `reps` pairs; the ratio is the median of the
 per-pair ratios (the machine's load drifts between runs; it is printed too).
 
-Results: benchmarks/results/loader/results.json and a table on stdout (docs/results.md, "Loader").
+Results: benchmarks/results/loader/results.json and a table on stdout (docs/results.md, "KV delivery").
 """
 
 from __future__ import annotations

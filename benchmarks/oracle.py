@@ -6,7 +6,7 @@ do, measured in the length sweep (`benchmarks.lengths`, variants "oracle-...").
 
 Per question (and passage length) the full prefill's and full reuse's caches of the same prompt
 are computed once (`OracleRefs`); the competing tokens are ranked by their true K/V deviation
-(`executor.oracle.true_deviation`: squared L2 per layer, K and V each divided by their mean over
+(`oracle_seam.true_deviation`: squared L2 per layer, K and V each divided by their mean over
 the competing tokens, summed over layers 1..L-1; layer 0 is rounding only), or by that times the
 attention the full prefill's question pays each token at each layer ("qa"), or by how much giving
 it the exact K/V lowers the first token's KL ("ig": integrated gradients of that KL along the
@@ -29,13 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.oracle_seam import Oracle, top_positions, true_deviation
+from benchmarks.policies import PREVIOUS_DEFAULT
 from blend_engine.engine import BlendEngine
 from blend_engine.executor.layers import KVCache
 from blend_engine.executor.selection import RankSpace
 from blend_engine.layout import PromptLayout
 from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import kept, narrowing
-from blend_engine.types import BlendPlan, previous_default_policy
+from blend_engine.types import BlendPlan
 
 # the true deviation; x the full prefill's question attention; integrated gradients of the first
 # token's KL along the path from the cached K/V to the exact ones ("fix"'s own objective)
@@ -160,7 +161,7 @@ def oracle_first_token(engine: BlendEngine, plan: BlendPlan, refs: OracleRefs, m
     """One oracle run's first-token logits [V] and the tokens it recomputed or corrected (the
     question, and the chosen ones; a select also every token up to the check layer, not counted)."""
     if mode == "select-sched":  # the default's per-layer counts (4x > 2x > 1.5x > 1x), ranked by the oracle
-        policy = previous_default_policy()
+        policy = PREVIOUS_DEFAULT
         order = refs.compete[torch.argsort(refs.scores[rank], descending=True)]  # [P] best first
         schedule = tuple((layer, kept(refs.n_compete, ratio, mult)) for layer, mult in sorted(narrowing(policy).items()))
         blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=policy)
@@ -168,7 +169,7 @@ def oracle_first_token(engine: BlendEngine, plan: BlendPlan, refs: OracleRefs, m
         return state.logits, state.report.recomputed_tokens
     chosen = top_positions(refs.scores[rank], refs.compete, kept(refs.n_compete, ratio))  # [R]
     if mode == "select":
-        blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=previous_default_policy())
+        blend = dataclasses.replace(plan, mode="blend", recompute_ratio=ratio, policy=PREVIOUS_DEFAULT)
         state = engine.prefill(blend, max_new_tokens=1, hooks=Oracle("select", chosen))
         return state.logits, state.report.recomputed_tokens
     state = engine.prefill(dataclasses.replace(plan, mode="full_reuse"), max_new_tokens=1,

@@ -9,8 +9,8 @@
 2. Lone client: one client sends retrieval queries back to back for `--duration` seconds: the
    answers a single client gets, and one query's time (p50).
 3. Load: `--clients` clients do the same at once for `--duration` seconds. Goodput = answers
-   (HTTP 200) per second. The target (issue 18): with the server's BLENDSERVE_REQUEST_TIMEOUT_S at
-   twice one query's time and a small queue (BLENDSERVE_MAX_QUEUE=4), the loaded service answers at
+   (HTTP 200) per second. The target (issue 18): with the server's BLENDSERVE_SERVICE_REQUEST_TIMEOUT_S at
+   twice one query's time and a small queue (BLENDSERVE_SERVICE_MAX_QUEUE=4), the loaded service answers at
    least 80% of what the lone client got in the same time, and gives no 5xx other than 503/504
    load shedding (counted apart). The table reports sent, status counts, goodput, p50/p99 latency
    of answers and the 5xx count per phase.
@@ -293,7 +293,7 @@ def table(battery_result: dict | None, phases: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.reliability", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="base URL of a running service, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None, help="bearer token when the service has BLENDSERVE_API_KEY set")
+    p.add_argument("--api-key", default=None, help="bearer token when the service has BLENDSERVE_AUTH_API_KEY set")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of each load phase (lone client, then load)")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients in the load phase")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         one_query_s = (solo["p50_ms"] or 0) / 1e3
         result["one_query_s"] = one_query_s
         print(f"\none query (lone client p50): {one_query_s:.2f} s -> the target setting is "
-              f"BLENDSERVE_REQUEST_TIMEOUT_S={max(1, round(2 * one_query_s))} (twice one query's time)")
+              f"BLENDSERVE_SERVICE_REQUEST_TIMEOUT_S={max(1, round(2 * one_query_s))} (twice one query's time)")
         print(f"load answers / lone-client answers within the same {args.duration:g} s: {load['answers_in_window']} / "
               f"{solo['answers_in_window']} = "
               f"{100 * share:.0f}% (target >= 80%)")

@@ -136,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", action="store_true", help="also the development grid (`grid`): title weights, RRF k x "
                                                         "weight x candidates, convex weight x candidates")
     ap.add_argument("--data-dir", type=Path, default=None, help="the shared data (default: benchmarks.data)")
-    ap.add_argument("--fusion", choices=FUSIONS, default=lexical.FUSION, help="hybrid's fusion (BLENDSERVE_HYBRID_FUSION)")
+    ap.add_argument("--fusion", choices=FUSIONS, default=lexical.FUSION,
+                    help="hybrid's fusion (BLENDSERVE_RETRIEVAL_HYBRID_FUSION)")
     ap.add_argument("--dense-weight", type=float, default=lexical.DENSE_WEIGHT,
-                    help="the dense list's weight in the fusion (BLENDSERVE_HYBRID_DENSE_WEIGHT)")
-    ap.add_argument("--rrf-k", type=int, default=RRF_K, help="RRF's k (BLENDSERVE_HYBRID_RRF_K)")
+                    help="the dense list's weight in the fusion (BLENDSERVE_RETRIEVAL_HYBRID_DENSE_WEIGHT)")
+    ap.add_argument("--rrf-k", type=int, default=RRF_K, help="RRF's k (BLENDSERVE_RETRIEVAL_HYBRID_RRF_K)")
     ap.add_argument("--candidates", type=int, default=lexical.CANDIDATES,
-                    help="hits per list fused in hybrid (BLENDSERVE_HYBRID_CANDIDATES)")
+                    help="hits per list fused in hybrid (BLENDSERVE_RETRIEVAL_HYBRID_CANDIDATES)")
     ap.add_argument("--title-weight", type=float, default=lexical.TITLE_WEIGHT,
-                    help="a title hit's weight in the lexical score (BLENDSERVE_LEXICAL_TITLE_WEIGHT)")
+                    help="a title hit's weight in the lexical score (BLENDSERVE_RETRIEVAL_LEXICAL_TITLE_WEIGHT)")
     ap.add_argument("--no-cache", action="store_true", help=f"embed the passages again, not from {CACHE_DIR}")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Serving under concurrency: 1, 2, 4, 8 and 16 clients streaming /v1/query on retrieved
 sample-corpus questions (top_k 5), at max_tokens 32 and 128, against `python -m app` with its
-default settings (continuous batching: BLENDSERVE_MAX_BATCH, BLENDSERVE_BATCH_KV_MB).
+default settings (continuous batching: BLENDSERVE_ENGINE_MAX_BATCH, BLENDSERVE_ENGINE_BATCH_KV_MB).
 
 Per level: answers/s, output tokens/s, p50/p99 time to first token, p50/p99 inter-token latency
 (gaps between streamed deltas), and 503s. Answers decode to max_tokens (`ignore_eos`, as vLLM's
@@ -69,8 +69,8 @@ def service(data_dir: Path, settings: dict[str, str] | None = None) -> Iterator[
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
     env.update(settings or {})
-    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_PORT": str(port), "BLENDSERVE_LOG_LEVEL": "warning",
-                "PYTHONPATH": str(REPO)})
+    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_SERVICE_PORT": str(port),
+                "BLENDSERVE_SERVICE_LOG_LEVEL": "warning", "PYTHONPATH": str(REPO)})
     with app_process(env, data_dir / "server.log", 900) as url:
         _wait_ingested(url)
         yield url
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--natural", action="store_true", help="answers end at EOS (natural lengths), max_tokens a cap")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a BLENDSERVE_* setting for the service (repeatable), e.g. BLENDSERVE_MAX_BATCH=16")
+                   help="a BLENDSERVE_* setting for the service (repeatable), e.g. BLENDSERVE_ENGINE_MAX_BATCH=16")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     qs = questions(args.questions)

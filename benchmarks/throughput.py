@@ -55,9 +55,10 @@ def running_service(workers: int | None = None, threads: int | None = None, read
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="blendbench-svc-") as tmp:
         env = {**os.environ, "BLENDSERVE_DATA_DIR": tmp, "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
-               "BLENDSERVE_PORT": str(port), "BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_MAX_QUEUE": "256",
-               "BLENDSERVE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_LOG_LEVEL": "warning",
-               **({"BLENDSERVE_WORKERS": str(workers)} if workers else {}),
+               "BLENDSERVE_SERVICE_PORT": str(port), "BLENDSERVE_SERVICE_HOST": "127.0.0.1",
+               "BLENDSERVE_SERVICE_MAX_QUEUE": "256",
+               "BLENDSERVE_SERVICE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_SERVICE_LOG_LEVEL": "warning",
+               **({"BLENDSERVE_SERVICE_WORKERS": str(workers)} if workers else {}),
                **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         try:
             with app_process(env, Path(tmp) / "server.log", ready_timeout_s) as url:
@@ -69,12 +70,12 @@ def running_service(workers: int | None = None, threads: int | None = None, read
 
 @contextmanager
 def app_process(env: dict[str, str], log_path: Path, ready_timeout_s: float) -> Iterator[str]:
-    """`python -m app` from the repository with `env` (its port in BLENDSERVE_PORT), its output
+    """`python -m app` from the repository with `env` (its port in BLENDSERVE_SERVICE_PORT), its output
     appended to `log_path`; yields its base URL once /readyz answers 200, stops it on the way out."""
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            url = f"http://127.0.0.1:{env['BLENDSERVE_PORT']}"
+            url = f"http://127.0.0.1:{env['BLENDSERVE_SERVICE_PORT']}"
             wait_ready(url, ready_timeout_s, proc)
             yield url
         finally:

@@ -78,13 +78,7 @@ class ScoreProbe:
 
 def tier_of(store: KVStore, key: str) -> str | None:
     """The first tier holding `key` (a tiered store's top-down order), or the store's own name."""
-    tiers = getattr(store, "tiers", None)
-    if tiers:
-        for tier in tiers:
-            if tier.contains(key):
-                return tier.name
-        return None
-    return store.name if store.contains(key) else None
+    return store.tier_holding(key)
 
 
 def build_explanation(layout: PromptLayout, final: Sequence[int], scores: dict[int, float],

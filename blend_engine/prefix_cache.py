@@ -8,7 +8,7 @@ before it, so it is reused only by a prompt that starts with exactly the same se
 
 Entries sit where they were computed (no RoPE move). The system prompt alone at position 0 is
 exact in context too, so it is seeded from the chunk store. The byte budget is a setting
-(`BLENDSERVE_PREFIX_CACHE_MB`); `stats()` reports its use.
+(`BLENDSERVE_ENGINE_PREFIX_CACHE_MB`); `stats()` reports its use.
 
 Saving is off the critical path: the engine calls `save` after the request's first token, which
 issues one non-blocking copy per new segment to host memory (`executor.offload`) and hands it to

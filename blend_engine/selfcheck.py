@@ -414,17 +414,18 @@ def decide(mode: str, runner: ModelRunner, config: EngineConfig, data_dir: Path 
     if result.passed:
         logger.info("%s", result.summary())
     elif decision.fallback:
-        logger.warning("%s; blend requests will be answered with full prefill (set BLENDSERVE_FIDELITY_GATE=warn "
+        logger.warning("%s; blend requests will be answered with full prefill (set BLENDSERVE_ENGINE_FIDELITY_GATE=warn "
                        "to serve blend anyway)", result.summary())
     else:
-        logger.warning("%s; serving blend anyway (BLENDSERVE_FIDELITY_GATE=warn)", result.summary())
+        logger.warning("%s; serving blend anyway (BLENDSERVE_ENGINE_FIDELITY_GATE=warn)", result.summary())
     return decision
 
 
 # ====================================================================== command line
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m blend_engine.selfcheck", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=os.environ.get("BLENDSERVE_MODEL", "smollm2-135m-instruct"))
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a model name or local folder (the service reads "
+                   "BLENDSERVE_MODEL_NAME; this command reads only its flags)")
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio (default 0.15, the floor)")
     p.add_argument("--kv-format", default="fp16", choices=["fp16", "fp32", "int8"])
     p.add_argument("--device", default="auto")

@@ -60,15 +60,24 @@ class SelectionPolicy:
       passage keeps a share of the budget proportional to the attention the question pays it
       (at the selecting layer). Either way the total kept is the same as "global"'s; a passage
       with fewer candidates than its share leaves the rest to the others.
+
+    `SelectionPolicy()` is the serving default, spelled once by the field defaults: K deviation at
+    layer 1, weighted by the attention the question pays each token, keeping 4x the ratio, narrowed
+    to 2x, 1.5x and 1x of it at layers 2, 3 and 4 (gradual filtering); no sinks. Chosen by ablation
+    on short dev paragraphs and kept after issue #28's length sweep (`python -m benchmarks.engine
+    --lengths 0,200,400,600`, docs/results-archive.md): the sweep's best worst cases add 8 EPIC sink tokens
+    per passage (tune-half worst KL ratio 0.310x against 0.353x, 3 questions a cell), but the sinks
+    force the first 8 tokens of every cached segment (+4.6% TTFT at 4K, and most of a chat prompt
+    of short turns). The ablation's variants live in `benchmarks/policies.py`.
     """
 
     check_layer: int = 1
-    metric: str = "kv"
-    check_multiplier: float = 1.0
-    schedule: tuple[tuple[int, float], ...] = ()
+    metric: str = "k"
+    check_multiplier: float = 4.0
+    schedule: tuple[tuple[int, float], ...] = ((2, 2.0), (3, 1.5), (4, 1.0))
     sink_tokens: int = 0
     use_deviation: bool = True
-    query_weighted: bool = False
+    query_weighted: bool = True
     query_mass: str = "layer"
     allocation: str = "global"
     end_tokens: int = 0
@@ -94,22 +103,8 @@ class SelectionPolicy:
 
 
 def default_policy() -> SelectionPolicy:
-    """The default: the policy chosen before issue #28 (`previous_default_policy`), kept after its
-    length sweep (`python -m benchmarks.engine --lengths 0,200,400,600`, docs/results.md). The
-    sweep's best worst cases add 8 EPIC sink tokens per passage (tune-half worst KL ratio 0.310x,
-    with the check at layer 2 0.301x, against 0.353x, on 3 questions a cell), but the sinks force
-    the first 8 tokens of every cached segment: +4.6% TTFT at 4K (+13-14% with the check at layer
-    2, over the issue's 10% budget), and in a chat prompt of short turns and `[n]` markers they
-    recompute most of the prompt (97 of 167 tokens at turn 3). They stay options in the ablation."""
-    return previous_default_policy()
-
-
-def previous_default_policy() -> SelectionPolicy:
-    """The default chosen before issue #28 by ablation on short dev paragraphs: K deviation at layer
-    1, weighted by the attention the question pays each token, keeping 4x the ratio, narrowed to 2x,
-    1.5x and 1x of it at layers 2, 3 and 4 (gradual filtering); no sinks."""
-    return SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0,
-                           schedule=((2, 2.0), (3, 1.5), (4, 1.0)), query_weighted=True)
+    """`SelectionPolicy()`: a factory for `dataclasses.field(default_factory=...)` users."""
+    return SelectionPolicy()
 
 
 MAX_TOP_LOGPROBS = 20

@@ -68,30 +68,31 @@ class Stack:
 
 
 def index_params(settings: Settings) -> IndexParams:
-    return IndexParams(kind=settings.index_type, hnsw_m=settings.hnsw_m, hnsw_ef_search=settings.hnsw_ef_search,
-                       ivf_nlist=settings.ivf_nlist, ivf_nprobe=settings.ivf_nprobe,
-                       ivf_min_train=settings.ivf_min_train)
+    r = settings.retrieval
+    return IndexParams(kind=r.index_type, hnsw_m=r.hnsw_m, hnsw_ef_search=r.hnsw_ef_search, ivf_nlist=r.ivf_nlist,
+                       ivf_nprobe=r.ivf_nprobe, ivf_min_train=r.ivf_min_train)
 
 
 def build_store_from(settings: Settings, fingerprint: str = "", device: str | None = None) -> KVStore:
     """The KV tiers from settings; with the engine's `device`, a device tier sized by
-    BLENDSERVE_DEVICE_CACHE_GB (automatic when unset; a value the device cannot honour fails here)."""
+    BLENDSERVE_STORE_DEVICE_CACHE_GB (automatic when unset; a value the device cannot honour fails here)."""
     kwargs = {"fingerprint": fingerprint} if fingerprint else {}
     device_bytes = 0
     if device is not None:
         from blend_engine.kv_store.device import device_cache_bytes
 
-        device_bytes = device_cache_bytes(settings.device_cache_gb, device, reserved_bytes=settings.batch_kv_mb << 20)
+        device_bytes = device_cache_bytes(settings.store.device_cache_gb, device,
+                                          reserved_bytes=settings.engine.batch_kv_mb << 20)
     return build_store(
-        kv_format=settings.kv_format,
-        memory_bytes=settings.memory_cache_bytes,
+        kv_format=settings.store.kv_format,
+        memory_bytes=settings.store.memory_cache_bytes,
         device_bytes=device_bytes,
         device=device,
         disk_dir=settings.kv_dir,
-        disk_bytes=settings.disk_cache_mb << 20,
-        disk_direct_io=settings.disk_direct_io,
-        redis_url=settings.redis_url,
-        redis_timeout_s=settings.redis_timeout_s,
+        disk_bytes=settings.store.disk_cache_mb << 20,
+        disk_direct_io=settings.store.disk_direct_io,
+        redis_url=settings.store.redis_url,
+        redis_timeout_s=settings.store.redis_timeout_s,
         **kwargs,
     )
 
@@ -100,39 +101,40 @@ def build_controller(settings: Settings, runner: ModelRunner | None = None) -> B
     """The bandwidth-aware ratio controller when no fixed ratio is configured (None if unavailable);
     with the `runner`, its start-up estimates are measured once on the runner's device
     (`transfer.calibrate`: a small staged read, copy and upload, a small layer forward)."""
-    if settings.recompute_ratio is not None:
+    if settings.engine.recompute_ratio is not None:
         return None
     calibrate = None
     if runner is not None:
         from blend_engine.transfer import calibrate as measure
 
-        fmt = resolve_format(settings.kv_format, runner.dtype, runner.device.type)
+        fmt = resolve_format(settings.store.kv_format, runner.dtype, runner.device.type)
         calibrate = functools.partial(measure, runner, fmt, workdir=settings.kv_dir)  # the disk tier's file system
-    return BandwidthController(floor=settings.ratio_floor, cap=settings.ratio_max, calibrate=calibrate)
+    return BandwidthController(floor=settings.engine.ratio_floor, cap=settings.engine.ratio_max, calibrate=calibrate)
 
 
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
-    config = EngineConfig(kv_format=settings.kv_format, prefix_cache_bytes=settings.prefix_cache_mb << 20,
-                          default_ratio=settings.recompute_ratio if settings.recompute_ratio is not None
-                          else settings.ratio_floor, selected_attention=settings.selected_attention,
-                          batch=BatchLimits(settings.max_batch, settings.batch_kv_mb << 20, settings.prefill_step_tokens))
+    e = settings.engine
+    config = EngineConfig(kv_format=settings.store.kv_format, prefix_cache_bytes=e.prefix_cache_mb << 20,
+                          default_ratio=e.recompute_ratio if e.recompute_ratio is not None else e.ratio_floor,
+                          selected_attention=e.selected_attention,
+                          batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens))
     return BlendEngine(runner, store, config, loader=build_loader(store),
                        controller=build_controller(settings, runner))
 
 
 def fusion_of(settings: Settings) -> Fusion:
-    """How hybrid retrieval fuses its two lists (BLENDSERVE_HYBRID_*)."""
-    return Fusion(settings.hybrid_fusion, settings.hybrid_dense_weight, settings.hybrid_rrf_k,
-                  settings.hybrid_candidates)
+    """How hybrid retrieval fuses its two lists (BLENDSERVE_RETRIEVAL_HYBRID_*)."""
+    r = settings.retrieval
+    return Fusion(r.hybrid_fusion, r.hybrid_dense_weight, r.hybrid_rrf_k, r.hybrid_candidates)
 
 
 def build_reranker(settings: Settings):
-    """The CrossEncoder named by BLENDSERVE_RERANKER (a local folder), or None."""
-    if settings.reranker is None:
+    """The CrossEncoder named by BLENDSERVE_RETRIEVAL_RERANKER (a local folder), or None."""
+    if settings.retrieval.reranker is None:
         return None
     from retrieval.rerank import Reranker
 
-    return Reranker(settings.reranker)
+    return Reranker(settings.retrieval.reranker)
 
 
 def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder: Embedder | None = None,
@@ -140,23 +142,25 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     """Everything from settings; `runner`, `embedder` and `store` may be passed in (tests, reuse)."""
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    runner = runner or ModelRunner.load(settings.model, settings.device, settings.dtype, settings.model_cache_dir)
-    settings = settings.model_copy(update={"kv_format": resolve_format(settings.kv_format, runner.dtype,
-                                                                       runner.device.type)})
-    store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.kv_format),
+    runner = runner or ModelRunner.load(settings.model.name, settings.model.device, settings.model.dtype,
+                                          settings.model.cache_dir)
+    fmt = resolve_format(settings.store.kv_format, runner.dtype, runner.device.type)
+    settings = settings.model_copy(update={"store": settings.store.model_copy(update={"kv_format": fmt})})
+    store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.store.kv_format),
                                       device=str(runner.device))
     engine = build_engine(settings, runner, store)
-    embedder = embedder or Embedder(settings.embedder, batch_size=settings.embed_batch_size)
-    db = open_passage_store(settings.database_url, data_dir, DB_FILE)
+    embedder = embedder or Embedder(settings.retrieval.embedder, batch_size=settings.ingest.embed_batch_size)
+    db = open_passage_store(settings.store.database_url, data_dir, DB_FILE)
     index, info = open_index(data_dir, db, embedder, index_params(settings))
     logger.info("index: %d vectors (%s; loaded=%s, reconciled +%d -%d; passage store %s at generation %d)",
                 len(index), index.kind, info["loaded"], info["added"], info["removed"], db.describe(),
                 info["generation"])
-    retriever = Retriever(embedder, index, db, settings.placement, mode=settings.retrieval, fusion=fusion_of(settings),
-                          title_weight=settings.lexical_title_weight, reranker=build_reranker(settings))
-    pipeline = IngestPipeline(engine, embedder, index, db, data_dir, settings.chunk_tokens, settings.ingest_batch_size,
-                              settings.precompute_batch)
-    sync = IndexSync(index, db, embedder, info["generation"], settings.index_sync_interval_s, start_info=info)
+    r, ing = settings.retrieval, settings.ingest
+    retriever = Retriever(embedder, index, db, r.placement, mode=r.method, fusion=fusion_of(settings),
+                          title_weight=r.lexical_title_weight, reranker=build_reranker(settings))
+    pipeline = IngestPipeline(engine, embedder, index, db, data_dir, ing.chunk_tokens, ing.batch_size,
+                              ing.precompute_batch)
+    sync = IndexSync(index, db, embedder, info["generation"], settings.retrieval.index_sync_interval_s, start_info=info)
     return Stack(settings, runner, store, engine, retriever, pipeline, sync)
 
 
@@ -166,11 +170,11 @@ def _is_empty(stack: Stack) -> bool:
 
 
 def sample_to_ingest(stack: Stack) -> Path | None:
-    """Settings.sample_corpus when enabled, present, and nothing is stored yet (the first start); else None."""
+    """Settings.ingest.sample_corpus when enabled, present, and nothing is stored yet (the first start); else None."""
     s = stack.settings
-    if not s.ingest_sample_on_start or s.sample_corpus is None or not _is_empty(stack):
+    if not s.ingest.sample_on_start or s.ingest.sample_corpus is None or not _is_empty(stack):
         return None
-    path = Path(s.sample_corpus)
+    path = Path(s.ingest.sample_corpus)
     if not path.is_file():
         logger.warning("sample corpus %s not found; starting with an empty corpus", path)
         return None
@@ -179,7 +183,7 @@ def sample_to_ingest(stack: Stack) -> Path | None:
 
 def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] = lambda: False,
                                  progress: bool = False) -> IngestSummary | None:
-    """Ingest Settings.sample_corpus when enabled and nothing is stored yet: one ingestion, published
+    """Ingest Settings.ingest.sample_corpus when enabled and nothing is stored yet: one ingestion, published
     batch by batch, that `should_stop` interrupts at its next checkpoint (between layers and batches;
     what was published stays). The summary; None when skipped or interrupted. (The service runs the
     same ingestion as a background job instead, `app.startup.submit_sample`.)"""

@@ -68,7 +68,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
     if getattr(args, "batch_size", None):
-        overrides["ingest_batch_size"] = args.batch_size
+        overrides["ingest"] = {"batch_size": args.batch_size}
     return Settings(**overrides)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from blend_engine.kv_store.base import KVStore
 from corpus_tools.corpus import Corpus
 from logsafe import printable
 from retrieval.passages import PassageRow
@@ -148,20 +149,25 @@ class Maintenance:
         c = self.corpus
         with c.lock:
             keep = c.db.kv_keys() | {key for key, _ in c.fixed_chunks()}
-            listable, unlisted = _listable_tiers(c.store)
-            if not listable:
+            listed, unlisted = _listed_keys(c.store)
+            if not listed:
                 return {"supported": False, "referenced": len(keep), "dropped": 0, "unlisted_tiers": unlisted,
                         "message": f"store {c.store.name!r} cannot list its keys; nothing dropped"}
             before = c.store.stats().bytes_used
-            candidates = {k for tier in listable for k in tier.keys()} - keep
+            candidates = {k for keys in listed.values() for k in keys} - keep
             dropped = sum(1 for key in sorted(candidates) if c.store.delete(key))
             freed = before - c.store.stats().bytes_used
             return {"supported": True, "referenced": len(keep), "dropped": dropped, "freed_bytes": freed,
-                    "tiers": [t.name for t in listable], "unlisted_tiers": unlisted}
+                    "tiers": list(listed), "unlisted_tiers": unlisted}
 
 
-def _listable_tiers(store) -> tuple[list, list[str]]:
-    """(tiers that can list their keys, names of those that cannot). A plain store is its own tier."""
-    tiers = list(getattr(store, "tiers", None) or [store])
-    listable = [t for t in tiers if callable(getattr(t, "keys", None))]
-    return listable, [t.name for t in tiers if t not in listable]
+def _listed_keys(store: KVStore) -> tuple[dict[str, list[str]], list[str]]:
+    """({tier name: its keys} for the tiers that can list them, names of those that cannot)."""
+    listed, unlisted = {}, []
+    for tier in store.tiers:
+        keys = tier.keys()
+        if keys is None:
+            unlisted.append(tier.name)
+        else:
+            listed[tier.name] = keys
+    return listed, unlisted

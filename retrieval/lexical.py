@@ -18,8 +18,8 @@ RetrievalMode = Literal["dense", "lexical", "hybrid"]
 RETRIEVAL_MODES: tuple[str, ...] = ("dense", "lexical", "hybrid")
 RRF_K = 60  # reciprocal rank fusion's constant (Cormack, Clarke and Buettcher, 2009)
 FUSIONS: tuple[str, ...] = ("rrf", "convex")
-# The defaults (BLENDSERVE_HYBRID_*, BLENDSERVE_LEXICAL_TITLE_WEIGHT), chosen on MuSiQue dev, never on the
-# HotpotQA questions the results report (docs/results.md, "Retrieval: dense vs lexical vs hybrid").
+# The defaults (BLENDSERVE_RETRIEVAL_HYBRID_*, BLENDSERVE_RETRIEVAL_LEXICAL_TITLE_WEIGHT), chosen on MuSiQue dev, never on the
+# HotpotQA questions the results report (docs/results.md, "Retrieval recall").
 FUSION = "convex"
 DENSE_WEIGHT = 0.7
 CANDIDATES = 50

@@ -3,7 +3,7 @@
 - `PassageDB` (`retrieval.passages_sqlite`): SQLite (standard library), the embedded default, one
   file in the data dir.
 - `retrieval.passages_pg.PgPassageStore`: PostgreSQL (psycopg 3), shared by every replica
-  (`BLENDSERVE_DATABASE_URL=postgresql://...`).
+  (`BLENDSERVE_STORE_DATABASE_URL=postgresql://...`).
 - `PassageStore` (`retrieval.passage_store`): the interface and the SQL both share; the tables are
   defined once in `retrieval.schema` and rendered for each dialect.
 

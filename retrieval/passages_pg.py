@@ -1,6 +1,6 @@
 """PostgreSQL passage store (psycopg 3): one store shared by every replica.
 
-`BLENDSERVE_DATABASE_URL=postgresql://user:password@host:5432/db`. The tables are those of the
+`BLENDSERVE_STORE_DATABASE_URL=postgresql://user:password@host:5432/db`. The tables are those of the
 SQLite store (one definition, `retrieval.schema`, rendered for each dialect); the SQL is shared
 (`retrieval.passage_store`), only connections, transactions and the column types differ.
 Writes take a transaction-scoped advisory lock before their first change-log entry, so

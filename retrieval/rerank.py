@@ -1,5 +1,5 @@
 """The optional reranker: a sentence-transformers CrossEncoder that rescores the fused candidates
-(question, passage) jointly. Used only when `BLENDSERVE_RERANKER` names a local model folder; nothing is
+(question, passage) jointly. Used only when `BLENDSERVE_RETRIEVAL_RERANKER` names a local model folder; nothing is
 downloaded."""
 
 from __future__ import annotations

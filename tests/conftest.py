@@ -10,7 +10,7 @@ import torch
 
 # The start-up fidelity gate measures the model at every service start; tests of other features run
 # with it off (their tiny random models are not meant to blend well). tests/blend_engine/test_selfcheck.py turns it on.
-os.environ.setdefault("BLENDSERVE_FIDELITY_GATE", "off")
+os.environ.setdefault("BLENDSERVE_ENGINE_FIDELITY_GATE", "off")
 
 
 @pytest.fixture(scope="session", autouse=True)

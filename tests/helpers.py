@@ -93,13 +93,15 @@ def perturb(model: torch.nn.Module) -> torch.nn.Module:
 # learns from timings and may rightly serve a tiny prompt by full prefill (which reads no cache), so
 # the services the tests start use this fixed ratio (the controller has its own tests).
 FIXED_RATIO = 0.15
-FIXED_RATIO_ENV = {"BLENDSERVE_RECOMPUTE_RATIO": str(FIXED_RATIO)}  # the same, for services in a subprocess
+FIXED_RATIO_ENV = {"BLENDSERVE_ENGINE_RECOMPUTE_RATIO": str(FIXED_RATIO)}  # the same, for services in a subprocess
 
 
 def make_settings(data_dir, **overrides) -> ServiceSettings:
-    values = {"data_dir": data_dir, "ingest_sample_on_start": False, "memory_cache_mb": 256, "disk_cache_mb": 512,
-              "redis_url": None, "api_key": None, "workers": 1, "max_queue": 16, "request_timeout_s": 60,
-              "recompute_ratio": FIXED_RATIO}
+    """Service settings for an in-process test service; `overrides` by group (`engine={...}`) or flat name."""
+    values = {"data_dir": data_dir, "ingest": {"sample_on_start": False},
+              "store": {"memory_cache_mb": 256, "disk_cache_mb": 512, "redis_url": None},
+              "auth": {"api_key": None}, "service": {"workers": 1, "max_queue": 16, "request_timeout_s": 60},
+              "engine": {"recompute_ratio": FIXED_RATIO}}
     values.update(overrides)
     return ServiceSettings(_env_file=None, **values)
 

@@ -129,16 +129,17 @@ def topology(tmp_path_factory, tiny_model_dir, pg_cluster):
         redis_proc = RedisProcess().start()
         base = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
         base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                    BLENDSERVE_HOST="127.0.0.1", BLENDSERVE_DATABASE_URL=db_url, BLENDSERVE_REDIS_URL=redis_proc.url,
-                    BLENDSERVE_MODEL=str(tiny_model_dir), BLENDSERVE_DEVICE="cpu", BLENDSERVE_WORKERS="1",
-                    BLENDSERVE_INGEST_SAMPLE_ON_START="false", BLENDSERVE_CHUNK_TOKENS="64",
-                    BLENDSERVE_LOG_LEVEL="info", **FIXED_RATIO_ENV,
-                    BLENDSERVE_FIDELITY_GATE="off")  # a random tiny model: blend is tested, not gated
+                    BLENDSERVE_SERVICE_HOST="127.0.0.1", BLENDSERVE_STORE_DATABASE_URL=db_url,
+                    BLENDSERVE_STORE_REDIS_URL=redis_proc.url,
+                    BLENDSERVE_MODEL_NAME=str(tiny_model_dir), BLENDSERVE_MODEL_DEVICE="cpu", BLENDSERVE_SERVICE_WORKERS="1",
+                    BLENDSERVE_INGEST_SAMPLE_ON_START="false", BLENDSERVE_INGEST_CHUNK_TOKENS="64",
+                    BLENDSERVE_SERVICE_LOG_LEVEL="info", **FIXED_RATIO_ENV,
+                    BLENDSERVE_ENGINE_FIDELITY_GATE="off")  # a random tiny model: blend is tested, not gated
         for name in ("api-1", "api-2"):
             folder = work / name
             (folder / "data").mkdir(parents=True)
             port = free_port()
-            env = {**base, "BLENDSERVE_PORT": str(port), "BLENDSERVE_DATA_DIR": str(folder / "data")}
+            env = {**base, "BLENDSERVE_SERVICE_PORT": str(port), "BLENDSERVE_DATA_DIR": str(folder / "data")}
             apis.append(Api(name, port, folder / "data", env, folder / "log.txt"))
         for api in apis:
             api.start()

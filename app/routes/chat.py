@@ -81,7 +81,7 @@ def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest, tenant: str | Non
 async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenant):
     reject_surrogates(req)  # every field, `model` included, before anything is generated
     spec = _chat_spec(svc.settings, req, tenant)
-    head = Head.new("chatcmpl", req.model or svc.settings.model)
+    head = Head.new("chatcmpl", req.model or svc.settings.model.name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, ChatFrames(head, spec.n, include_usage))
@@ -92,4 +92,4 @@ async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenan
 @router.get("/v1/models")
 async def list_models(svc: State) -> dict:
     s = svc.settings
-    return {"object": "list", "data": [{"id": s.model, "object": "model", "created": 0, "owned_by": "blendserve"}]}
+    return {"object": "list", "data": [{"id": s.model.name, "object": "model", "created": 0, "owned_by": "blendserve"}]}

@@ -24,16 +24,16 @@ def build_spec(settings: ServiceSettings, req: QueryRequest | ChatCompletionRequ
                tenant: str | None = None, ignore_eos: bool = False) -> QuerySpec:
     """The request's retrieval, mode and explain fields, with server defaults where it leaves them out."""
     documents = None if req.documents is None else tuple(SuppliedDocument(d.text, d.title) for d in req.documents)
-    ratio = req.recompute_ratio if req.recompute_ratio is not None else settings.recompute_ratio
+    ratio = req.recompute_ratio if req.recompute_ratio is not None else settings.engine.recompute_ratio
     return QuerySpec(
         question=question, top_k=req.top_k, documents=documents,
-        mode=Mode.parse(req.mode or settings.default_mode), recompute_ratio=ratio,
+        mode=Mode.parse(req.mode or settings.engine.default_mode), recompute_ratio=ratio,
         gen=GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=tuple(stop),
                              seed=seed, ignore_eos=ignore_eos, logprobs=logprobs),
-        system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.explain_max_tokens,
+        system_prompt=system_prompt, explain=req.explain, explain_max_tokens=settings.limits.explain_max_tokens,
         retrieval=req.retrieval, filters=NO_FILTERS if req.filters is None else Filters(**req.filters.model_dump()),
         turns=turns, search=search, n=n, cache_salt=cache_namespace(tenant, req.cache_salt),
-        source_chars=settings.source_text_chars,
+        source_chars=settings.limits.source_text_chars,
     )
 
 
@@ -41,9 +41,9 @@ def openai_spec(settings: ServiceSettings, req: ChatCompletionRequest | Completi
                 max_tokens: int | None, logprobs: int | None, **conversation) -> QuerySpec:
     """A chat or completions request's spec: OpenAI's sampling fields, with this server's defaults
     (temperature 0, top_p 1, at most 256 new tokens unless asked)."""
-    max_tokens = max_tokens or min(256, settings.max_new_tokens)
-    if max_tokens > settings.max_new_tokens:
-        raise field_error(("max_tokens",), f"max_tokens must be at most {settings.max_new_tokens}", max_tokens)
+    max_tokens = max_tokens or min(256, settings.limits.max_new_tokens)
+    if max_tokens > settings.limits.max_new_tokens:
+        raise field_error(("max_tokens",), f"max_tokens must be at most {settings.limits.max_new_tokens}", max_tokens)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return build_spec(settings, req, question=question, max_tokens=max_tokens, temperature=req.temperature or 0.0,
                       top_p=req.top_p or 1.0, stop=stop, seed=req.seed, n=req.n or 1, logprobs=logprobs,

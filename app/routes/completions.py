@@ -76,7 +76,7 @@ async def completions(req: CompletionRequest, svc: State, tenant: Tenant):
     prompt = _prompt(req)
     check_limits(s, question=prompt, top_k=req.top_k, max_tokens=1, documents=req.documents, question_loc=("prompt",))
     spec = openai_spec(s, req, question=prompt, max_tokens=req.max_tokens or 16, logprobs=req.logprobs, tenant=tenant)
-    head = Head.new("cmpl", req.model or s.model)
+    head = Head.new("cmpl", req.model or s.model.name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, CompletionFrames(head, include_usage))

@@ -39,7 +39,7 @@ async def ingest_documents(req: IngestRequest, svc: State) -> IngestResponse:
                                      strict=True)
 
     try:
-        summary = await run_job(svc.worker, ingest, svc.settings.request_timeout_s, "ingest")
+        summary = await run_job(svc.worker, ingest, svc.settings.service.request_timeout_s, "ingest")
     except DocumentRejected as exc:
         raise field_error(("documents", exc.index, exc.field), exc.message) from None
     body = IngestResponse(**asdict(summary))  # strict: a document that cannot be ingested was a 422 above

@@ -54,21 +54,21 @@ def _save(upload: UploadFile, target: Path) -> None:
 @router.post(UPLOAD_PATH, status_code=202, response_model=JobOut, responses={413: {}, 422: {}, 503: {}})
 async def upload(svc: State, files: Annotated[list[UploadFile], File(description="one or many files")]) -> JSONResponse:
     """Multipart upload of .pdf, .html, .docx, .txt, .md, .jsonl or .json files, ingested by a background job:
-    the job's id at once (202), its progress at GET /v1/jobs/{id}. A file over BLENDSERVE_MAX_UPLOAD_MB or
-    more than BLENDSERVE_MAX_UPLOAD_FILES files is a 413 (nothing is queued); a file of an unsupported type
+    the job's id at once (202), its progress at GET /v1/jobs/{id}. A file over BLENDSERVE_LIMITS_MAX_UPLOAD_MB or
+    more than BLENDSERVE_LIMITS_MAX_UPLOAD_FILES files is a 413 (nothing is queued); a file of an unsupported type
     or of 0 bytes is a failed entry of the job, naming it (a 422 when no file is left to ingest); a file that
     cannot be parsed (corrupt, scanned PDF, zip bomb) fails in the job with its reason."""
     settings = svc.settings
-    if len(files) > settings.max_upload_files:
-        return error_response(413, f"{len(files)} files; at most {settings.max_upload_files} per upload "
-                                   "(BLENDSERVE_MAX_UPLOAD_FILES)", "too_many_files")
+    if len(files) > settings.limits.max_upload_files:
+        return error_response(413, f"{len(files)} files; at most {settings.limits.max_upload_files} per upload "
+                                   "(BLENDSERVE_LIMITS_MAX_UPLOAD_FILES)", "too_many_files")
     names = [safe_name(f.filename, i) for i, f in enumerate(files)]
     for i, (f, name) in enumerate(zip(files, names)):
         if has_control(name):
             raise field_error(("files", i), "file names must not contain control characters")
-        if (f.size or 0) > settings.max_upload_mb << 20:
-            return error_response(413, f"{name}: {f.size} bytes, over the limit of {settings.max_upload_mb} MiB "
-                                       "(BLENDSERVE_MAX_UPLOAD_MB); nothing was queued", "file_too_large")
+        if (f.size or 0) > settings.limits.max_upload_mb << 20:
+            return error_response(413, f"{name}: {f.size} bytes, over the limit of {settings.limits.max_upload_mb} MiB "
+                                       "(BLENDSERVE_LIMITS_MAX_UPLOAD_MB); nothing was queued", "file_too_large")
     problems = [cheap_problem(name, f.size or 0) for f, name in zip(files, names)]
     if all(problems):
         return error_response(422, "no file to ingest: " + "; ".join(problems), "no_ingestible_file")

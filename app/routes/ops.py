@@ -43,7 +43,7 @@ async def _readiness(svc: AppState) -> JSONResponse:
     stack = svc.stack
     index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
     gate = getattr(stack, "gate", None)
-    body = Readiness(ready=True, status="ready", model=getattr(stack.engine.runner, "name", svc.settings.model),
+    body = Readiness(ready=True, status="ready", model=getattr(stack.engine.runner, "name", svc.settings.model.name),
                      index=jsonable_encoder(index), store=jsonable_encoder(store), sync=_sync_status(stack),
                      fidelity=None if gate is None else jsonable_encoder(gate.as_dict()), blend=svc.blend(),
                      ingestion=await run_in_threadpool(svc.ingestion))
@@ -53,9 +53,9 @@ async def _readiness(svc: AppState) -> JSONResponse:
 @health.get("/readyz", response_model=Readiness, response_model_exclude_none=True,
             responses={503: {"model": Readiness}})
 async def readyz(request: Request, svc: State) -> JSONResponse:
-    """With BLENDSERVE_API_KEY (or TENANT_KEYS) set, callers without a key get only ready, status and
+    """With BLENDSERVE_AUTH_API_KEY (or TENANT_KEYS) set, callers without a key get only ready, status and
     reason; the details are at the authenticated GET /v1/status."""
-    keyring = Keyring(svc.settings.api_key, svc.settings.tenant_keys)
+    keyring = Keyring(svc.settings.auth.api_key, svc.settings.auth.tenant_keys)
     if keyring.enabled and not keyring.match(request.headers.get("authorization"))[0]:
         ready = svc.ready and svc.error is None
         status = "ready" if ready else ("error" if svc.error else "starting")
@@ -75,7 +75,7 @@ async def status(svc: State) -> JSONResponse:
 async def verify(svc: State, stack: ReadyStack) -> dict:
     """Check every passage's KV and the index against the passage store (no repair); names documents whose
     ingestion did not finish (`incomplete`). Runs on the engine queue."""
-    report = await run_job(svc.worker, lambda job: stack.pipeline.verify(repair=False), svc.settings.request_timeout_s,
+    report = await run_job(svc.worker, lambda job: stack.pipeline.verify(repair=False), svc.settings.service.request_timeout_s,
                            "verify")
     return {"ok": report.ok, "passages": report.passages, "kv_ok": report.kv_ok, "problems": list(report.problems),
             "incomplete": list(report.incomplete), "index_missing": report.index_missing,

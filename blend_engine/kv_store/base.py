@@ -72,9 +72,33 @@ class StoreStats:
 
 
 class KVStore(ABC):
-    """contains / put / get_layer / prefetch / delete / stats. Implementations are thread-safe."""
+    """contains / put / get_layer / prefetch / delete / stats. Implementations are thread-safe.
+
+    What callers may ask of any store, instead of probing its type: `tiers` (the stores it is made
+    of, top-down), `tier_holding(key)`, `keys()` (None when it cannot list them), `kv_format` (None
+    when it keeps chunks as given) and `blob_level` (whether it is a `BlobStore`, whose layer streams
+    read blobs into a staging ring).
+    """
 
     name: str = "store"
+    kv_format: str | None = None  # the stored precision ("fp16", "int8", ...); None = chunks kept as given
+    blob_level: bool = False  # True for a `BlobStore` (meta / get_blob / put_blobs / open_files)
+
+    @property
+    def tiers(self) -> Sequence[KVStore]:
+        """The stores this one is made of, top-down (fastest first); a single store is its own only tier."""
+        return (self,)
+
+    def tier_holding(self, key: str) -> str | None:
+        """The name of the first tier (top-down) that holds `key`; None when none does."""
+        for tier in self.tiers:
+            if tier.contains(key):
+                return tier.name
+        return None
+
+    def keys(self) -> list[str] | None:
+        """Every key held, or None when this store cannot list them (a shared Redis tier)."""
+        return None
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...

@@ -47,6 +47,7 @@ class BlobStore(KVStore):
     _stats: StoreStats
     direct_io: bool = False  # layer streams read this tier's files with O_DIRECT
     holds_blobs: bool = False  # its blobs are its own buffers in memory (stable, no I/O to get them)
+    blob_level = True
 
     def __init__(self, name: str, kv_format: str, fingerprint: str = "") -> None:
         self.name = name

@@ -15,7 +15,7 @@ No pickle anywhere: blobs are raw little-endian arrays; `ChunkMeta` is plain JSO
 Each layer blob carries a checksum (`ChunkMeta.checksums`), of the algorithm `ChunkMeta.checksum`
 names: "xxh3_64" for every chunk written now (XXH3, 30+ GB/s here, an order of magnitude faster
 than the disk or memory it guards), "crc32" (zlib, ~2-3 GB/s) for chunks written before, which
-stay readable: a meta without the field is a crc32 meta. See docs/results.md, "Loader".
+stay readable: a meta without the field is a crc32 meta. See docs/results-archive.md, "KV delivery into the staging buffers".
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 
 from blend_engine.kv_store.base import ChunkKV, KVStore
-from blend_engine.kv_store.blob import BlobStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
 from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
 
@@ -84,7 +83,7 @@ class LayerStream:
         self._fixed: dict[str, ChunkKV | tuple[ChunkMeta, list[bytearray]]] = {}
         self.trace = LoadTrace()
         ring = getattr(pack, "staging", None)
-        self._ring: StagingRing | None = ring if isinstance(store, BlobStore) and isinstance(ring, StagingRing) else None
+        self._ring: StagingRing | None = ring if store.blob_level and isinstance(ring, StagingRing) else None
         self._files = store.open_files() if self._ring is not None else None
         self._metas: list[ChunkMeta] | None = None
         self._held: list[bool] | None = None  # per chunk: served from memory (asked once, at layer 0)
@@ -93,7 +92,7 @@ class LayerStream:
         """Recompute a chunk from its text, store it again, and use it as the store would return it."""
         kv = self._repair(key)
         self._store.put(key, kv)
-        fmt = getattr(self._store, "kv_format", None)
+        fmt = self._store.kv_format
         self._fixed[key] = encode_chunk(fmt, kv) if fmt in FORMATS else kv  # a later cached load's values
         self.trace.repaired.append(key)
 

@@ -43,15 +43,26 @@ class TieredStore(BlobStore):
         if len(prints) > 1:
             raise ValueError(f"tiers disagree on the fingerprint: {sorted(prints)}")
         super().__init__(name, formats.pop(), prints.pop() if prints else "")
-        self.tiers = list(tiers)
+        self._tiers = list(tiers)
         self._lock = threading.Lock()
         self._partials: OrderedDict[str, _Partial] = OrderedDict()
         self._max_partials = max_partials
         self._stats = StoreStats(name=name, extra={"promotions": 0})
 
+    @property
+    def tiers(self) -> tuple[BlobStore, ...]:
+        return tuple(self._tiers)
+
+    def keys(self) -> list[str] | None:
+        """Every key of every tier; None when a tier cannot list its own."""
+        listed = [t.keys() for t in self._tiers]
+        if any(k is None for k in listed):
+            return None
+        return sorted({k for keys in listed for k in keys})
+
     # ------------------------------------------------------------------ primitives
     def meta(self, key: str) -> ChunkMeta | None:
-        for tier in self.tiers:
+        for tier in self._tiers:
             m = tier.meta(key)
             if m is not None:
                 return m
@@ -59,10 +70,10 @@ class TieredStore(BlobStore):
 
     def get_blob(self, key: str, layer: int) -> tuple[ChunkMeta, Blob] | None:
         staging = read_target()[0] is not None
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self._tiers):
             got = tier.get_blob(key, layer)
             if got is not None:
-                if i > 0 and any(t.can_hold(got[0].nbytes) for t in self.tiers[:i]):  # else promotion cannot succeed
+                if i > 0 and any(t.can_hold(got[0].nbytes) for t in self._tiers[:i]):  # else promotion cannot succeed
                     own = tier.holds_blobs or not staging  # a tier's own buffer stays valid; staging slots are reused
                     self._collect(key, i, layer, got[0], got[1] if own else bytearray(got[1]))
                 self._count(layer, hit=True)
@@ -72,26 +83,26 @@ class TieredStore(BlobStore):
 
     def in_memory(self, key: str) -> bool:
         """Whether the top tier that has the chunk holds it in memory."""
-        for tier in self.tiers:
+        for tier in self._tiers:
             if tier.meta(key) is not None:
                 return tier.holds_blobs
         return False
 
     def count_staging(self, seconds: float) -> None:
         """Held blobs copied into staging come from a memory tier (the device tier's are not copied)."""
-        for tier in self.tiers:
+        for tier in self._tiers:
             if tier.kind == "memory":  # no stats snapshot: this runs once per layer
                 tier.count_staging(seconds)
                 return
 
     def open_files(self) -> OpenFiles:
-        return OpenFiles(direct=any(t.direct_io for t in self.tiers))
+        return OpenFiles(direct=any(t.direct_io for t in self._tiers))
 
     def put_blobs(self, key: str, meta: ChunkMeta, blobs: Sequence[Blob]) -> bool:
-        return self._put_into(self.tiers, key, meta, blobs)
+        return self._put_into(self._tiers, key, meta, blobs)
 
     def get_blobs(self, key: str) -> tuple[ChunkMeta, list[Blob]] | None:
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self._tiers):
             got = tier.get_blobs(key)
             if got is not None:
                 if i > 0:
@@ -134,7 +145,7 @@ class TieredStore(BlobStore):
                 self._collect(key, source, layer, meta, got[1])
 
     def _promote(self, key: str, source: int, meta: ChunkMeta, blobs: Sequence[Blob]) -> None:
-        if self._put_into(self.tiers[:source], key, meta, blobs):
+        if self._put_into(self._tiers[:source], key, meta, blobs):
             with self._lock:
                 self._stats.extra["promotions"] += 1
 
@@ -164,22 +175,22 @@ class TieredStore(BlobStore):
 
     # ------------------------------------------------------------------ KVStore
     def prefetch(self, keys: Sequence[str], files: OpenFiles | None = None) -> None:
-        for tier in self.tiers:
+        for tier in self._tiers:
             tier.prefetch(keys, files)
 
     def delete(self, key: str) -> bool:
         with self._lock:
             self._partials.pop(key, None)
-        return any([tier.delete(key) for tier in self.tiers])
+        return any([tier.delete(key) for tier in self._tiers])
 
     def tier(self, name: str) -> BlobStore:
-        for t in self.tiers:
+        for t in self._tiers:
             if t.name == name:
                 return t
-        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self._tiers]}")
 
     def stats(self) -> StoreStats:
-        per_tier = [t.stats() for t in self.tiers]
+        per_tier = [t.stats() for t in self._tiers]
         with self._lock:
             out = self._stats.snapshot()
         for field in _SUMMED:
@@ -191,5 +202,5 @@ class TieredStore(BlobStore):
         return out
 
     def close(self) -> None:
-        for tier in self.tiers:
+        for tier in self._tiers:
             tier.close()

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from app.main import create_app
 from app.settings import ServiceSettings
-from blend_engine.types import default_policy
+from blend_engine.types import SelectionPolicy
 from blendserve_config.settings import Settings
 from tests.helpers import make_settings, serving, svc, wait_ready
 
@@ -95,46 +95,49 @@ def test_startup_failure_is_reported_by_readyz(tmp_path):
 def test_settings_fail_fast_naming_the_field(monkeypatch):
     with pytest.raises(ValidationError, match="port"):
         ServiceSettings(_env_file=None, port=0)
-    monkeypatch.setenv("BLENDSERVE_MAX_QUEUE", "zero")
+    monkeypatch.setenv("BLENDSERVE_SERVICE_MAX_QUEUE", "zero")
     with pytest.raises(ValidationError, match="max_queue"):
         ServiceSettings(_env_file=None)
-    monkeypatch.delenv("BLENDSERVE_MAX_QUEUE")
-    monkeypatch.setenv("BLENDSERVE_DEFAULT_MODE", "turbo")
+    monkeypatch.delenv("BLENDSERVE_SERVICE_MAX_QUEUE")
+    monkeypatch.setenv("BLENDSERVE_ENGINE_DEFAULT_MODE", "turbo")
     with pytest.raises(ValidationError, match="default_mode"):
         Settings(_env_file=None)
 
 
-def test_memory_tier_budget_in_gb_overrides_the_mb_setting(tmp_path, monkeypatch):
+def test_memory_tier_budget_in_gb_is_an_alias_of_the_mb_setting(tmp_path, monkeypatch):
     from blendserve_config.stack import build_store_from
 
-    assert Settings(_env_file=None, memory_cache_mb=64).memory_cache_bytes == 64 << 20
-    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "1.5")
-    settings = Settings(_env_file=None, memory_cache_mb=64, data_dir=tmp_path, disk_direct_io=True, kv_format="fp16")
-    assert settings.memory_cache_bytes == 3 << 29
+    assert Settings(_env_file=None, store={"memory_cache_mb": 64}).store.memory_cache_bytes == 64 << 20
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_MB", "64")
+    monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "1.5")  # the old GB twin still wins over the old MB name
+    with pytest.warns(DeprecationWarning, match="BLENDSERVE_STORE_MEMORY_CACHE_MB"):
+        settings = Settings(_env_file=None, data_dir=tmp_path, store={"disk_direct_io": True, "kv_format": "fp16"})
+    assert settings.store.memory_cache_mb == 1536 and settings.store.memory_cache_bytes == 3 << 29
     store = build_store_from(settings)
     assert store.tier("memory").stats().bytes_budget == 3 << 29 and store.tier("disk").direct_io
     store.close()
+    monkeypatch.setenv("BLENDSERVE_STORE_MEMORY_CACHE_MB", "32")  # the new name wins over both
+    assert Settings(_env_file=None).store.memory_cache_mb == 32
     monkeypatch.setenv("BLENDSERVE_MEMORY_CACHE_GB", "-1")
-    with pytest.raises(ValidationError, match="memory_cache_gb"):
+    monkeypatch.delenv("BLENDSERVE_STORE_MEMORY_CACHE_MB")
+    with pytest.raises(ValidationError, match="memory_cache_mb"):
         Settings(_env_file=None)
 
 
-SERVICE_ONLY = ("host", "port", "api_key", "tenant_keys", "max_queue", "workers", "request_timeout_s", "max_body_bytes",
-                "max_question_chars", "max_documents", "max_document_chars", "max_title_chars", "max_new_tokens",
-                "max_top_k", "explain_max_tokens", "log_level", "max_upload_mb", "max_upload_files", "source_text_chars")
+SERVICE_GROUPS = ("service", "limits", "auth")
 
 
-def test_service_settings_extend_the_shared_ones_under_the_same_names(tmp_path, monkeypatch):
+def test_service_settings_extend_the_shared_ones(tmp_path, monkeypatch):
     shared, service = Settings.model_fields, ServiceSettings.model_fields
-    assert not set(SERVICE_ONLY) & set(shared) and set(service) == set(shared) | set(SERVICE_ONLY)
-    assert all(service[name].default == field.default for name, field in shared.items())
+    assert not set(SERVICE_GROUPS) & set(shared) and set(service) == set(shared) | set(SERVICE_GROUPS)
     monkeypatch.chdir(tmp_path)  # one .env for both, as in a deployment
-    (tmp_path / ".env").write_text("BLENDSERVE_MAX_QUEUE=3\nBLENDSERVE_PORT=8123\nBLENDSERVE_CHUNK_TOKENS=128\n")
-    monkeypatch.setenv("BLENDSERVE_WORKERS", "2")
+    (tmp_path / ".env").write_text("BLENDSERVE_SERVICE_MAX_QUEUE=3\nBLENDSERVE_SERVICE_PORT=8123\n"
+                                   "BLENDSERVE_INGEST_CHUNK_TOKENS=128\n")
+    monkeypatch.setenv("BLENDSERVE_SERVICE_WORKERS", "2")
     s = ServiceSettings()
-    assert (s.max_queue, s.port, s.workers, s.chunk_tokens) == (3, 8123, 2, 128)
-    cli = Settings()  # the CLI reads the same file and ignores what is not its own
-    assert cli.chunk_tokens == 128 and not hasattr(cli, "max_queue")
+    assert (s.service.max_queue, s.service.port, s.service.workers, s.ingest.chunk_tokens) == (3, 8123, 2, 128)
+    cli = Settings()  # the CLI reads the same file and ignores the service's groups
+    assert cli.ingest.chunk_tokens == 128 and not hasattr(cli, "service")
 
 
 def test_create_app_refuses_the_shared_settings(tmp_path):
@@ -283,7 +286,7 @@ def test_query_explain(client, mode):
         assert "".join(p["tokens"]) == passage_text(format_passage(doc["text"], doc["title"]))
     assert "".join(ex["question"]["tokens"]).count("What is the capital of France?") == 1
     if mode == "blend":
-        assert ex["check_layer"] == default_policy().check_layer and "deviation" in ex["metric"]
+        assert ex["check_layer"] == SelectionPolicy().check_layer and "deviation" in ex["metric"]
         assert all(p["cache"] == "hit" and p["tier"] == "memory" for p in ex["passages"])
         assert all(s is not None and s >= 0 for p in ex["passages"] for s in p["scores"])
         assert 0 < ex["passage_recomputed_tokens"] < sum(p["n_tokens"] for p in ex["passages"])
@@ -421,15 +424,11 @@ def test_prompt_too_long_is_400_naming_sizes(client):
     assert store.stats().entries == entries  # nothing stored by the failed requests
 
 
-def test_empty_index_is_503_with_retry_after_not_400(tmp_path, tiny_stack_factory):
-    """Nothing searchable yet is not the caller's fault: 503, Retry-After and the ingestion's progress."""
+def test_empty_index_is_400(tmp_path, tiny_stack_factory):
     with TestClient(create_app(make_settings(tmp_path / "data"), tiny_stack_factory)) as c:
         wait_ready(c)
-        for stream in (False, True):
-            r = c.post("/v1/query", json={"question": "Anything?", "stream": stream})
-            assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] and r.json()["error"]["code"] == "index_empty"
-            assert "ingestion" in r.json() and "searchable" in r.json()["detail"]
+        r = c.post("/v1/query", json={"question": "Anything?"})
+        assert r.status_code == 400 and "index is empty" in r.json()["detail"]
 
 
 # ============================================================================ OpenAI chat completions
@@ -458,7 +457,7 @@ def test_chat_completions_with_the_openai_client(client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
 
     models = oa.models.list()
-    assert [m.id for m in models.data] == [svc(client).settings.model]
+    assert [m.id for m in models.data] == [svc(client).settings.model.name]
 
 
 def test_chat_with_inline_documents_and_system_message(client):
@@ -685,7 +684,7 @@ def test_request_timeout_is_504_and_frees_the_slot(tmp_path, tiny_stack_factory)
 
         assert not engine.store.contains(engine.key_of(engine.passage_tokens(format_passage("Timeout text."))))
         assert "blendserve_timeouts_total 2.0" in c.get("/metrics").text
-        c.app.state.svc.settings.request_timeout_s = 60
+        c.app.state.svc.settings.service.request_timeout_s = 60
         assert c.post("/v1/query", json=body).status_code == 200
 
 

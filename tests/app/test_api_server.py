@@ -101,9 +101,10 @@ def real_server(tmp_path_factory, free_port):
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
     if "BLENDSERVE_MODEL_CACHE_DIR" in os.environ:
         env["BLENDSERVE_MODEL_CACHE_DIR"] = os.environ["BLENDSERVE_MODEL_CACHE_DIR"]
-    env.update({"BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_PORT": str(port), "BLENDSERVE_DATA_DIR": str(home / "data"),
-                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_API_KEY": "e2e-key",
-                "BLENDSERVE_MEMORY_CACHE_MB": "256", "BLENDSERVE_LOG_LEVEL": "info", **FIXED_RATIO_ENV})
+    env.update({"BLENDSERVE_SERVICE_HOST": "127.0.0.1", "BLENDSERVE_SERVICE_PORT": str(port),
+                "BLENDSERVE_DATA_DIR": str(home / "data"),
+                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_AUTH_API_KEY": "e2e-key",
+                "BLENDSERVE_STORE_MEMORY_CACHE_MB": "256", "BLENDSERVE_SERVICE_LOG_LEVEL": "info", **FIXED_RATIO_ENV})
     log = (home / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -182,8 +183,8 @@ def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
 
 def test_bad_configuration_fails_fast_naming_the_variable(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
-    env["BLENDSERVE_PORT"] = "not-a-port"
+    env["BLENDSERVE_SERVICE_PORT"] = "not-a-port"
     r = subprocess.run([sys.executable, "-m", "app"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
-    assert "BLENDSERVE_PORT" in r.stderr
+    assert "BLENDSERVE_SERVICE_PORT" in r.stderr

@@ -36,11 +36,11 @@ def corpus_docs() -> list[dict]:
 @pytest.fixture
 def env(tiny_model_dir, tmp_path) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "BLENDSERVE_MODEL": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
-            "BLENDSERVE_INGEST_BATCH_SIZE": "2", "BLENDSERVE_CHUNK_TOKENS": "32",
-            "BLENDSERVE_MEMORY_CACHE_MB": "64", "BLENDSERVE_DISK_CACHE_MB": "256",
+            "BLENDSERVE_MODEL_NAME": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
+            "BLENDSERVE_INGEST_BATCH_SIZE": "2", "BLENDSERVE_INGEST_CHUNK_TOKENS": "32",
+            "BLENDSERVE_STORE_MEMORY_CACHE_MB": "64", "BLENDSERVE_STORE_DISK_CACHE_MB": "256",
             **FIXED_RATIO_ENV, "BLENDSERVE_INGEST_SAMPLE_ON_START": "false",
-            "BLENDSERVE_REDIS_URL": "", "BLENDSERVE_API_KEY": ""}
+            "BLENDSERVE_STORE_REDIS_URL": "", "BLENDSERVE_AUTH_API_KEY": ""}
 
 
 def _count(db: Path, table: str) -> int:
@@ -126,7 +126,7 @@ def _staged_docs(db: Path) -> set[str]:
 class _Server:
     def __init__(self, env: dict, port: int, cwd: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=cwd, env={**env, "BLENDSERVE_PORT": str(port)},
+        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=cwd, env={**env, "BLENDSERVE_SERVICE_PORT": str(port)},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_url_ready(self.url, 120, proc=self.proc)

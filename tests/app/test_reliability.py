@@ -93,8 +93,8 @@ def test_title_limit_and_title_must_fit_a_passage(tmp_path, tiny_stack_factory):
 
 
 def test_title_limit_is_a_setting(monkeypatch):
-    assert ServiceSettings(_env_file=None).max_title_chars >= 100
-    monkeypatch.setenv("BLENDSERVE_MAX_TITLE_CHARS", "0")
+    assert ServiceSettings(_env_file=None).limits.max_title_chars >= 100
+    monkeypatch.setenv("BLENDSERVE_LIMITS_MAX_TITLE_CHARS", "0")
     with pytest.raises(ValidationError, match="max_title_chars"):
         ServiceSettings(_env_file=None)
 

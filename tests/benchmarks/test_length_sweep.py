@@ -7,9 +7,9 @@ import pytest
 
 from benchmarks import lengths
 from benchmarks.data import Example, Paragraph
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.types import SelectionPolicy
 
 WORDS = "the river flows past an old mill where a miller ground grain for the village every autumn".split()
 
@@ -26,9 +26,9 @@ def test_ratio_grows_with_passage_length_within_its_cap():
     assert v.ratio_for([400]) == pytest.approx(0.30)
     assert v.ratio_for([10_000]) == pytest.approx(0.30)  # capped at 4x the tokens: 2x the ratio
     assert lengths.Variant(0.15).ratio_for([10_000]) == 0.15
-    sinks = lengths.Variant(0.15, SelectionPolicy(sink_tokens=8), sinks_in_budget=True)
+    sinks = lengths.Variant(0.15, plain_policy(sink_tokens=8), sinks_in_budget=True)
     assert sinks.ratio_for([100, 100]) * (200 - 16) + 16 == pytest.approx(0.15 * 200)  # same total recomputed
-    both = lengths.Variant(0.15, SelectionPolicy(sink_tokens=4, end_tokens=4), sinks_in_budget=True)
+    both = lengths.Variant(0.15, plain_policy(sink_tokens=4, end_tokens=4), sinks_in_budget=True)
     assert both.ratio_for([100, 100]) * (200 - 16) + 16 == pytest.approx(0.15 * 200)  # ends come out of it too
 
 
@@ -96,7 +96,7 @@ def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
     engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
     rows = {"toy": [_example(0), _example(1)]}
     # the default's shape (check at layer 1, 4x, narrowed) narrowed to 1x within the tiny model's 4 layers
-    blend = SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),), query_weighted=True)
+    blend = plain_policy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),), query_weighted=True)
     variants = {"default": lengths.Variant(0.15, blend),
                 "select@1": lengths.Variant(1.0, oracle="select"), "fix@1": lengths.Variant(1.0, oracle="fix"),
                 "select@0.15": lengths.Variant(0.15, oracle="select"), "fix@0.15": lengths.Variant(0.15, oracle="fix"),

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from benchmarks.oracle_seam import Oracle, top_positions, true_deviation
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.executor.layers import KVCache
-from blend_engine.types import BlendPlan, SelectionPolicy
+from blend_engine.types import BlendPlan
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures
 from tests.helpers import PASSAGES, QUESTION
 
-POLICY = SelectionPolicy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),))
+POLICY = plain_policy(check_layer=1, metric="k", check_multiplier=4.0, schedule=((2, 1.0),))
 
 
 def _cache_prompt(engine) -> None:

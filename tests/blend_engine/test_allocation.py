@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.executor.selection import shared_out
-from blend_engine.types import BlendPlan, SelectionPolicy
+from blend_engine.types import BlendPlan
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures
 from tests.helpers import PASSAGES, QUESTION
 
@@ -48,18 +49,18 @@ def test_rows_that_do_not_compete_get_minus_inf_whatever_their_score():
 
 def test_unknown_allocation_or_query_mass_is_refused():
     with pytest.raises(ValueError, match="allocation"):
-        SelectionPolicy(allocation="even")
+        plain_policy(allocation="even")
     with pytest.raises(ValueError, match="query_mass"):
-        SelectionPolicy(query_mass="all")
+        plain_policy(query_mass="all")
 
 
 @pytest.mark.parametrize("allocation", ["length", "attention"])
 def test_engine_keeps_the_global_budget_and_by_length_each_passage_its_share(tiny_engine, allocation):  # noqa: F811
     _cache_all(tiny_engine)
     ratio = 0.3
-    policy = SelectionPolicy(check_layer=1, metric="k", query_weighted=True, allocation=allocation)
+    policy = plain_policy(check_layer=1, metric="k", query_weighted=True, allocation=allocation)
     plain = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=ratio,
-                                          policy=SelectionPolicy(check_layer=1, metric="k", query_weighted=True)))
+                                          policy=plain_policy(check_layer=1, metric="k", query_weighted=True)))
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=ratio, policy=policy))
     assert st.report.selected_per_layer == plain.report.selected_per_layer  # same cost as one global top-k
     chosen = set(st.report.recomputed_positions)

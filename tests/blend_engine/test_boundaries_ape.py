@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.executor.ape import ape_attend
-from blend_engine.types import BlendPlan, SelectionPolicy
+from blend_engine.types import BlendPlan
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures
 from tests.helpers import PASSAGES, QUESTION
 
@@ -72,8 +73,8 @@ def test_ape_rows_that_see_no_passage_attend_plainly():
 
 def test_ape_in_the_engine_changes_the_first_token_not_the_selection(tiny_engine):  # noqa: F811
     _cache_all(tiny_engine)
-    base = SelectionPolicy(check_layer=1, metric="k", schedule=((2, 1.0),))  # no question weighting: same picks
-    ape = SelectionPolicy(check_layer=1, metric="k", schedule=((2, 1.0),), ape_temperature=0.5, ape_scale=2.0)
+    base = plain_policy(check_layer=1, metric="k", schedule=((2, 1.0),))  # no question weighting: same picks
+    ape = plain_policy(check_layer=1, metric="k", schedule=((2, 1.0),), ape_temperature=0.5, ape_scale=2.0)
     a = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.2, policy=base))
     b = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.2, policy=ape))
     assert a.report.recomputed_positions == b.report.recomputed_positions
@@ -87,7 +88,7 @@ def test_ape_in_the_engine_changes_the_first_token_not_the_selection(tiny_engine
 def test_epic_end_tokens_are_always_recomputed(tiny_engine, sinks, ends):  # noqa: F811
     for seg in tiny_engine.layout(BlendPlan(PASSAGES, QUESTION)).segments[:-1]:
         tiny_engine.cache_ids(seg.token_ids)  # the system prefix too: nothing but the boundaries and question left
-    policy = SelectionPolicy(use_deviation=False, sink_tokens=sinks, end_tokens=ends)
+    policy = plain_policy(use_deviation=False, sink_tokens=sinks, end_tokens=ends)
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=policy))
     want = set()
     for seg in st.layout.segments:
@@ -109,4 +110,4 @@ def test_end_tokens_never_take_a_sink_twice(tiny_engine):  # noqa: F811
 def test_negative_boundaries_or_a_zero_temperature_are_refused():
     for bad in ({"end_tokens": -1}, {"sink_tokens": -2}, {"ape_temperature": 0.0}, {"ape_scale": -1.0}):
         with pytest.raises(ValueError):
-            SelectionPolicy(**bad)
+            plain_policy(**bad)

@@ -11,11 +11,13 @@ import math
 import pytest
 import torch
 
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
 from blend_engine.sampling import Sampler, StreamDecoder
-from blend_engine.types import BlendPlan, GenerationConfig, Mode, SelectionPolicy
+from blend_engine.scheduler.budget import PrefillWork
+from blend_engine.types import BlendPlan, GenerationConfig, Mode, SelectionPolicy, default_policy
 from tests.helpers import PASSAGES, QUESTION, tiny_runner
 
 
@@ -61,7 +63,7 @@ def test_blend_at_ratio_one_reproduces_full_prefill(tiny_engine):
 
 def test_low_ratio_recomputes_a_subset_but_always_the_question(tiny_engine):
     _cache_all(tiny_engine)
-    single_check = SelectionPolicy(check_layer=1, metric="k")
+    single_check = plain_policy(check_layer=1, metric="k")
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=single_check))
     question = st.layout.segments[-1]
     chosen = set(st.report.recomputed_positions)
@@ -135,7 +137,7 @@ def test_prefix_cache_budget_is_a_setting_and_its_use_is_reported(tokenizer):
 
 def test_gradual_filtering_narrows_the_set(tiny_engine):
     _cache_all(tiny_engine)
-    policy = SelectionPolicy(check_layer=1, check_multiplier=3.0, schedule=((2, 2.0), (3, 1.0)))
+    policy = plain_policy(check_layer=1, check_multiplier=3.0, schedule=((2, 2.0), (3, 1.0)))
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=policy))
     sizes = st.report.selected_per_layer
     assert sizes[0] == st.report.context_tokens
@@ -193,19 +195,19 @@ def test_query_weighting_prefers_what_the_question_reads(tiny_engine):
     n_keep = math.ceil(ratio * len(rank.compete))
     mass = rank._attention_mass(q, k, K, None)[rank.compete]  # [P]
     expected = set(rank.compete[torch.topk(mass, n_keep).indices].tolist()) | set(rank.always.tolist())
-    got = rank.select(q, k, v, K, v, ratio, SelectionPolicy(metric="k", query_weighted=True), None)
+    got = rank.select(q, k, v, K, v, ratio, plain_policy(metric="k", query_weighted=True), None)
     assert set(got.tolist()) == expected
     # unweighted, a token the question ignores competes on deviation alone
     K2 = K.clone()
     quiet = int(rank.compete[torch.argmin(mass)])
     K2[:, quiet] += 10.0
-    plain = rank.select(q, k, v, K2, v, ratio, SelectionPolicy(metric="k"), None)
+    plain = rank.select(q, k, v, K2, v, ratio, plain_policy(metric="k"), None)
     assert quiet in plain.tolist()
 
 
 def test_epic_sinks_are_always_recomputed(tiny_engine):
     _cache_all(tiny_engine)
-    policy = SelectionPolicy(use_deviation=False, sink_tokens=3)
+    policy = plain_policy(use_deviation=False, sink_tokens=3)
     st = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, recompute_ratio=0.15, policy=policy))
     chosen = set(st.report.recomputed_positions)
     for seg in st.layout.segments:
@@ -326,11 +328,11 @@ def _poisoned_empty(fill: float):
 
 
 @pytest.mark.parametrize("policy", [
-    SelectionPolicy(),  # "kv": normalised over the competing rows
-    SelectionPolicy(metric="k", query_weighted=True),
-    SelectionPolicy(metric="kv", query_weighted=True, check_multiplier=2.0, schedule=((2, 1.0),)),
-    SelectionPolicy(metric="kv", sink_tokens=2, schedule=((2, 1.0),)),
-    SelectionPolicy(metric="k", query_weighted=True, allocation="attention", check_multiplier=2.0, schedule=((2, 1.0),)),
+    plain_policy(),  # "kv": normalised over the competing rows
+    plain_policy(metric="k", query_weighted=True),
+    plain_policy(metric="kv", query_weighted=True, check_multiplier=2.0, schedule=((2, 1.0),)),
+    plain_policy(metric="kv", sink_tokens=2, schedule=((2, 1.0),)),
+    plain_policy(metric="k", query_weighted=True, allocation="attention", check_multiplier=2.0, schedule=((2, 1.0),)),
 ], ids=["kv", "k-weighted", "kv-weighted-schedule", "kv-sinks-schedule", "k-weighted-by-attention"])
 def test_blend_does_not_read_unfilled_cache_rows(tokenizer, monkeypatch, policy):
     """Uncached tokens (a missed passage, the question) have no cached K/V at the check layer: what
@@ -350,3 +352,11 @@ def test_blend_does_not_read_unfilled_cache_rows(tokenizer, monkeypatch, policy)
     for fill, positions, logits in runs[1:]:
         assert positions == clean_positions, f"selection changed with the cache's memory filled with {fill}"
         assert torch.equal(logits, clean_logits), f"logits changed with the cache's memory filled with {fill}"
+
+
+def test_one_default_policy_everywhere():
+    """The serving default is `SelectionPolicy()`: the engine's config, the prefill budget's estimate and
+    the factory agree, and it differs from the ablation's plain single check (so the field defaults carry it)."""
+    work = PrefillWork(n_tokens=10, n_cached=8, n_forced=2, n_layers=6, bytes_per_layer=1)
+    assert SelectionPolicy() == default_policy() == EngineConfig().policy == work.policy
+    assert SelectionPolicy() != plain_policy()

@@ -41,6 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 import blend_engine.executor.prefill as prefill_mod
 import blend_engine.executor.uploads as uploads_mod
 import blend_engine.sampling as sampling_mod
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.engine_loop import EngineLoop
 from blend_engine.executor.attention import selected_block_mask
@@ -50,7 +51,7 @@ from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.model import ModelRunner
 from blend_engine.transfer import LayerPacker
-from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy, default_policy
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
 from tests.helpers import TINY_CONFIG, real_tokenizer
 
 PASSAGES = (
@@ -246,8 +247,8 @@ def host_sync_counter(monkeypatch):
     return calls
 
 
-POLICIES = {"default": default_policy(), "single": SelectionPolicy(check_layer=1, metric="kv"),
-            "sinks": SelectionPolicy(check_layer=2, metric="v", sink_tokens=2, schedule=((3, 1.0),))}
+POLICIES = {"default": SelectionPolicy(), "single": plain_policy(check_layer=1, metric="kv"),
+            "sinks": plain_policy(check_layer=2, metric="v", sink_tokens=2, schedule=((3, 1.0),))}
 
 
 @pytest.mark.parametrize("family,tier,depth", [("llama", "memory", 0), ("llama", "disk", 2), ("mistral", "disk", 2)])

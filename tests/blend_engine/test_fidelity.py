@@ -14,7 +14,7 @@ import pytest
 from benchmarks.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.types import BlendPlan, GenerationConfig, default_policy
+from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
 from retrieval.text import format_passage
 from tests.helpers import requires_shared_data, shared_data_file
 
@@ -41,7 +41,7 @@ def examples(engine) -> list[tuple[tuple[str, ...], str]]:
 
 def test_blend_repairs_most_of_full_reuses_divergence(engine, examples):
     assert len(examples) == 10 and all(len(p) >= 5 for p, _ in examples)
-    unweighted = dataclasses.replace(default_policy(), query_weighted=False)
+    unweighted = dataclasses.replace(SelectionPolicy(), query_weighted=False)
     reuse, b15, b30, plain15 = [], [], [], []
     for passages, question in examples:
         full = engine.prefill(BlendPlan(passages, question, mode="full_prefill")).logits

@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor import attention
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
-from blend_engine.types import BlendPlan, SelectionPolicy
+from blend_engine.types import BlendPlan
 from tests.helpers import PASSAGES, QUESTION, TINY_CONFIG
 
 WINDOW = 24  # shorter than every passage: window layers mask keys the causal mask would let through
@@ -23,7 +24,7 @@ MODELS = {
 PLANS = {
     "blend@0.15": BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=0.15),
     "blend@0.3 gradual": BlendPlan(PASSAGES, QUESTION, mode="blend", recompute_ratio=0.3,
-                                   policy=SelectionPolicy(check_layer=1, metric="kv", schedule=((2, 0.5),))),
+                                   policy=plain_policy(check_layer=1, metric="kv", schedule=((2, 0.5),))),
     "full_reuse, one miss": BlendPlan(PASSAGES, QUESTION, mode="full_reuse"),
 }
 
@@ -82,10 +83,10 @@ def test_the_setting_reaches_the_engine(real_runner, monkeypatch):
     from blendserve_config.settings import Settings
     from blendserve_config.stack import build_engine
 
-    monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "flex")
+    monkeypatch.setenv("BLENDSERVE_ENGINE_SELECTED_ATTENTION", "flex")
     engine = build_engine(Settings(_env_file=None), real_runner, MemoryStore(1 << 20))
     assert engine.config.selected_attention == "flex"
-    monkeypatch.setenv("BLENDSERVE_SELECTED_ATTENTION", "fastest")
+    monkeypatch.setenv("BLENDSERVE_ENGINE_SELECTED_ATTENTION", "fastest")
     with pytest.raises(ValueError, match="selected_attention"):
         Settings(_env_file=None)
 

@@ -22,9 +22,9 @@ SAMPLE = ROOT / "sample_corpus" / "hotpotqa_sample.jsonl"
 
 @pytest.fixture
 def env(tiny_model_dir, tmp_path, monkeypatch) -> dict:
-    values = {"BLENDSERVE_MODEL": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
-              "BLENDSERVE_INGEST_BATCH_SIZE": "4", "BLENDSERVE_MEMORY_CACHE_MB": "64",
-              "BLENDSERVE_DISK_CACHE_MB": "512", **FIXED_RATIO_ENV, "HF_HUB_OFFLINE": "1"}
+    values = {"BLENDSERVE_MODEL_NAME": str(tiny_model_dir), "BLENDSERVE_DATA_DIR": str(tmp_path / "data"),
+              "BLENDSERVE_INGEST_BATCH_SIZE": "4", "BLENDSERVE_STORE_MEMORY_CACHE_MB": "64",
+              "BLENDSERVE_STORE_DISK_CACHE_MB": "512", **FIXED_RATIO_ENV, "HF_HUB_OFFLINE": "1"}
     for k, v in values.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(tmp_path)  # no stray .env

@@ -343,7 +343,7 @@ LIGHTHOUSE = "\n\n".join(f"Paragraph {i} says that the lighthouse keeper number 
 
 
 def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, embedder, monkeypatch):
-    """BLENDSERVE_PRECOMPUTE_BATCH forced above 1 on the CPU: the same passages, the same stored KV
+    """BLENDSERVE_INGEST_PRECOMPUTE_BATCH forced above 1 on the CPU: the same passages, the same stored KV
     (fp16; right-padded batches of the model's own forward), the same summary counts."""
     docs = [Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log"),
             Document(text=VOLCANO, title="Etna", doc_id="etna"), Document(text=ED, title="Ed", doc_id="ed")]
@@ -402,8 +402,8 @@ def test_precompute_batch_defaults_to_one_on_the_cpu_and_is_validated(monkeypatc
     from corpus_tools.ingest import default_precompute_batch
 
     assert default_precompute_batch("cpu") == 1 and default_precompute_batch("cuda") > 1
-    monkeypatch.setenv("BLENDSERVE_PRECOMPUTE_BATCH", "0")
+    monkeypatch.setenv("BLENDSERVE_INGEST_PRECOMPUTE_BATCH", "0")
     with pytest.raises(ValueError, match="precompute_batch"):
         Settings(_env_file=None)
-    monkeypatch.setenv("BLENDSERVE_PRECOMPUTE_BATCH", "")
-    assert Settings(_env_file=None).precompute_batch is None
+    monkeypatch.setenv("BLENDSERVE_INGEST_PRECOMPUTE_BATCH", "")
+    assert Settings(_env_file=None).ingest.precompute_batch is None

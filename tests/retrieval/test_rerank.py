@@ -43,5 +43,5 @@ def test_the_reranker_orders_by_the_cross_encoder(tiny_cross_encoder):
 def test_the_reranker_setting_must_name_a_local_folder(tmp_path, tiny_cross_encoder):
     with pytest.raises(ValidationError, match="reranker"):
         Settings(_env_file=None, reranker=tmp_path / "absent")
-    assert Settings(_env_file=None, reranker="").reranker is None
-    assert Settings(_env_file=None, reranker=tiny_cross_encoder).reranker == tiny_cross_encoder
+    assert Settings(_env_file=None, reranker="").retrieval.reranker is None
+    assert Settings(_env_file=None, reranker=tiny_cross_encoder).retrieval.reranker == tiny_cross_encoder

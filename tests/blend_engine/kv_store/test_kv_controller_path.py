@@ -30,16 +30,16 @@ class Counters(KVStore):
     uploads the layer streams reported."""
 
     def __init__(self) -> None:
-        self.tiers: dict[str, list] = {}
+        self.counted: dict[str, list] = {}
         self.upload = [0, 0.0]
 
     def read(self, name: str, kind: str, nbytes: int, seconds: float) -> None:
-        t = self.tiers.setdefault(name, [kind, 0, 0.0])
+        t = self.counted.setdefault(name, [kind, 0, 0.0])
         t[1] += nbytes
         t[2] += seconds
 
     def stats(self) -> StoreStats:
-        tiers = [StoreStats(name=n, kind=k, bytes_read=b, read_seconds=s).as_dict() for n, (k, b, s) in self.tiers.items()]
+        tiers = [StoreStats(name=n, kind=k, bytes_read=b, read_seconds=s).as_dict() for n, (k, b, s) in self.counted.items()]
         return StoreStats(name="tiered", extra={"tiers": tiers, "upload_bytes": self.upload[0],
                                                 "upload_seconds": self.upload[1]})
 

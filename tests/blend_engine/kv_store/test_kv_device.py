@@ -180,7 +180,7 @@ def test_build_store_puts_the_device_tier_on_top_and_settings_reject_bad_budgets
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(ValidationError):
             Settings(device_cache_gb=bad)
-    assert Settings(device_cache_gb="").device_cache_gb is None
+    assert Settings(device_cache_gb="").store.device_cache_gb is None
     cpu = Settings(data_dir=tmp_path, kv_format="fp16")
     assert [t.name for t in build_store_from(cpu, device="cpu").tiers] == ["memory", "disk"]  # automatic: none on the CPU
     with pytest.raises(ValueError, match="needs a CUDA device"):

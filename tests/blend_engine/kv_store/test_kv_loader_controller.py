@@ -9,11 +9,12 @@ import time
 import pytest
 import torch
 
+from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.kv_store import ChunkKV, MemoryStore
 from blend_engine.kv_store.loader import LayerLoader, LayerStream, PrefetchStream
 from blend_engine.scheduler.budget import PrefillWork
 from blend_engine.scheduler.controller import BandwidthController
-from blend_engine.types import BlendReport, SelectionPolicy
+from blend_engine.types import BlendReport
 from tests import helpers
 
 L = 6
@@ -116,7 +117,8 @@ def report(load_ms: float, sizes: tuple[int, ...], times_ms: tuple[float, ...]) 
 # injected timings: a layer costs 1 ms + 10 us per token; the last layer (one position) is not fitted
 SIZES = (1000, 1000, 150, 150, 150)
 TIMES = tuple(1.0 + 0.01 * n for n in SIZES[:-1]) + (0.3,)
-WORK = PrefillWork(n_tokens=1000, n_cached=900, n_forced=100, n_layers=4, bytes_per_layer=3_000_000)
+WORK = PrefillWork(n_tokens=1000, n_cached=900, n_forced=100, n_layers=4, bytes_per_layer=3_000_000,
+                   policy=plain_policy())  # one check, no narrowing: every selected layer keeps ratio x 900
 
 
 def test_controller_priors_give_the_floor_for_cpu_scale_compute():
@@ -146,7 +148,7 @@ def test_controller_picks_the_smallest_ratio_whose_recompute_hides_the_next_load
     assert BandwidthController(floor=0.3, cap=1.0).plan(WORK, 1e9, cost).ratio == pytest.approx(0.3)
     assert BandwidthController(floor=0.0, cap=0.05).plan(WORK, 1e9, cost).ratio == pytest.approx(0.05)
     # the schedule: with 2x kept at the check layer's successor and 1x from layer 3, layer 3 decides
-    staged = PrefillWork(**{**WORK.__dict__, "policy": SelectionPolicy(check_multiplier=2.0, schedule=((3, 1.0),))})
+    staged = PrefillWork(**{**WORK.__dict__, "policy": plain_policy(check_multiplier=2.0, schedule=((3, 1.0),))})
     assert staged.tokens_per_layer(0.12) == [1000, 1000, 100 + 216, 100 + 108]
 
 
