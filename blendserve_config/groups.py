@@ -54,16 +54,23 @@ class EngineSettings(Group):
                             "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
     max_batch: int = Field(8, ge=1, le=256, description="requests the engine loop prefills and decodes at once "
                                                         "(continuous batching); more wait in its queue")
-    batch_kv_mb: int = Field(2048, ge=1, description="KV memory of the running batch (each request's prompt plus "
-                                                     "max_tokens, in the model's dtype); requests past it wait")
-    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, a prefill runs layers until they "
+    batch_kv_mb: int = Field(2048, ge=1, description="the paged KV pool: every running request's KV (blocks taken "
+                                                     "as tokens arrive) and the cached prefixes, in the model's dtype; "
+                                                     "a request that cannot fit it alone is refused (400)")
+    kv_pool_gpu_fraction: float | None = Field(None, gt=0, lt=1, description="on CUDA: size the KV pool as this "
+                                               "share of the device memory free after the model (overrides "
+                                               "batch_kv_mb there); unset = batch_kv_mb")
+    kv_block_tokens: int = Field(16, ge=1, le=1024, description="token slots per block of the KV pool")
+    prefix_caching: bool = Field(True, description="automatic prefix caching: a request first takes the longest "
+                                                   "cached prefix of its prompt from the KV pool, in every mode")
+    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, prefills run layers until they "
                                                              "computed this many tokens (summed over layers) per step")
     prefix_cache_mb: int = Field(1024, ge=0, description="in-memory budget of prefix_cache mode's in-context "
                                                          "entries, per engine (LRU); 0 = never reuse a prefix")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
 
-    _empty = field_validator("recompute_ratio", mode="before")(empty_is_none)
+    _empty = field_validator("recompute_ratio", "kv_pool_gpu_fraction", mode="before")(empty_is_none)
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> EngineSettings:

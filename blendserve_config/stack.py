@@ -12,6 +12,7 @@ from pathlib import Path
 
 from blend_engine.cancel import Cancelled, cancel_scope
 from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.executor.kv_pool import pool_bytes
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.codec import resolve_format
@@ -117,7 +118,8 @@ def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> Ble
     config = EngineConfig(kv_format=settings.store.kv_format, prefix_cache_bytes=e.prefix_cache_mb << 20,
                           default_ratio=e.recompute_ratio if e.recompute_ratio is not None else e.ratio_floor,
                           selected_attention=e.selected_attention,
-                          batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens))
+                          batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens, e.kv_block_tokens),
+                          prefix_caching=e.prefix_caching)
     return BlendEngine(runner, store, config, loader=build_loader(store),
                        controller=build_controller(settings, runner))
 
@@ -145,7 +147,9 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     runner = runner or ModelRunner.load(settings.model.name, settings.model.device, settings.model.dtype,
                                           settings.model.cache_dir)
     fmt = resolve_format(settings.store.kv_format, runner.dtype, runner.device.type)
-    settings = settings.model_copy(update={"store": settings.store.model_copy(update={"kv_format": fmt})})
+    pool_mb = pool_bytes(runner.device, settings.engine.batch_kv_mb << 20, settings.engine.kv_pool_gpu_fraction) >> 20
+    settings = settings.model_copy(update={"store": settings.store.model_copy(update={"kv_format": fmt}),
+                                           "engine": settings.engine.model_copy(update={"batch_kv_mb": pool_mb})})
     store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.store.kv_format),
                                       device=str(runner.device))
     engine = build_engine(settings, runner, store)
