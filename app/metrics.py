@@ -79,22 +79,23 @@ class _BatchCollector(Collector):
         if loop is None:
             return
         st = loop.stats()
-        yield GaugeMetricFamily("blendserve_batch_running", "Requests prefilling or decoding in the engine loop",
-                                value=st["running"])
-        yield GaugeMetricFamily("blendserve_batch_waiting", "Requests waiting for a place in the batch",
-                                value=st["waiting"])
-        yield GaugeMetricFamily("blendserve_batch_kv_bytes", "KV memory held by the running batch",
-                                value=st["kv_bytes"])
-        yield CounterMetricFamily("blendserve_decode_steps", "Batched decode steps run", value=st["decode_steps"])
-        yield GaugeMetricFamily("blendserve_kv_pool_blocks", "Blocks of the paged KV pool", value=st["kv_blocks"])
-        yield GaugeMetricFamily("blendserve_kv_pool_blocks_in_use", "KV pool blocks held by running requests",
-                                value=st["kv_blocks_in_use"])
-        yield GaugeMetricFamily("blendserve_kv_pool_blocks_cached", "KV pool blocks holding cached prefixes (evictable)",
-                                value=st["kv_blocks_cached"])
-        yield CounterMetricFamily("blendserve_preemptions", "Requests preempted because the KV pool was full",
-                                  value=st["preemptions"])
-        yield CounterMetricFamily("blendserve_prefix_hit_tokens", "Prompt tokens taken from the KV pool's prefix cache",
-                                  value=st["prefix_hit_tokens"])
+        for family, name, doc, key in _LOOP_SERIES:
+            yield family(name, doc, value=st[key])
+
+_LOOP_SERIES = (  # the engine loop's stats() as metric families: (family, name, help, stats key)
+    (GaugeMetricFamily, "blendserve_batch_running", "Requests prefilling or decoding in the engine loop", "running"),
+    (GaugeMetricFamily, "blendserve_batch_waiting", "Requests waiting for a place in the batch", "waiting"),
+    (GaugeMetricFamily, "blendserve_batch_kv_bytes", "KV pool memory held by running requests", "kv_bytes"),
+    (CounterMetricFamily, "blendserve_decode_steps", "Batched decode steps run", "decode_steps"),
+    (GaugeMetricFamily, "blendserve_kv_pool_blocks", "Blocks of the paged KV pool", "kv_blocks"),
+    (GaugeMetricFamily, "blendserve_kv_pool_blocks_in_use", "KV pool blocks held by running requests",
+     "kv_blocks_in_use"),
+    (GaugeMetricFamily, "blendserve_kv_pool_blocks_cached", "KV pool blocks holding cached prefixes (evictable)",
+     "kv_blocks_cached"),
+    (CounterMetricFamily, "blendserve_preemptions", "Requests preempted because the KV pool was full", "preemptions"),
+    (CounterMetricFamily, "blendserve_prefix_hit_tokens", "Prompt tokens taken from the KV pool's prefix cache",
+     "prefix_hit_tokens"),
+)
 
 
 class Metrics:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,3 +133,12 @@ def serving(settings: ServiceSettings, stack_factory=None, documents: list[dict]
             r = client.post("/v1/documents", json={"documents": documents})
             assert r.status_code == 201, r.text
         yield client
+
+
+def run_threads(fn, n: int, timeout_s: float = 300) -> None:
+    """fn(0) .. fn(n - 1), each on a thread of its own, all started, then all joined."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)

@@ -16,6 +16,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.scheduler.batch import BatchLimits, BatchScheduler, SeqSpec
 from blend_engine.types import BlendPlan, GenerationConfig
+from tests.helpers import run_threads
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_corpus" / "hotpotqa_sample.jsonl"
 SYSTEM = "You are a helpful assistant. Answer in two or three full sentences, using the passages."
@@ -71,11 +72,7 @@ def _together(engine: BlendEngine, plans: list[BlendPlan], cancel: int | None = 
         except Cancelled as exc:
             out[i] = exc
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plans))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    run_threads(one, len(plans))
     return out
 
 

@@ -7,7 +7,6 @@ random times gives every request its tokens alone."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from blend_engine.errors import InputError
 from blend_engine.kv_store import MemoryStore
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
+from tests.helpers import run_threads
 
 PASSAGES = [f"Passage {i}: the river {w} flows past {i * 7} old mills and a bridge named {w.upper()}."
             for i, w in enumerate(["Arno", "Tiber", "Po", "Adige", "Brenta", "Piave"])]
@@ -70,11 +70,7 @@ def _together(engine: BlendEngine, plans: list[BlendPlan], delays: list[float] |
             time.sleep(delays[i])  # arrival times only: no assertion depends on them
         out[i] = engine.run(plans[i], gen).token_ids
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plans))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    run_threads(one, len(plans))
     return out
 
 
