@@ -424,11 +424,15 @@ def test_prompt_too_long_is_400_naming_sizes(client):
     assert store.stats().entries == entries  # nothing stored by the failed requests
 
 
-def test_empty_index_is_400(tmp_path, tiny_stack_factory):
+def test_empty_index_is_503_with_retry_after_not_400(tmp_path, tiny_stack_factory):
+    """Nothing searchable yet is not the caller's fault: 503, Retry-After and the ingestion's progress."""
     with TestClient(create_app(make_settings(tmp_path / "data"), tiny_stack_factory)) as c:
         wait_ready(c)
-        r = c.post("/v1/query", json={"question": "Anything?"})
-        assert r.status_code == 400 and "index is empty" in r.json()["detail"]
+        for stream in (False, True):
+            r = c.post("/v1/query", json={"question": "Anything?", "stream": stream})
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] and r.json()["error"]["code"] == "index_empty"
+            assert "ingestion" in r.json() and "searchable" in r.json()["detail"]
 
 
 # ============================================================================ OpenAI chat completions
