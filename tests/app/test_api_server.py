@@ -160,9 +160,15 @@ def test_end_to_end_with_the_real_model_and_the_openai_client(real_server):
     with httpx.stream("POST", f"{url}/v1/query", headers=auth, timeout=120, json={
         "question": "What is the capital of Japan?", "top_k": 1, "max_tokens": 8, "stream": True}) as r:
         assert r.status_code == 200
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    final = events[-1]
-    assert "Tokyo" in final["answer"] and final["answer"] == "".join(e["text"] for e in events[:-1])
+        frames, event = [], None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                frames.append((event, json.loads(line[6:])))
+    final = frames[-1][1]
+    assert frames[0][0] == "sources"  # the cited passages come before the first token (issue #38)
+    assert "Tokyo" in final["answer"] and final["answer"] == "".join(d["text"] for e, d in frames if e == "delta")
     assert final["passages"][0]["title"] == "Japan" and final["stats"]["cache_misses"] == 0
 
     # inline documents (an evaluation's own contexts), in blend mode with the real model
