@@ -180,3 +180,18 @@ def test_with_prefix_caching_off_every_request_computes_its_whole_prompt(runner)
         assert again.report.prefix_tokens_reused == 0 and again.token_ids == first.token_ids
     finally:
         eng.close()
+
+
+def test_the_pool_settings_reach_the_engine(runner):
+    from blend_engine.executor.kv_pool import block_bytes
+    from blendserve_config.settings import Settings
+    from blendserve_config.stack import build_engine
+
+    settings = Settings(_env_file=None, kv_block_tokens=8, prefix_caching=False, batch_kv_mb=1, max_batch=3)
+    eng = build_engine(settings, runner, MemoryStore(1 << 20))
+    try:
+        assert eng.config.batch.block_tokens == 8 and eng.config.batch.max_batch == 3
+        assert not eng.config.prefix_caching
+        assert eng.loop.scheduler.pool.n_blocks == (1 << 20) // block_bytes(runner, 8)
+    finally:
+        eng.close()
