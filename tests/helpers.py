@@ -142,3 +142,22 @@ def run_threads(fn, n: int, timeout_s: float = 300) -> None:
         t.start()
     for t in threads:
         t.join(timeout_s)
+
+
+def held_ingest_factory(factory, release: threading.Event, stacks: list | None = None):
+    """A stack factory whose pipeline's `ingest` waits for `release` (30 s at most) before it runs;
+    the stacks it makes are appended to `stacks` when given."""
+    def make(settings):
+        stack = factory(settings)
+        if stacks is not None:
+            stacks.append(stack)
+        ingest = stack.pipeline.ingest
+
+        def held(*args, **kwargs):
+            assert release.wait(30)
+            return ingest(*args, **kwargs)
+
+        stack.pipeline.ingest = held
+        return stack
+
+    return make

@@ -16,7 +16,7 @@ from app.main import create_app
 from app.service import GATE_CHECKING
 from blend_engine.selfcheck import GateDecision
 from tests.app.test_api import FIXTURE_DOCS, sse_events
-from tests.helpers import make_settings, serving, svc, wait_ready
+from tests.helpers import held_ingest_factory, make_settings, serving, svc, wait_ready
 
 QUERY = {"question": "What is the capital of France?", "top_k": 2, "max_tokens": 3, "mode": "full_prefill"}
 
@@ -144,16 +144,7 @@ def test_question_during_sample_ingestion_503_then_answer(tmp_path, tiny_stack_f
     sample.write_text("".join(json.dumps({"title": d["title"], "text": d["text"]}) + "\n" for d in FIXTURE_DOCS))
     release = threading.Event()
 
-    def held_factory(settings):
-        stack = tiny_stack_factory(settings)
-        ingest = stack.pipeline.ingest
-
-        def held(*args, **kwargs):
-            assert release.wait(30)
-            return ingest(*args, **kwargs)
-
-        stack.pipeline.ingest = held
-        return stack
+    held_factory = held_ingest_factory(tiny_stack_factory, release)
 
     settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample)
     with TestClient(create_app(settings, held_factory)) as c:
@@ -189,17 +180,7 @@ def test_first_start_gate_waits_for_the_first_searchable_passages(tmp_path, tiny
         decided.set()
         return GateDecision(mode, None)
 
-    def held_factory(settings):
-        stack = tiny_stack_factory(settings)
-        stacks.append(stack)
-        ingest = stack.pipeline.ingest
-
-        def held(*args, **kwargs):
-            assert release.wait(30)
-            return ingest(*args, **kwargs)
-
-        stack.pipeline.ingest = held
-        return stack
+    held_factory = held_ingest_factory(tiny_stack_factory, release, stacks)
 
     monkeypatch.setattr("app.startup.decide", decide)
     settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample,

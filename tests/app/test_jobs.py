@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from corpus_tools.jobs import JOBS_FILE, JobFile, JobStore
 from tests.files import HTML_PAGE, tiny_docx, tiny_pdf, zip_bomb
-from tests.helpers import make_settings, serving, svc, wait_ready
+from tests.helpers import held_ingest_factory, make_settings, serving, svc, wait_ready
 
 GOOD = {
     "towns.pdf": tiny_pdf(["Helsinki is the capital of Finland.", "Turku is the oldest town."]),
@@ -139,16 +139,7 @@ def test_first_start_answers_while_the_sample_is_ingested_in_the_background(tmp_
                                 for i in range(3)) + "\n")
     release = threading.Event()
 
-    def held_factory(settings):
-        stack = tiny_stack_factory(settings)
-        real = stack.pipeline.ingest
-
-        def held(*args, **kwargs):
-            assert release.wait(30)
-            return real(*args, **kwargs)
-
-        stack.pipeline.ingest = held
-        return stack
+    held_factory = held_ingest_factory(tiny_stack_factory, release)
 
     settings = make_settings(tmp_path / "data", ingest_sample_on_start=True, sample_corpus=sample)
     try:
