@@ -131,11 +131,6 @@ class BlendEngine:
         s = self.runner.shape
         return layer_nbytes(self.config.kv_format, s.n_kv_heads, n_tokens, s.head_dim)
 
-    def kv_bytes(self, n_tokens: int) -> int:
-        """A request's KV cache in the model's dtype (every layer's K and V): the batch budget's unit."""
-        s = self.runner.shape
-        return 2 * s.n_layers * s.n_kv_heads * s.head_dim * n_tokens * self.runner.dtype.itemsize
-
     # ================================================================== prefill (scheduler + executor)
     def prepare(self, plan: BlendPlan, max_new_tokens: int) -> Prepared:
         """Layout, keys, the mode plan and the prompt's block hash chains: host work only, on the

@@ -143,9 +143,7 @@ class BatchScheduler:
         self._waiting = deque(s for s in self._waiting if s.rid != rid)
         seq = self._running.pop(rid, None)
         if seq is not None:
-            self.pool.release(seq.run)
-            for run in seq.held:
-                self.pool.release(run)
+            self._release(seq)
 
     def applied(self) -> None:
         """The executor copied this step's prefixes and moved runs: their sources go back."""
@@ -198,11 +196,15 @@ class BatchScheduler:
         """Free the sequence's blocks (its registered prompt blocks stay cached) and queue it first:
         it is recomputed from its prompt when admitted again."""
         seq = self._running.pop(rid)
+        self._release(seq)
+        self._waiting.appendleft(SeqSpec(rid, seq.spec.n_prompt, own=seq.spec.own, min_hit=NO_PREFIX))
+        self.preemptions += 1
+
+    def _release(self, seq: _Seq) -> None:
+        """Give back a sequence's run and any run it still holds from a move this step."""
         self.pool.release(seq.run)
         for run in seq.held:
             self.pool.release(run)
-        self._waiting.appendleft(SeqSpec(rid, seq.spec.n_prompt, own=seq.spec.own, min_hit=NO_PREFIX))
-        self.preemptions += 1
 
     def _admit(self) -> list[Admission]:
         out = []
