@@ -13,6 +13,7 @@ Hq query heads, H kv heads, D head dim, E hidden size, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -38,6 +39,12 @@ __all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_
            "layer_windows", "pick_device", "pick_dtype", "rope_parameters", "rotate_half"]
 
 KV_LAYOUT_VERSION = 1
+
+# SDPA's kernels a CUDA runner may pick. Not cuDNN's: it builds an execution plan per
+# new shape, and every decode step (and every request) has a new key length: measured on an H200, a
+# decode step over 8K tokens of the 8B shape took 97 ms with cuDNN eligible, ~16 ms with it excluded
+# (benchmarks/gpu_decode_profile.py). None: whatever torch picks.
+CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
+        self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -223,13 +231,14 @@ class ModelRunner:
             group = q.shape[0] // k.shape[0]
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [Hq, N, D] each
             gqa = False
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-            attn_mask=None if mask is None else mask.view(1, 1, *mask.shape),
-            is_causal=causal and mask is None,
-            scale=self.scaling,
-            enable_gqa=gqa,
-        )  # [1, Hq, S, D]
+        with _sdpa_kernels(self.sdpa_backends):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                attn_mask=None if mask is None else mask.view(1, 1, *mask.shape),
+                is_causal=causal and mask is None,
+                scale=self.scaling,
+                enable_gqa=gqa,
+            )  # [1, Hq, S, D]
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [S, Hq*D]
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -241,9 +250,29 @@ class ModelRunner:
     def prefill_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A batch of right-padded sequences [B, T] (mask [B, T], 1 = real) through the model's own
         forward; per layer (k after RoPE, v), each [B, H, T, D]. Used to precompute many chunks."""
-        out = self.model.model(input_ids=ids, attention_mask=mask, use_cache=True)
+        with _sdpa_kernels(self.sdpa_backends):
+            out = self.model.model(input_ids=ids, attention_mask=mask, use_cache=True)
         cache = out.past_key_values
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(self._norm(hidden)).float()  # [S, V]
+
+
+def _sdpa_backends(names: tuple | None) -> list | None:
+    """SDPBackend members for `names` (None: no restriction)."""
+    if names is None:
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, n) for n in names]
+
+
+def _sdpa_kernels(backends: list | None):
+    """A context that restricts SDPA to `backends` (torch's own order among them), or a no-op for None.
+    Not `set_priority`: its exit left the priority order changed for later calls (torch 2.11)."""
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backends)

@@ -224,3 +224,26 @@ def test_the_paged_pool_matches_the_dense_path_with_and_without_a_prefix_hit(fam
         assert (got.report.prefix_tokens_reused > 0) is reused
         assert list(got.token_ids) == [t for t, _ in want]
         assert max(abs(lp.logprob - w) for lp, (_, w) in zip(got.logprobs, want)) < 1e-4
+
+
+def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer):
+    """A CUDA runner keeps SDPA off cuDNN's kernels (a plan per new shape made an H200 decode step
+    100 ms instead of 36: benchmarks/results/gpu/sdpa_ab). The restriction is the runner's seam
+    (`sdpa_backends`, None on a CPU), holds only inside its calls, and gives the same attention."""
+    from blend_engine.model import CUDA_SDPA_BACKENDS, _sdpa_backends
+
+    assert "CUDNN_ATTENTION" not in CUDA_SDPA_BACKENDS
+    engine = make_engine("llama", tokenizer)
+    runner = engine.runner
+    assert runner.sdpa_backends is None  # CPU: whatever torch picks
+    q, k, v = torch.randn(4, 5, 16), torch.randn(2, 9, 16), torch.randn(2, 9, 16)  # [Hq, S, D], [H, N, D] x2
+    mask = torch.rand(5, 9) > 0.3  # [S, N]
+    mask[:, 0] = True
+    free = runner.attend(q, k, v, mask)  # [S, Hq*D]
+    runner.sdpa_backends = _sdpa_backends(("MATH",))
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    try:
+        torch.testing.assert_close(runner.attend(q, k, v, mask), free)
+    finally:
+        runner.sdpa_backends = None
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before == (True, True)
