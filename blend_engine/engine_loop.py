@@ -8,11 +8,14 @@
       then wait for deltas            <-     blocks (taking cached prefixes), advance prefills
                                              under a token budget, ONE batched decode step
     run_task(fn) (ingestion precompute) ->   one task between steps
+                                             one missed passage's alone-KV stored between steps
 
 Every request's KV lives in a run of the paged pool (`executor.kv_pool.KVPool`): the scheduler
 decides the blocks, the loop applies its plan to the tensors. Per request the loop keeps its
 prefill run, cache view, sampler, stop decoder and tokens (`_Request`); a failed or cancelled
-request leaves the batch at the next step without touching the others. A preempted request is
+request leaves the batch at the next step without touching the others. A finished request whose
+passages missed the store precomputes their alone-KV one passage per loop turn (`_Storing`), so the
+batch keeps decoding; its result is handed over once the last one is stored. A preempted request is
 prefilled again later and its tokens so far are fed again (not sampled), so it ends as it would
 have. A decode step reads the device once (`sampling.read_logits`); a prefix_cache request's save
 is issued after its first token.
@@ -92,6 +95,17 @@ class _Request:
         return self.handle.cancelled or self.should_stop()
 
 
+@dataclass
+class _Storing:
+    """A finished request storing the alone-KV of the passages that missed (one a loop turn)."""
+
+    req: _Request
+    finish: str
+    total_ms: float  # the answer's own time, storing excluded
+    todo: deque[int]  # segment indices still to store
+    store_s: float = 0.0  # precompute time spent on it so far
+
+
 class EngineLoop:
     """Started on first use; `close()` fails what is still queued or running."""
 
@@ -105,6 +119,7 @@ class EngineLoop:
         self._incoming: deque[_Request] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Callable[[], bool] | None, concurrent.futures.Future]] = deque()
         self._requests: dict[int, _Request] = {}
+        self._storing: deque[_Storing] = deque()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -170,7 +185,8 @@ class EngineLoop:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._incoming and not self._tasks and not self.scheduler.has_work:
+                while (not self._closed and not self._incoming and not self._tasks and not self._storing
+                       and not self.scheduler.has_work):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -186,6 +202,7 @@ class EngineLoop:
                     logger.exception("engine step failed")
                 if task is not None:
                     self._run_task(*task)
+                self._store_one()
         self._fail_all(Cancelled("the engine is shutting down"))
 
     def _step(self) -> None:
@@ -349,21 +366,43 @@ class EngineLoop:
         return (TokenLogprob(tok, text([tok]), float(logp[tok]), alts),)
 
     def _end(self, req: _Request, finish: str) -> None:
-        """The answer is complete: store the KV of chunks that missed, then hand over the result."""
+        """The answer is complete: queue the store of chunks that missed (`_store_one`), or hand over."""
         tail = req.decoder.flush()
         if tail:
             req.handle.emit(Delta(tail))
         total_ms = (time.perf_counter() - req.t0) * 1e3
-        state = req.state
         self._save_prefix(req)  # a first token that ended the request: its save still precedes the result
         self.scheduler.finish(req.rid)  # after the save read its KV: the blocks may be taken from here on
         self._requests.pop(req.rid, None)
-        self.engine.chunks.store_missing(state.layout, state.missing, req.handle.plan.cache_salt)
-        store_ms = (time.perf_counter() - req.t0) * 1e3 - total_ms
+        self._storing.append(_Storing(req, finish, total_ms, deque(req.state.missing)))
+
+    def _store_one(self) -> None:
+        """Store one missed passage of the oldest finished request (a step of the batch runs between
+        two of them); hand its result over once nothing is left."""
+        if not self._storing:
+            return
+        job = self._storing[0]
+        if job.todo:
+            t0 = time.perf_counter()
+            i = job.todo.popleft()
+            try:
+                self.engine.chunks.store_missing(job.req.state.layout, [i], job.req.handle.plan.cache_salt)
+            except BaseException as exc:  # noqa: BLE001 - a storage fault is the request's error, as before
+                self._storing.popleft()
+                logger.warning("request %d: storing a missed passage's KV failed: %s", job.req.rid, exc)
+                job.req.handle.fail(exc)
+                return
+            job.store_s += time.perf_counter() - t0
+        if not job.todo:
+            self._storing.popleft()
+            self._hand_over(job)
+
+    def _hand_over(self, job: _Storing) -> None:
+        req, state = job.req, job.req.state
         req.handle.end(BlendResult(
-            text=req.decoder.text, token_ids=tuple(req.tokens), finish_reason=finish, report=state.report,
-            ttft_ms=req.handle.ttft_ms if req.handle.ttft_ms is not None else total_ms, total_ms=total_ms,
-            store_ms=store_ms, explanation=state.explanation, logprobs=tuple(req.logprobs)))
+            text=req.decoder.text, token_ids=tuple(req.tokens), finish_reason=job.finish, report=state.report,
+            ttft_ms=req.handle.ttft_ms if req.handle.ttft_ms is not None else job.total_ms, total_ms=job.total_ms,
+            store_ms=job.store_s * 1e3, explanation=state.explanation, logprobs=tuple(req.logprobs)))
 
     # ------------------------------------------------------------------ endings
     def _drop(self, req: _Request, exc: BaseException) -> None:
@@ -384,6 +423,8 @@ class EngineLoop:
             self._tasks.clear()
         for req in [*self._requests.values(), *pending]:
             self._drop(req, exc)
+        while self._storing:  # answered already: handed over without the stores left
+            self._hand_over(self._storing.popleft())
         for _, _, fut in tasks:
             fut.set_exception(exc)
 

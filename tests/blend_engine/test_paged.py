@@ -7,6 +7,7 @@ random times gives every request its tokens alone."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -195,3 +196,45 @@ def test_the_pool_settings_reach_the_engine(runner):
         assert eng.loop.scheduler.pool.n_blocks == (1 << 20) // block_bytes(runner, 8)
     finally:
         eng.close()
+
+
+def test_storing_missed_passages_interleaves_with_the_batch(runner):
+    """A finished request whose passages missed the store precomputes their alone-KV one passage per
+    loop turn: a running request decodes between two of them (the batch no longer stalls for the whole
+    store), and the result, with every missed passage stored, comes after the last one."""
+    engine = _engine(runner)
+    try:
+        busy = _plan(0)
+        _warm(engine, [busy])
+        cold = BlendPlan(tuple(f"Cold note {i}: the ferry {w} leaves at {i + 5} and stops at the {w} pier."
+                               for i, w in enumerate(["Alba", "Bora", "Cima"])), "When does Bora leave?",
+                         recompute_ratio=0.3)
+        at_steps: list[int] = []
+        store = engine.chunks.store_missing
+
+        def recording(*args, **kwargs):
+            at_steps.append(engine.loop.steps)
+            return store(*args, **kwargs)
+
+        engine.chunks.store_missing = recording
+        decoding = threading.Event()
+        busy_tokens: list = []
+
+        def run_busy() -> None:
+            g = engine.generate(busy, GenerationConfig(max_tokens=60, ignore_eos=True))
+            for _ in g.deltas():
+                decoding.set()
+            busy_tokens.append(g.result.token_ids)
+
+        t = threading.Thread(target=run_busy)
+        t.start()
+        assert decoding.wait(60)
+        result = engine.run(cold, GenerationConfig(max_tokens=1, ignore_eos=True))
+        keys = [engine.chunks.key_of(s.token_ids, None) for s in engine.layout(cold).segments[1:-1]]
+        assert len(keys) == 3 and all(engine.store.contains(k) for k in keys)  # stored before the result
+        assert result.store_ms > 0
+        assert len(at_steps) >= 3 and all(b > a for a, b in zip(at_steps, at_steps[1:])), at_steps
+        t.join(60)
+        assert len(busy_tokens[0]) == 60
+    finally:
+        engine.close()
