@@ -1,16 +1,18 @@
 """Where the decode step's time goes (issue 39's decode target, issue 35's items 5-6): one short,
 prepared device run after the first GPU check found the step at 24x its bandwidth floor.
 
-    python -m benchmarks.gpu_decode_profile OUT_DIR [--smoke] [--tokens 8192]
+    python -m benchmarks.gpu_decode_profile OUT_DIR [--smoke] [--tokens 8192] [--sdpa any] [--only PARTS]
 
 On the 8B-shaped random model (bf16) after a full prefill of ~n tokens, at batch 1:
+- `growing`: decode steps at growing positions (a new key length each, as serving runs them) and
+  full prefills of new lengths, under the runner's SDPA restriction (`--sdpa any` lifts it);
 - `eager_ms`: `BlendEngine.decode_step` as the engine runs it (median of 10);
 - `graph_ms`: the same `decode_batch` captured once as a CUDA graph and replayed at the same position
   (what the GPU needs when the host launches nothing: the kernels' own time);
 - `hf_ms`: transformers' own decode step (`model(ids, past_key_values=...)`, sdpa), the peer;
 - a torch.profiler table of one eager step (top ops by device and by host time, kernel count);
 then `decode_batch` at batch 1/16/64 over ~1K-token contexts (eager), to see how the per-sequence
-attention scales. Everything is written to OUT_DIR/decode_profile.{json,txt} as it goes.
+attention scales. Everything is written to OUT_DIR/decode_profile_{restricted,any}.{json,txt} as it goes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_check import _tokenizer
 from benchmarks.gpu_common import QUESTIONS, HeldStore, Setup, make_passages, median_ms
 from benchmarks.gpu_timing import random_runner
 from blend_engine.engine import BlendEngine, EngineConfig
@@ -165,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out / f"decode_profile_{args.sdpa}.txt", "a") as f:
                 f.write(text + "\n")
 
-    from blend_engine.model import ModelRunner
-
-    runner = random_runner(setup, ModelRunner.load().tokenizer if args.smoke else _smollm_tokenizer())
+    runner = random_runner(setup, _tokenizer(None if args.smoke else Path(".gpucarry/smollm2")))
     engine = BlendEngine(runner, HeldStore("none", lambda t: t), EngineConfig(kv_format="bf16" if cuda else "fp32"))
     n = 512 if args.smoke else args.tokens
     for name, fn in [("growing", lambda: growing(setup, engine, n)),
@@ -196,12 +197,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     print(json.dumps(result, indent=2))
     return 0
-
-
-def _smollm_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(".gpucarry/smollm2")
 
 
 if __name__ == "__main__":

@@ -366,7 +366,7 @@ class EngineLoop:
         return (TokenLogprob(tok, text([tok]), float(logp[tok]), alts),)
 
     def _end(self, req: _Request, finish: str) -> None:
-        """The answer is complete: queue the store of chunks that missed (`_store_one`), or hand over."""
+        """The answer is complete: hand it over, or first store the chunks that missed (`_store_one`)."""
         tail = req.decoder.flush()
         if tail:
             req.handle.emit(Delta(tail))
@@ -374,7 +374,11 @@ class EngineLoop:
         self._save_prefix(req)  # a first token that ended the request: its save still precedes the result
         self.scheduler.finish(req.rid)  # after the save read its KV: the blocks may be taken from here on
         self._requests.pop(req.rid, None)
-        self._storing.append(_Storing(req, finish, total_ms, deque(req.state.missing)))
+        job = _Storing(req, finish, total_ms, deque(req.state.missing))
+        if job.todo:
+            self._storing.append(job)
+        else:  # nothing to store: no wait behind the rest of the step or a queued task
+            self._hand_over(job)
 
     def _store_one(self) -> None:
         """Store one missed passage of the oldest finished request (a step of the batch runs between

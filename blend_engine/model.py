@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from blend_engine.families import (
     EXACT_ROPE_TYPES,
@@ -40,10 +41,10 @@ __all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_
 
 KV_LAYOUT_VERSION = 1
 
-# SDPA's kernels a CUDA runner may pick. Not cuDNN's: it builds an execution plan per
-# new shape, and every decode step (and every request) has a new key length: measured on an H200, a
-# decode step over 8K tokens of the 8B shape took 97 ms with cuDNN eligible, ~16 ms with it excluded
-# (benchmarks/gpu_decode_profile.py). None: whatever torch picks.
+# SDPA's kernels a CUDA runner may pick. Not cuDNN's: it builds an execution plan per new shape, and
+# every decode step (and every request) has a new key length: measured on an H200, a decode step over
+# 8K tokens of the 8B shape at growing positions took 99.9 ms with cuDNN eligible, 36.4 ms with it
+# excluded (benchmarks/gpu_decode_profile.py, results/gpu/sdpa_ab). None: whatever torch picks.
 CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
@@ -261,18 +262,10 @@ class ModelRunner:
 
 def _sdpa_backends(names: tuple | None) -> list | None:
     """SDPBackend members for `names` (None: no restriction)."""
-    if names is None:
-        return None
-    from torch.nn.attention import SDPBackend
-
-    return [getattr(SDPBackend, n) for n in names]
+    return None if names is None else [getattr(SDPBackend, n) for n in names]
 
 
 def _sdpa_kernels(backends: list | None):
     """A context that restricts SDPA to `backends` (torch's own order among them), or a no-op for None.
     Not `set_priority`: its exit left the priority order changed for later calls (torch 2.11)."""
-    if backends is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
-
-    return sdpa_kernel(backends)
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
