@@ -1,5 +1,8 @@
 """Cooperative cancellation of engine work, checked between layers.
 
+Explicit form (the one to use): work takes a `should_stop: StopCheck` parameter and calls
+`stop_if(should_stop, where)` at its safe points. The thread-local scope below is being retired.
+
 A worker runs each job inside `cancel_scope(should_stop)`; the engine calls `checkpoint()` at
 every layer of a prefill or precompute (and ingestion between batches), which raises `Cancelled`
 once `should_stop()` is true (the request timed out, the client left, the server is stopping).
@@ -17,6 +20,20 @@ _local = threading.local()
 
 class Cancelled(Exception):
     """The work was cancelled (timeout, client gone, shutdown) before or while it ran."""
+
+
+StopCheck = Callable[[], bool]  # true once the work should stop (timeout, client gone, shutdown)
+
+
+def never() -> bool:
+    """The `StopCheck` of work nobody cancels (a CLI run, a test)."""
+    return False
+
+
+def stop_if(should_stop: StopCheck | None, where: str = "") -> None:
+    """Raise `Cancelled` at a safe point of work whose `should_stop()` is true."""
+    if should_stop is not None and should_stop():
+        raise Cancelled(f"cancelled{' ' + where if where else ''}")
 
 
 @contextmanager
