@@ -17,8 +17,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.service import Busy, NoPassagesYet, RequestTimeout, ServiceError, StorageFault, storage_fault
-from app.worker import Cancelled, QueueFull
-from blend_engine.errors import StorageError
+from blend_engine.cancel import Cancelled
+from blend_engine.errors import Overloaded, StorageError
 from retrieval.passages import PassageStoreError
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ async def _service(request: Request, exc: ServiceError) -> JSONResponse:
     metrics = request.app.state.svc.metrics
     if isinstance(exc, RequestTimeout):
         metrics.timeouts.inc()
+    if isinstance(exc, Busy):
+        metrics.rejected.inc()
     if isinstance(exc, StorageFault):
         metrics.storage_errors.inc()
         logger.error("%s %s: %s", request.method, endpoint_of(request), exc.message, exc_info=exc.__cause__)
@@ -105,9 +107,8 @@ async def _service(request: Request, exc: ServiceError) -> JSONResponse:
     return response
 
 
-async def _full(request: Request, exc: QueueFull) -> JSONResponse:
-    request.app.state.svc.metrics.rejected.inc()
-    return await _service(request, Busy(str(exc)))
+async def _full(request: Request, exc: Overloaded) -> JSONResponse:
+    return await _service(request, Busy(str(exc), exc.retry_after_s))
 
 
 async def _storage(request: Request, exc: Exception) -> JSONResponse:
@@ -129,7 +130,7 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(ServiceError, _service)
-    app.add_exception_handler(QueueFull, _full)
+    app.add_exception_handler(Overloaded, _full)
     for kind in (StorageError, PassageStoreError, sqlite3.Error, OSError):
         app.add_exception_handler(kind, _storage)
     app.add_exception_handler(Exception, _internal)

@@ -2,8 +2,9 @@
 
 `create_app(settings, stack_factory)` returns a FastAPI app. Heavy objects (model, index, KV
 store) are built by `stack_factory` on a start-up thread once the lifespan begins; until then
-/healthz answers and /readyz says 503. Engine work always runs on `EngineWorker` threads behind
-a bounded queue, never on the event loop.
+/healthz answers and /readyz says 503. A query awaits the engine client on the event loop (the
+engine loop thread does the model work; admission is the engine's, `blend_engine.scheduler.admission`);
+blocking jobs (document ingestion, verify) run on `EngineWorker` threads behind a bounded queue.
 
 Where things are: the routes by area in `app/routes/`, the shared state and its dependencies in
 `app/state.py`, the error envelope and handlers in `app/errors.py`, server-sent events in
@@ -50,7 +51,6 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
     async def lifespan(app: FastAPI):
         svc: AppState = app.state.svc
         svc.worker = EngineWorker(settings.request_threads, settings.service.max_queue)
-        svc.metrics.bind_worker(svc.worker)
         starter = threading.Thread(target=build_and_warm, args=(svc, factory), name="blendserve-startup", daemon=True)
         starter.start()
         try:

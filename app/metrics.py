@@ -81,8 +81,18 @@ class _BatchCollector(Collector):
         st = loop.stats()
         for family, name, doc, key in _LOOP_SERIES:
             yield family(name, doc, value=st[key])
+        decisions = CounterMetricFamily("blendserve_admission", "Admission decisions by reason: admitted, refused "
+                                        "(queue full, too slow, shutting down), dropped too late, waited (batch "
+                                        "full, KV blocks); `blend_engine.scheduler.admission`", labels=["decision"])
+        for decision, count in sorted(loop.admission.decisions.items()):
+            decisions.add_metric([decision], count)
+        yield decisions
 
 _LOOP_SERIES = (  # the engine loop's stats() as metric families: (family, name, help, stats key)
+    (GaugeMetricFamily, "blendserve_queue_depth", "Requests queued for the engine's batch (admitted, not started)",
+     "queued_requests"),
+    (GaugeMetricFamily, "blendserve_engine_busy", "Requests in the engine's batch (each with its n sequences)",
+     "running_requests"),
     (GaugeMetricFamily, "blendserve_batch_running", "Requests prefilling or decoding in the engine loop", "running"),
     (GaugeMetricFamily, "blendserve_batch_waiting", "Requests waiting for a place in the batch", "waiting"),
     (GaugeMetricFamily, "blendserve_batch_kv_bytes", "KV pool memory held by running requests", "kv_bytes"),
@@ -127,8 +137,6 @@ class Metrics:
             registry=r,
         )
         self.last_ratio = Gauge("blendserve_recompute_ratio_last", "Last chosen blend ratio", registry=r)
-        self.queue_depth = Gauge("blendserve_queue_depth", "Requests waiting for an engine worker", registry=r)
-        self.running = Gauge("blendserve_engine_busy", "Requests running on engine workers", registry=r)
         self.rejected = Counter("blendserve_rejected", "Requests refused because the queue was full", registry=r)
         self.timeouts = Counter("blendserve_timeouts", "Requests that ran past the request timeout", registry=r)
         self.ingested = Counter("blendserve_ingested_passages", "Passages ingested online", registry=r)
@@ -166,10 +174,6 @@ class Metrics:
             self.fidelity_kl.labels("full_reuse_long").set(result.kl_full_reuse_long)
             self.fidelity_top1.labels("blend_long").set(result.top1_blend_long)
             self.fidelity_top1.labels("full_reuse_long").set(result.top1_full_reuse_long)
-
-    def bind_worker(self, worker) -> None:
-        self.queue_depth.set_function(lambda: worker.depth)
-        self.running.set_function(lambda: worker.running)
 
     def bind_store(self, get_store: Callable[[], object | None]) -> None:
         self.registry.register(_StoreCollector(get_store))

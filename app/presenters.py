@@ -1,9 +1,9 @@
 """HTTP bodies from the request logic's results: the one place that builds the query response models.
 
-`app.service.run_query` returns domain data (`QueryOutcome`: the answer, `PassageRef`s, the
+`app.service.QueryRun` ends with domain data (`QueryOutcome`: the answer, `PassageRef`s, the
 engine's report and `Explanation`). `present` turns it into the `/v1/query` body once, on the
-engine worker thread (explain's token pieces need the tokenizer, which must stay off the event
-loop); `/v1/chat/completions` reuses that body for its `passages` and `blend` fields.
+event loop (explain's token pieces are a tokenizer decode of at most `explain_max_tokens` ids);
+`/v1/chat/completions` reuses that body for its `passages` and `blend` fields.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Answered:
 
 
 def present(outcome: QueryOutcome, tokenizer: Any, explain_max_tokens: int, logprobs: bool = False) -> Answered:
-    """The outcome with its HTTP body. Runs on the worker thread (the tokenizer decodes explain's tokens)."""
+    """The outcome with its HTTP body (the tokenizer decodes explain's tokens)."""
     explain = (explain_response(tokenizer, outcome.explanation, outcome.passages, explain_max_tokens)
                if outcome.explanation is not None else None)
     return Answered(outcome, query_response(outcome, explain, logprobs))

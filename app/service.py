@@ -1,22 +1,30 @@
-"""What the routes ask of the engine. Everything here that touches a model runs on an engine
-worker thread (`EngineWorker`); the async helpers only move results back to the event loop."""
+"""What the routes ask of the engine: a query runs on the event loop and awaits the engine client.
+
+    route --> QueryRun.start: retrieval, the plan, its layout (once), admission  (event loop)
+          --> EngineClient: the engine loop prefills and decodes its n choices     (engine loop)
+          <-- QueryRun.deltas(): the sources, then each choice's text as decoded   (event loop)
+
+Two threads in all, for any n. A request that ends early (client gone, timeout) aborts its stream;
+the engine drops it at its next step."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from app.conversation import exchanges_to_drop
-from app.worker import Cancelled, EngineWorker, Job
-from blend_engine.errors import InputError, StorageError
+from app.worker import EngineWorker, Job
+from blend_engine.cancel import DeadlineExceeded
+from blend_engine.client import EngineClient, RequestStream
+from blend_engine.errors import InputError, Overloaded, StorageError
 from blend_engine.explain import Explanation
-from blend_engine.generation import Ended
-from blend_engine.types import BlendPlan, BlendReport, GenerationConfig, Mode, TokenLogprob, Turn
+from blend_engine.layout import PromptLayout
+from blend_engine.types import BlendPlan, BlendReport, BlendResult, GenerationConfig, Mode, TokenLogprob, Turn
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
 
@@ -48,6 +56,10 @@ class Busy(ServiceError):
     status_code = 503
     code = "overloaded"
     headers = {"Retry-After": "1"}
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
 
 
 class NotReady(ServiceError):
@@ -181,10 +193,7 @@ class QueryOutcome:
     notes: tuple[str, ...] = ()  # what the service changed to answer (a trimmed conversation)
 
 
-# ====================================================================== worker-thread code
-_DONE = object()  # the end of a stream of deltas
-
-
+# ====================================================================== the query, on the event loop
 def _passages(stack, spec: QuerySpec) -> tuple[list[str], tuple[PassageRef, ...]]:
     engine = stack.engine
     if spec.documents is not None:
@@ -213,41 +222,27 @@ def _text(text: str, limit: int | None) -> dict:
     return {"text": text[:limit] if cut else text, "truncated": cut}
 
 
-def _sources_first(emit: Callable[[StreamDelta], None] | None,
-                   passages: tuple[PassageRef, ...]) -> Callable[[StreamDelta], None] | None:
-    """`emit` that sends the sources (one `StreamDelta` with `sources`) just before the first token."""
-    if emit is None:
-        return None
-    sent = [False]
-
-    def first_then(delta: StreamDelta) -> None:
-        if not sent[0]:
-            sent[0] = True
-            emit(StreamDelta(delta.index, "", sources=passages))
-        emit(delta)
-
-    return first_then
-
-
-def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, tuple[str, ...]]:
-    """Drop the oldest exchanges of a conversation that does not fit the model context, with a note.
+def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, PromptLayout, tuple[str, ...]]:
+    """The plan's layout, built once; a conversation that does not fit the model context loses its
+    oldest exchanges first (with a note, and the layout built again).
 
     Each turn is a segment tokenized alone, so dropping the first d turns frees exactly their tokens."""
-    if not plan.turns:
-        return plan, ()
     layout = engine.layout(plan)
+    if not plan.turns:
+        return plan, layout, ()
     limit = engine.runner.shape.max_positions
     sizes = [len(s.token_ids) for s in layout.segments if s.kind == "turn"]
     if len(sizes) != len(plan.turns):  # a layout without the conversation: nothing to trim
-        return plan, ()
+        return plan, layout, ()
     drop = exchanges_to_drop(sizes, [t.role for t in plan.turns], layout.n_tokens + max_new_tokens - limit)
     if not drop:
-        return plan, ()
+        return plan, layout, ()
     note = (f"conversation trimmed: the {drop} oldest of {len(plan.turns)} earlier messages were left out "
             f"({sum(sizes[:drop])} tokens) to fit the model context of {limit} tokens with "
             f"{max_new_tokens} new tokens")
     logger.info(note)
-    return replace(plan, turns=plan.turns[drop:]), (note,)
+    plan = replace(plan, turns=plan.turns[drop:])
+    return plan, engine.layout(plan), (note,)
 
 
 GATE_CHECKING = "full_prefill: the start-up fidelity gate is still checking blend"
@@ -268,136 +263,89 @@ def _choice_config(gen: GenerationConfig, index: int) -> GenerationConfig:
     return gen if index == 0 or gen.seed is None else replace(gen, seed=gen.seed + index)
 
 
-def _generate(engine, plan: BlendPlan, gen: GenerationConfig, n: int, job: Job,
-              emit: Callable[[StreamDelta], None] | None) -> list:
-    """Sample `n` completions of one prompt: n sequences of one request, planned once and batched by
-    the engine loop, their items read here from one queue as they come (no thread per choice);
-    deltas reach `emit`. A cancelled job (timeout, client gone) stops them at their next step."""
-    out: queue.Queue = queue.Queue()
-    handles = engine.start(plan, [_choice_config(gen, i) for i in range(n)], lambda i, item: out.put((i, item)),
-                           should_stop=lambda: job.cancelled)
-    running, failure = n, None
+
+
+class QueryRun:
+    """One query on the event loop: `start` retrieves, plans and submits it (errors raise there,
+    before any byte is sent); `deltas()` yields the sources (one `StreamDelta` just before the
+    first token) and then each choice's text; `outcome()` once they ended. `abort()` stops it."""
+
+    def __init__(self, spec: QuerySpec, passages: tuple[PassageRef, ...], plan: BlendPlan, stream: RequestStream,
+                 t0: float, retrieval_ms: float, fallback: str | None, notes: tuple[str, ...]) -> None:
+        self.spec, self.passages, self.plan, self.stream = spec, passages, plan, stream
+        self._t0, self._retrieval_ms, self._fallback, self._notes = t0, retrieval_ms, fallback, notes
+
+    @classmethod
+    def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float) -> QueryRun:
+        """Retrieve (unless documents are given), lay the prompt out once and submit its `spec.n`
+        choices. Raises the service's errors (400, 503 Busy / NoPassagesYet, storage faults)."""
+        t0 = time.perf_counter()
+        with _service_errors():
+            texts, passages = _passages(stack, spec)
+            retrieval_ms = (time.perf_counter() - t0) * 1e3
+            mode, fallback = _gated_mode(stack, spec.mode)
+            plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
+                             recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
+                             explain=spec.explain, turns=spec.turns, numbered=spec.numbered,
+                             cache_salt=spec.cache_salt)
+            plan, layout, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
+            gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
+            stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout)
+        return cls(spec, passages, plan, stream, t0, retrieval_ms, fallback, notes)
+
+    async def deltas(self) -> AsyncIterator[StreamDelta]:
+        """The sources first, then every piece of text (or logprobs) as the engine decodes it."""
+        sent_sources = False
+        with _service_errors():
+            async for index, delta in self.stream:
+                if not (delta.text or delta.logprobs):
+                    continue
+                if not sent_sources:
+                    sent_sources = True
+                    yield StreamDelta(index, "", sources=self.passages)
+                yield StreamDelta(index, delta.text, delta.logprobs)
+
+    async def finish(self) -> QueryOutcome:
+        """Run to the end without streaming; the outcome."""
+        async for _ in self.deltas():
+            pass
+        return self.outcome()
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    def outcome(self) -> QueryOutcome:
+        results: list[BlendResult] = list(self.stream.results)
+        result, ms = results[0], self._retrieval_ms
+        choices = tuple(Choice(i, r.text, r.finish_reason, len(r.token_ids), r.logprobs) for i, r in enumerate(results))
+        return QueryOutcome(
+            answer=result.text, passages=self.passages, report=result.report, finish_reason=result.finish_reason,
+            completion_tokens=len(result.token_ids), retrieval_ms=ms, ttft_ms=ms + result.ttft_ms,
+            total_ms=ms + sum(r.total_ms + r.store_ms for r in results) - results[-1].store_ms,
+            queue_ms=result.queue_ms, store_ms=results[-1].store_ms, explanation=result.explanation,
+            fallback=self._fallback, choices=choices, search=self.spec.search or self.spec.question,
+            turns=len(self.plan.turns), notes=self._notes)
+
+
+@contextmanager
+def _service_errors() -> Iterator[None]:
+    """The engine's errors as the service's: input -> 400, admission -> 503 Busy, deadline -> 504,
+    storage -> a logged 5xx."""
     try:
-        while running:
-            index, item = out.get()
-            if isinstance(item, Ended):
-                running -= 1
-            elif isinstance(item, BaseException):
-                running -= 1
-                failure = failure or item
-            elif emit is not None and not job.cancelled and (item.text or item.logprobs):
-                emit(StreamDelta(index, item.text, item.logprobs))
-    finally:
-        for h in handles:
-            h.cancel()  # no-op once finished
-    if job.cancelled:
-        raise Cancelled("request cancelled while generating")
-    if failure is not None:
-        raise failure
-    return [h.result for h in handles]
-
-
-def run_query(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> QueryOutcome:
-    """Retrieve (unless documents are given), blend and generate `spec.n` completions. Runs on a
-    worker thread.
-
-    Stops between tokens once the job is cancelled (timeout, client gone); the engine then skips
-    storing the passages that missed, so a failed request leaves the store as it was.
-    """
-    t0 = time.perf_counter()
-    try:
-        texts, passages = _passages(stack, spec)
-        retrieval_ms = (time.perf_counter() - t0) * 1e3
-        mode, fallback = _gated_mode(stack, spec.mode)
-        plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
-                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt, explain=spec.explain,
-                         turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
-        plan, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
-        results = _generate(stack.engine, plan, spec.gen, spec.n, job, _sources_first(emit, passages))
+        yield
     except InputError as exc:  # the engine's and the plan's input errors (context overflow, ...)
         raise BadRequest(str(exc)) from exc
+    except Overloaded as exc:
+        raise Busy(str(exc), exc.retry_after_s) from exc
+    except DeadlineExceeded as exc:
+        raise RequestTimeout(str(exc)) from exc
     except StorageError as exc:  # not the caller's fault: a logged, counted 5xx
         raise storage_fault(exc) from exc
-    result = results[0]
-    choices = tuple(Choice(i, r.text, r.finish_reason, len(r.token_ids), r.logprobs) for i, r in enumerate(results))
-    return QueryOutcome(
-        answer=result.text,
-        passages=passages,
-        report=result.report,
-        finish_reason=result.finish_reason,
-        completion_tokens=len(result.token_ids),
-        retrieval_ms=retrieval_ms,
-        ttft_ms=retrieval_ms + result.ttft_ms,
-        total_ms=retrieval_ms + sum(r.total_ms + r.store_ms for r in results) - results[-1].store_ms,
-        queue_ms=job.queue_ms,
-        store_ms=results[-1].store_ms,
-        explanation=result.explanation,
-        fallback=fallback,
-        choices=choices,
-        search=spec.search or spec.question,
-        turns=len(plan.turns),
-        notes=notes,
-    )
 
 
-# ====================================================================== event-loop side
-
-
-class StreamHandle:
-    """A job whose deltas flow to the event loop through an asyncio queue.
-
-    `first()` waits for the first delta (or the end) so that errors raised before any token
-    (400, 504) can still become a plain HTTP error; `rest()` yields the remaining deltas.
-    """
-
-    def __init__(self, worker: EngineWorker, fn: Callable[[Job, Callable[[StreamDelta], None]], Any], timeout_s: float,
-                 name: str = "stream") -> None:
-        self._loop = asyncio.get_running_loop()
-        self._items: asyncio.Queue = asyncio.Queue()
-        self._deadline = time.monotonic() + timeout_s
-        self.timeout_s = timeout_s
-        self.job = worker.submit(lambda job: fn(job, self._emit), name, timeout_s)
-        self.job.future.add_done_callback(lambda _f: self._emit(_DONE))
-
-    def _emit(self, item) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
-        except RuntimeError:  # loop closed: the request is long gone
-            self.job.cancel()
-
-    async def _next(self):
-        remaining = self._deadline - time.monotonic()
-        try:
-            if remaining <= 0:
-                raise TimeoutError
-            return await asyncio.wait_for(self._items.get(), remaining)
-        except (TimeoutError, asyncio.TimeoutError):
-            self.job.cancel()
-            raise RequestTimeout(f"request exceeded the timeout of {self.timeout_s:g} s") from None
-
-    async def first(self) -> StreamDelta | None:
-        """The first delta, or None when the job ended without one (then `result()` is ready)."""
-        item = await self._next()
-        return None if item is _DONE else item
-
-    async def rest(self) -> AsyncIterator[StreamDelta]:
-        while True:
-            item = await self._next()
-            if item is _DONE:
-                return
-            yield item
-
-    def result(self):
-        exc = self.job.future.exception()
-        if exc is not None:
-            raise exc
-        return self.job.future.result()
-
-    def cancel(self) -> None:
-        self.job.cancel()
-
-
+# ====================================================================== blocking jobs (ingestion, verify)
 async def run_job(worker: EngineWorker, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
+    """A blocking job (document ingestion, store verification) on the worker threads, awaited."""
     try:
         return await worker.run(fn, timeout_s, name)
     except (TimeoutError, asyncio.TimeoutError):

@@ -29,5 +29,5 @@ class ServiceSettings(Settings):
 
     @property
     def request_threads(self) -> int:
-        """Requests in flight at once: enough to keep the engine loop's batch full by default."""
-        return self.service.workers if self.service.workers is not None else self.engine.max_batch
+        """Threads for blocking jobs (document ingestion, verify); queries need none of their own."""
+        return self.service.workers if self.service.workers is not None else 2

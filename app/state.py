@@ -14,6 +14,7 @@ from app.metrics import Metrics
 from app.service import NotReady, QueryOutcome
 from app.settings import ServiceSettings
 from app.worker import EngineWorker
+from blend_engine.client import EngineClient
 from blendserve_config.stack import Stack
 from corpus_tools.jobs import JobRunner
 
@@ -26,8 +27,9 @@ class AppState:
     def __init__(self, settings: ServiceSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.worker: EngineWorker | None = None
+        self.worker: EngineWorker | None = None  # blocking jobs (document ingestion, verify); queries use `client`
         self.stack: Stack | None = None
+        self.client: EngineClient | None = None  # set with the stack: the routes' way to the engine loop
         self.jobs: JobRunner | None = None  # background ingestion (uploads, the first-start sample corpus)
         self.ready = False
         self.error: str | None = None
@@ -40,6 +42,12 @@ class AppState:
         if not self.ready or self.stack is None or self.worker is None:
             raise NotReady("the model, index and KV store are still loading")
         return self.stack
+
+    def require_client(self) -> EngineClient:
+        stack = self.require_stack()
+        if self.client is None or self.client.engine is not stack.engine:
+            self.client = EngineClient(stack.engine)
+        return self.client
 
     def require_jobs(self) -> JobRunner:
         self.require_stack()

@@ -3,14 +3,14 @@
 `run_to_completion` answers a non-streaming query; `stream_query` submits a streaming one, waits
 for its first delta (so an error before any token is still a plain HTTP error) and then streams
 the frames an endpoint's `Frames` writes: its opening frames, one per delta, its closing frames,
-or an in-band error frame once the headers are sent. Both run the same worker job, `answer`: the
-query, then its HTTP body (`app.presenters`), so the tokenizer work never runs on the event loop."""
+or an in-band error frame once the headers are sent. Both run the query on the event loop
+(`service.QueryRun`, awaiting the engine client) and build its HTTP body with `app.presenters`."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
 from fastapi.encoders import jsonable_encoder
@@ -18,9 +18,9 @@ from fastapi.responses import StreamingResponse
 
 from app.errors import error_body, error_kind
 from app.presenters import Answered, present
-from app.service import QuerySpec, ServiceError, StreamDelta, StreamHandle, run_job, run_query
+from app.service import QueryRun, QuerySpec, ServiceError, StreamDelta
 from app.state import AppState
-from app.worker import Cancelled, Job
+from blend_engine.cancel import Cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -56,31 +56,38 @@ class Frames(Protocol):
     def error(self, body: dict) -> str: ...
 
 
-def answer(stack, spec: QuerySpec, job: Job, emit: Callable[[StreamDelta], None] | None = None) -> Answered:
-    """The worker job of both query endpoints: run the query, then build its HTTP body."""
-    return present(run_query(stack, spec, job, emit), stack.engine.runner.tokenizer, spec.explain_max_tokens,
+def answered(stack, spec: QuerySpec, run: QueryRun) -> Answered:
+    """A finished query's HTTP body."""
+    return present(run.outcome(), stack.engine.runner.tokenizer, spec.explain_max_tokens,
                    logprobs=spec.gen.logprobs is not None)
 
 
-async def run_to_completion(svc: AppState, spec: QuerySpec, name: str, endpoint: str) -> Answered:
-    """A query run on the engine queue and awaited whole; counted and logged under `endpoint`."""
+def start(svc: AppState, spec: QuerySpec) -> tuple[object, QueryRun]:
+    """(the stack, the query submitted to the engine client): the service's errors raise here."""
     stack = svc.require_stack()
-    answered: Answered = await run_job(svc.worker, lambda job: answer(stack, spec, job),
-                                       svc.settings.service.request_timeout_s, name)
-    svc.observe(endpoint, answered.outcome)
-    return answered
+    return stack, QueryRun.start(stack, svc.require_client(), spec, svc.settings.service.request_timeout_s)
+
+
+async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str) -> Answered:
+    """A query awaited whole; counted and logged under `endpoint`."""
+    stack, run = start(svc, spec)
+    try:
+        await run.finish()
+    finally:
+        run.abort()  # no-op when finished; drops it from the batch when the client left
+    done = answered(stack, spec, run)
+    svc.observe(endpoint, done.outcome)
+    return done
 
 
 async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Frames) -> StreamingResponse:
     """A streaming query as an SSE response written by `frames`."""
-    stack = svc.require_stack()
-    handle = StreamHandle(svc.worker, lambda job, emit: answer(stack, spec, job, emit),
-                          svc.settings.service.request_timeout_s, "query-stream")
+    stack, run = start(svc, spec)
+    deltas = run.deltas()
     try:
-        first = await handle.first()
-        done = handle.result() if first is None else None
+        first = await anext(deltas, None)  # an error before any token is still a plain HTTP error
     except BaseException:
-        handle.cancel()
+        run.abort()
         raise
 
     async def events() -> AsyncIterator[str]:
@@ -89,15 +96,15 @@ async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Fr
                 yield frame
             if first is not None:
                 yield frames.delta(first)
-                async for delta in handle.rest():
+                async for delta in deltas:
                     yield frames.delta(delta)
-            answered: Answered = done or handle.result()
-            svc.observe(endpoint, answered.outcome)
-            for frame in frames.closing(answered):
+            done = answered(stack, spec, run)
+            svc.observe(endpoint, done.outcome)
+            for frame in frames.closing(done):
                 yield frame
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield frames.error(stream_error(exc))
         finally:
-            handle.cancel()  # no-op when finished; frees the worker when the client left
+            run.abort()  # no-op when finished; drops it from the batch when the client left
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)

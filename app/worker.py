@@ -1,19 +1,20 @@
-"""A bounded queue in front of engine worker threads.
+"""A bounded queue in front of worker threads for blocking jobs: document ingestion and store
+verification (queries do not come here: they await the engine client, `blend_engine.client`).
 
-The event loop never runs model compute: routes submit a job (a plain function) and await its
-future. When `max_queue` jobs are already waiting, `submit` raises `QueueFull` at once (503).
+The event loop never runs these: routes submit a job (a plain function) and await its future.
+When `max_queue` jobs are already waiting, `submit` raises `Overloaded` at once (503).
 A job can be cancelled, and it has a deadline (its request's timeout): a queued job that is
-cancelled or past its deadline is never started; a running one stops at its next check, which
-the engine makes between layers (`blend_engine.cancel.checkpoint`), generation between tokens and
-ingestion between batches. Work that commits (ingestion) calls `job.begin_commit()` first: from
+cancelled or past its deadline is never started; a running one stops at its next check (its
+function is handed the job: `lambda: job.cancelled` is its stop check, ingestion makes it between
+batches). Work that commits (ingestion) calls `job.begin_commit()` first: from
 then on a cancel is refused, so a request is either told it failed and nothing was committed, or
 it waits the few milliseconds the commit takes and gets its answer.
 
-Admission by expected time: the worker keeps a moving average of how long each kind of job (its
-name) takes. A job with a deadline is refused at once (`QueueFull`, a 503 with Retry-After) when
-the work ahead of it plus its own cannot finish before that deadline, and a queued job is not
-started when the time it has left is shorter than such a job takes. Near the timeout the worker
-then spends its time on requests that can still be answered instead of ones that will get a 504.
+Admission by expected time, by the engine's rules (`blend_engine.scheduler.admission`): the worker
+keeps a moving average of how long each kind of job (its name) takes. A job with a deadline is
+refused at once (`Overloaded`, a 503 with Retry-After) when the work ahead of it plus its own
+cannot finish before that deadline, and a queued job is not started when the time it has left is
+shorter than such a job takes.
 """
 
 from __future__ import annotations
@@ -27,15 +28,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from blend_engine.cancel import Cancelled, cancel_scope
+from blend_engine.cancel import Cancelled
+from blend_engine.errors import Overloaded
+from blend_engine.scheduler.admission import expected_wait_s, too_late, too_slow
 
-__all__ = ["Cancelled", "EngineWorker", "Job", "QueueFull"]
+__all__ = ["Cancelled", "EngineWorker", "Job"]
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFull(Exception):
-    """Every worker is busy and the waiting queue is at capacity."""
 
 
 class Job:
@@ -125,42 +124,32 @@ class EngineWorker:
     def expected_wait_s(self, name: str) -> float | None:
         """Until a job of this kind submitted now would finish: the jobs ahead shared by the workers, plus itself."""
         took = self.expected_s(name)
-        if took is None:
-            return None
-        ahead = self.depth + self.running
-        return took * (1 + ahead / self._workers)
+        return None if took is None else expected_wait_s(took, self.depth, self.running, self._workers)
 
     def _learn(self, job: Job, seconds: float) -> None:
         with self._lock:
             old = self._took.get(job.name)
             self._took[job.name] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
-    def _predictable(self, name: str, timeout_s: float | None) -> bool:
-        """Such jobs usually finish within the timeout. Otherwise (none measured yet, or they usually run
-        longer) nothing is refused or skipped on estimates, so a stale estimate can never starve a kind."""
-        took = self.expected_s(name)
-        return timeout_s is not None and took is not None and took < timeout_s
-
     def _too_late(self, job: Job) -> bool:
         """Its time left is shorter than such a job takes: starting it would only produce a 504."""
-        if not self._predictable(job.name, job.timeout_s):
-            return False
-        return job.deadline - time.monotonic() < self.expected_s(job.name)
+        left = None if job.deadline is None else job.deadline - time.monotonic()
+        return too_late(self.expected_s(job.name), left, job.timeout_s)
 
     # ------------------------------------------------------------------ submission
     def submit(self, fn: Callable[[Job], Any], name: str = "job", timeout_s: float | None = None) -> Job:
         """Queue `fn`; with `timeout_s` the job has a deadline past which it is not started or stops."""
         if self._closed:
-            raise QueueFull("the engine is shutting down")
+            raise Overloaded("the engine is shutting down")
         job = Job(fn, name, timeout_s)
-        wait = self.expected_wait_s(name)
-        if self._predictable(name, timeout_s) and self.depth + self.running > 0 and wait > timeout_s:
-            raise QueueFull(f"engine busy: the work ahead would take about {wait:.1f} s, longer than the "
+        if too_slow(self.expected_s(name), self.depth, self.running, self._workers, timeout_s):
+            wait = self.expected_wait_s(name)
+            raise Overloaded(f"engine busy: the work ahead would take about {wait:.1f} s, longer than the "
                             f"request's {timeout_s:g} s timeout")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise QueueFull(f"engine queue is full ({self.max_queue} waiting)") from None
+            raise Overloaded(f"engine queue is full ({self.max_queue} waiting)") from None
         return job
 
     async def run(self, fn: Callable[[Job], Any], timeout_s: float, name: str = "job") -> Any:
@@ -201,8 +190,7 @@ class EngineWorker:
                 self._active.add(job)
             error: BaseException | None = None
             try:
-                with cancel_scope(lambda job=job: job.cancelled):
-                    result = job.fn(job)
+                result = job.fn(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
                 error, result = exc, None
             if error is None:

@@ -22,6 +22,10 @@ class Cancelled(Exception):
     """The work was cancelled (timeout, client gone, shutdown) before or while it ran."""
 
 
+class DeadlineExceeded(Cancelled):
+    """The work stopped (or was never started) because its request's deadline passed."""
+
+
 StopCheck = Callable[[], bool]  # true once the work should stop (timeout, client gone, shutdown)
 
 

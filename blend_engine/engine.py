@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blend_engine.cancel import StopCheck, never
 from blend_engine.chunk_cache import ChunkCache
 from blend_engine.engine_loop import EngineLoop, Prepared
 from blend_engine.executor.attention import check_selected_attention
@@ -132,10 +133,10 @@ class BlendEngine:
         return layer_nbytes(self.config.kv_format, s.n_kv_heads, n_tokens, s.head_dim)
 
     # ================================================================== prefill (scheduler + executor)
-    def prepare(self, plan: BlendPlan, max_new_tokens: int) -> Prepared:
-        """Layout, keys, the mode plan and the prompt's block hash chains: host work only, on the
-        caller's thread."""
-        layout = self.layout(plan)
+    def prepare(self, plan: BlendPlan, max_new_tokens: int, layout: PromptLayout | None = None) -> Prepared:
+        """Layout (unless the caller built it: one per request), keys, the mode plan and the
+        prompt's block hash chains: host work only, on the caller's thread."""
+        layout = layout if layout is not None else self.layout(plan)
         self.chunks.check_fits(layout.n_tokens, max_new_tokens)
         self.loop.check_fits(layout.n_tokens, max_new_tokens)
         policy = plan.policy or self.config.policy
@@ -203,19 +204,21 @@ class BlendEngine:
         return Generation(self._submit, plan, gen or GenerationConfig())
 
     def start(self, plan: BlendPlan, gens: Sequence[GenerationConfig], sink: Callable[[int, object], None],
-              should_stop: Callable[[], bool] | None = None) -> list[Generation]:
-        """The n sequences of one request (one per `GenerationConfig`), laid out and planned once and
-        submitted together; sequence i's items go to `sink(i, item)` from the engine loop's thread
-        (`generation.Generation`). They stop at the next step once `should_stop()` is true. Input
-        errors (context overflow, a prompt the KV pool cannot hold) raise here, before any is queued."""
-        prep = self.prepare(plan, max(g.max_tokens for g in gens))
+              should_stop: StopCheck = never, timeout_s: float | None = None,
+              layout: PromptLayout | None = None) -> list[Generation]:
+        """The n sequences of one request (one per `GenerationConfig`), laid out (unless `layout` is
+        given) and planned once and submitted together; sequence i's items go to `sink(i, item)`
+        from the engine loop's thread (`generation.Generation`). They stop at the next step once
+        `should_stop()` is true or `timeout_s` has passed. Input errors (context overflow, a prompt
+        the KV pool cannot hold) and admission's refusal (`errors.Overloaded`) raise here, before
+        any is queued."""
+        prep = self.prepare(plan, max(g.max_tokens for g in gens), layout)
         handles = [Generation(None, plan, g, sink=functools.partial(sink, i)) for i, g in enumerate(gens)]
-        for h in handles:
-            self.loop.submit(h, prep, should_stop)
+        self.loop.submit(handles, prep, should_stop, timeout_s)
         return handles
 
     def _submit(self, handle: Generation) -> None:
-        self.loop.submit(handle, self.prepare(handle.plan, handle.gen.max_tokens))
+        self.loop.submit([handle], self.prepare(handle.plan, handle.gen.max_tokens))
 
     def run(self, plan: BlendPlan, gen: GenerationConfig | None = None) -> BlendResult:
         g = self.generate(plan, gen)

@@ -1,10 +1,10 @@
 """The engine loop: one thread owns the model and serves every request in continuous batches.
 
-    caller threads                         the loop thread
-    --------------                         ---------------
-    Generation.deltas()                    each step (`scheduler.batch.BatchScheduler`):
-      layout, keys, plan, block hashes ->    drop cancelled requests
-      (no tensors)                           grow runs (or preempt the youngest), admit by free
+    caller (event loop, or a thread)       the loop thread
+    --------------------------------       ---------------
+    EngineClient.submit / Generation       each step (`scheduler.batch.BatchScheduler`):
+      layout, keys, plan, block hashes ->    drop cancelled, timed-out and too-late requests
+      admission (`scheduler.admission`:      grow runs (or preempt the youngest), admit by free
       then wait for deltas            <-     blocks (taking cached prefixes), advance prefills
                                              under a token budget, ONE batched decode step
     run_task(fn) (ingestion precompute) ->   one task between steps
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from blend_engine.cancel import Cancelled, cancel_scope, current_check
+from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, cancel_scope, current_check, never
 from blend_engine.errors import InputError
 from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.kv_pool import KVPool, block_bytes
@@ -44,6 +44,7 @@ from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Delta, Generation
 from blend_engine.layout import PromptLayout
 from blend_engine.sampling import HostLogits, Sampler, StreamDecoder, read_logits
+from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits
 from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, SeqSpec
 from blend_engine.scheduler.kv_blocks import blocks_for
 from blend_engine.scheduler.plans import ModePlan, continue_prefix
@@ -69,13 +70,40 @@ class Prepared:
 
 
 @dataclass
+class _Group:
+    """One submitted request's n sequences: admission takes, starts and ends it once."""
+
+    should_stop: StopCheck  # the caller's abort (besides each sequence's `Generation.cancel`)
+    timeout_s: float | None
+    clock: Callable[[], float]  # the loop's (`EngineLoop.clock`)
+    t0: float  # submitted, by `clock`
+    live: int  # sequences not ended yet
+    started: bool = False  # one of them was admitted to the batch
+    queue_s: float = 0.0  # submitted until admitted
+    completed: bool = True  # none failed or was cancelled
+
+    @property
+    def time_left_s(self) -> float | None:
+        return None if self.timeout_s is None else self.timeout_s - self.elapsed_s
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.clock() - self.t0
+
+    @property
+    def expired(self) -> bool:
+        left = self.time_left_s
+        return left is not None and left <= 0
+
+
+@dataclass
 class _Request:
-    """The loop's state of one request (tensors included); dropped when it ends."""
+    """The loop's state of one sequence (tensors included); dropped when it ends."""
 
     rid: int
     handle: Generation
     prep: Prepared
-    should_stop: Callable[[], bool]
+    group: _Group
     t0: float
     cache: KVCache | None = None  # its run of the pool
     active: Prepared | None = None  # the prep its prefill runs (a cached prefix changes the plan)
@@ -89,10 +117,16 @@ class _Request:
     next_token: int = 0
     prefix_saved: bool = False  # prefix_cache mode: its save was issued (after the first token)
     replay: int | None = None  # after a preemption: the index of the generated token fed again
+    waited: set[str] = field(default_factory=set)  # why it waited in the queue (counted once each)
 
     @property
     def stopped(self) -> bool:
-        return self.handle.cancelled or self.should_stop()
+        return self.handle.cancelled or self.group.should_stop() or self.group.expired
+
+    def stop_error(self) -> Cancelled:
+        if self.group.expired and not (self.handle.cancelled or self.group.should_stop()):
+            return DeadlineExceeded(f"request exceeded its timeout of {self.group.timeout_s:g} s")
+        return Cancelled("request cancelled")
 
 
 @dataclass
@@ -114,6 +148,7 @@ class EngineLoop:
         per_block = block_bytes(engine.runner, limits.block_tokens)
         n_blocks = max(1, limits.kv_budget_bytes // per_block)
         self.scheduler = BatchScheduler(limits, n_blocks, per_block)
+        self.admission = AdmissionControl(AdmissionLimits(limits.max_queue, limits.max_batch))
         self.pool = KVPool(engine.runner, n_blocks, limits.block_tokens)
         self._cond = threading.Condition()
         self._incoming: deque[_Request] = deque()
@@ -123,6 +158,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.clock: Callable[[], float] = time.monotonic  # deadlines and admission's timing (a seam for tests)
         self.steps = 0  # decode steps run (for stats and tests)
         self.max_batch_seen = 0
 
@@ -136,15 +172,19 @@ class EngineLoop:
                              f"{limits.block_tokens} tokens; the KV pool holds {pool.n_blocks} "
                              f"(BLENDSERVE_BATCH_KV_MB); ask for fewer tokens or fewer passages")
 
-    def submit(self, handle: Generation, prep: Prepared, should_stop: Callable[[], bool] | None = None) -> None:
-        """Queue one sequence. It stops at the next step once `handle.cancel()` is called or
-        `should_stop()` is true (default: the submitting thread's cancellation scope, if any)."""
-        check = should_stop or current_check()
-        req = _Request(next(self._ids), handle, prep, check or (lambda: False), time.perf_counter())
+    def submit(self, handles: list[Generation], prep: Prepared, should_stop: StopCheck = never,
+               timeout_s: float | None = None) -> None:
+        """Queue one request's sequences (one per handle, all of one prompt), or refuse it at
+        admission (`errors.Overloaded`: queue full, or the work ahead would outlast `timeout_s`).
+        A sequence stops at the next step once its `handle.cancel()` is called, `should_stop()` is
+        true, or `timeout_s` has passed since now (it then fails with `DeadlineExceeded`)."""
         with self._cond:
             if self._closed:
                 raise Cancelled("the engine is shutting down")
-            self._incoming.append(req)
+            self.admission.submit(timeout_s)
+            group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles))
+            now = time.perf_counter()
+            self._incoming.extend(_Request(next(self._ids), h, prep, group, now) for h in handles)
             self._start()
             self._cond.notify()
 
@@ -164,12 +204,14 @@ class EngineLoop:
     def stats(self) -> dict:
         s, pool = self.scheduler, self.scheduler.pool
         return {"running": s.running, "waiting": s.waiting + len(self._incoming), "kv_bytes": s.kv_bytes,
+                "queued_requests": self.admission.queued, "running_requests": self.admission.running,
                 "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen,
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
                 "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
                 "prefix_hit_tokens": s.prefix_hit_tokens}
 
     def close(self, timeout_s: float = 10.0) -> None:
+        self.admission.close()
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -207,13 +249,17 @@ class EngineLoop:
 
     def _step(self) -> None:
         for req in [r for r in self._requests.values() if r.stopped]:
-            self._drop(req, Cancelled("request cancelled"))
+            self._drop(req, req.stop_error())
+        for req in [r for r in self._requests.values() if self._too_late(r)]:
+            self._drop(req, DeadlineExceeded("not started: it could not finish before its deadline"), "dropped_too_late")
         plan = self.scheduler.schedule()
+        self._count_wait(plan.held)
         for rid in plan.preempt:
             self._preempt(self._requests[rid])
         for move in plan.moves:
             self._move(self._requests[move.rid], move)
         for adm in plan.admit:
+            self._started(self._requests[adm.rid])
             self._guard(self._requests[adm.rid], lambda r, adm=adm: self._begin(r, adm))
         self.scheduler.applied()
         budget = plan.prefill_tokens
@@ -228,11 +274,43 @@ class EngineLoop:
     def _guard(self, req: _Request, fn: Callable[[_Request], Any]) -> Any:
         """Run one request's share of a step; its failure (or cancellation) ends it alone."""
         try:
-            with cancel_scope(lambda: req.stopped):
-                return fn(req)
+            return fn(req)
         except BaseException as exc:  # noqa: BLE001 - handed to the request's caller
             self._drop(req, exc)
             return None
+
+    # ------------------------------------------------------------------ admission (`scheduler.admission`)
+    def _too_late(self, req: _Request) -> bool:
+        """Still queued, and its time left is shorter than a request takes."""
+        g = req.group
+        return not g.started and self.admission.too_late(g.time_left_s, g.timeout_s)
+
+    def _count_wait(self, held: tuple[int, str] | None) -> None:
+        """The head of the queue waited this step: counted once per request and reason."""
+        if held is None or held[0] not in self._requests:
+            return
+        req = self._requests[held[0]]
+        if held[1] not in req.waited:
+            req.waited.add(held[1])
+            self.admission.waited(held[1])
+
+    def _started(self, req: _Request) -> None:
+        g = req.group
+        if not g.started:
+            g.started, g.queue_s = True, g.elapsed_s
+            self.admission.started()
+
+    def _ended(self, req: _Request, completed: bool, dropped: str | None = None) -> None:
+        """One sequence ended; the last of its request tells admission how the request went."""
+        g = req.group
+        g.live -= 1
+        g.completed = g.completed and completed
+        if g.live:
+            return
+        if g.started:
+            self.admission.finished(g.elapsed_s if g.completed else None)
+        else:
+            self.admission.left_queue(dropped)
 
     # ------------------------------------------------------------------ the pool
     def _move(self, req: _Request, move: Move) -> None:
@@ -270,6 +348,8 @@ class EngineLoop:
         computed."""
         done = 0
         for tokens in req.steps:
+            if req.stopped:  # between layers: a timed-out or abandoned prefill stops here
+                raise req.stop_error()
             done += tokens
             if budget is not None and done >= budget:
                 return done
@@ -374,6 +454,7 @@ class EngineLoop:
         self._save_prefix(req)  # a first token that ended the request: its save still precedes the result
         self.scheduler.finish(req.rid)  # after the save read its KV: the blocks may be taken from here on
         self._requests.pop(req.rid, None)
+        self._ended(req, completed=True)
         job = _Storing(req, finish, total_ms, deque(req.state.missing))
         if job.todo:
             self._storing.append(job)
@@ -406,13 +487,16 @@ class EngineLoop:
         req.handle.end(BlendResult(
             text=req.decoder.text, token_ids=tuple(req.tokens), finish_reason=job.finish, report=state.report,
             ttft_ms=req.handle.ttft_ms if req.handle.ttft_ms is not None else job.total_ms, total_ms=job.total_ms,
-            store_ms=job.store_s * 1e3, explanation=state.explanation, logprobs=tuple(req.logprobs)))
+            store_ms=job.store_s * 1e3, explanation=state.explanation, logprobs=tuple(req.logprobs),
+            queue_ms=req.group.queue_s * 1e3))
 
     # ------------------------------------------------------------------ endings
-    def _drop(self, req: _Request, exc: BaseException) -> None:
-        """End a request that failed or was cancelled; the rest of the batch is untouched."""
+    def _drop(self, req: _Request, exc: BaseException, why: str | None = None) -> None:
+        """End a request that failed or was cancelled (`why`: admission dropped it); the rest of the
+        batch is untouched."""
         self.scheduler.finish(req.rid)
-        self._requests.pop(req.rid, None)
+        if self._requests.pop(req.rid, None) is not None:  # not when it already ended
+            self._ended(req, completed=False, dropped=why)
         if req.run is not None and req.state is None:
             req.run.close()
         if not isinstance(exc, Cancelled):
@@ -425,8 +509,11 @@ class EngineLoop:
             self._incoming.clear()
             tasks = list(self._tasks)
             self._tasks.clear()
-        for req in [*self._requests.values(), *pending]:
+        for req in list(self._requests.values()):
             self._drop(req, exc)
+        for req in pending:  # never reached the loop
+            self._drop(req, exc)
+            self._ended(req, completed=False)
         while self._storing:  # answered already: handed over without the stores left
             self._hand_over(self._storing.popleft())
         for _, _, fut in tasks:

@@ -231,3 +231,4 @@ class BlendResult:
     store_ms: float  # after the answer: storing the KV of passages that missed the cache
     explanation: Explanation | None = None  # per-token choices, when the plan asked (`explain`)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token, when `GenerationConfig.logprobs` is set
+    queue_ms: float = 0.0  # submitted until admitted to the batch (part of ttft_ms)

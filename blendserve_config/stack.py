@@ -113,12 +113,20 @@ def build_controller(settings: Settings, runner: ModelRunner | None = None) -> B
     return BandwidthController(floor=settings.engine.ratio_floor, cap=settings.engine.ratio_max, calibrate=calibrate)
 
 
+def queue_limit(settings: Settings) -> int | None:
+    """BLENDSERVE_SERVICE_MAX_QUEUE for the service's settings; None (no bound) for the CLI's, which
+    have no service group and submit one request at a time."""
+    service = getattr(settings, "service", None)
+    return None if service is None else service.max_queue
+
+
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
     e = settings.engine
     config = EngineConfig(kv_format=settings.store.kv_format, prefix_cache_bytes=e.prefix_cache_mb << 20,
                           default_ratio=e.recompute_ratio if e.recompute_ratio is not None else e.ratio_floor,
                           selected_attention=e.selected_attention,
-                          batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens, e.kv_block_tokens),
+                          batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens, e.kv_block_tokens,
+                                            max_queue=queue_limit(settings)),
                           prefix_caching=e.prefix_caching)
     return BlendEngine(runner, store, config, loader=build_loader(store),
                        controller=build_controller(settings, runner))

@@ -85,7 +85,7 @@ async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenan
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, ChatFrames(head, spec.n, include_usage))
-    answered = await run_to_completion(svc, spec, "chat", ENDPOINT)
+    answered = await run_to_completion(svc, spec, ENDPOINT)
     return chat_response(answered, head.fields("chat.completion"), logprobs=spec.gen.logprobs is not None)
 
 

@@ -80,5 +80,5 @@ async def completions(req: CompletionRequest, svc: State, tenant: Tenant):
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_query(svc, spec, ENDPOINT, CompletionFrames(head, include_usage))
-    answered = await run_to_completion(svc, spec, "completions", ENDPOINT)
+    answered = await run_to_completion(svc, spec, ENDPOINT)
     return completion_response(answered, head.fields("text_completion"), logprobs=spec.gen.logprobs is not None)

@@ -53,5 +53,5 @@ async def query(req: QueryRequest, svc: State, tenant: Tenant):
                       logprobs=logprobs, tenant=tenant, ignore_eos=req.ignore_eos)
     if req.stream:
         return await stream_query(svc, spec, ENDPOINT, QueryFrames())
-    answered = await run_to_completion(svc, spec, "query", ENDPOINT)
+    answered = await run_to_completion(svc, spec, ENDPOINT)
     return answered.body

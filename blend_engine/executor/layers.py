@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blend_engine.cancel import checkpoint
 from blend_engine.executor.ape import ape_attend
 from blend_engine.executor.placement import Placer
 from blend_engine.executor.selection import RankSpace, Selection
@@ -197,7 +196,6 @@ class LayerLoop:
         timer, n_layers = self.job.timer, self.r.shape.n_layers
         layers = iter(self.job.stream) if self.job.stream is not None else None
         for layer in range(n_layers):
-            checkpoint(f"at layer {layer}")  # a timed-out or abandoned request stops here, not after the prefill
             t0 = time.perf_counter()
             packed = next(layers) if layers is not None else None
             t1 = time.perf_counter()

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from blend_engine.scheduler.admission import batch_has_room
 from blend_engine.scheduler.kv_blocks import NO_PREFIX, BlockPool, Run, blocks_for
 
 
@@ -33,8 +34,11 @@ class BatchLimits:
     kv_budget_bytes: int = 2 << 30  # the KV pool: every running request's blocks and the cached prefixes
     prefill_step_tokens: int = 4096  # prefill work per step while others decode (tokens x layers)
     block_tokens: int = 16  # token slots per KV block
+    max_queue: int | None = None  # requests waiting for the batch before `Overloaded`; None: no bound
 
     def __post_init__(self) -> None:
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if self.kv_budget_bytes < 1:
@@ -93,6 +97,7 @@ class StepPlan:
     prefill: tuple[int, ...] = ()
     prefill_tokens: int | None = None  # the prefills' shared budget (None: the first runs whole)
     decode: tuple[int, ...] = ()
+    held: tuple[int, str] | None = None  # the head of the queue, not admitted: (rid, why: `admission.DECISIONS`)
 
     @property
     def idle(self) -> bool:
@@ -162,11 +167,11 @@ class BatchScheduler:
         decode = tuple(rid for rid, s in self._running.items() if s.decoding)
         for rid in decode:
             self._running[rid].length += 1  # this step's token
-        admit = self._admit()
+        admit, held = self._admit()
         prefilling = tuple(rid for rid, s in self._running.items() if not s.decoding)
         budget = self.limits.prefill_step_tokens if decode else None
         return StepPlan(tuple(preempt), tuple(moves), tuple(admit),
-                        prefilling if decode else prefilling[:1], budget, decode)
+                        prefilling if decode else prefilling[:1], budget, decode, held)
 
     def _grow(self, preempt: list[int]) -> list[Move]:
         """A block for every decoding sequence whose next token needs one; preempting the youngest
@@ -206,15 +211,20 @@ class BatchScheduler:
         for run in seq.held:
             self.pool.release(run)
 
-    def _admit(self) -> list[Admission]:
+    def _admit(self) -> tuple[list[Admission], tuple[int, str] | None]:
+        """Waiting requests in order while the batch has room and their blocks are free; the head
+        left waiting and why (`admission.DECISIONS`)."""
         out = []
-        while self._waiting and len(self._running) < self.limits.max_batch:
+        while self._waiting:
+            head = self._waiting[0].rid
+            if not batch_has_room(len(self._running), self.limits.max_batch):
+                return out, (head, "waited_batch_full")
             adm = self._place(self._waiting[0])
-            if adm is None:
-                break  # its blocks are not free yet: requests behind it wait too (no overtaking)
+            if adm is None:  # its blocks are not free yet: requests behind it wait too (no overtaking)
+                return out, (head, "waited_kv_blocks")
             self._waiting.popleft()
             out.append(adm)
-        return out
+        return out, None
 
     def _place(self, spec: SeqSpec) -> Admission | None:
         """The head request's run: the longest usable cached prefix, in place or to be copied."""

@@ -339,6 +339,40 @@ def test_explain_cap_cuts_and_says_so(tmp_path, tiny_stack_factory):
         assert ex["question"]["recomputed_tokens"] == ex["question"]["n_tokens"] > 0
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_chat_request_touches_two_threads_for_any_n(client, monkeypatch, n):
+    """The event loop (retrieval, layout, admission, streaming, the body) and the engine loop (the
+    model), nothing else: no thread per request or per choice."""
+    from blend_engine.client import RequestStream
+
+    stack = client.app.state.svc.stack
+    seen: dict[str, set[str]] = {}
+
+    def spy(owner, name: str) -> None:
+        real = getattr(owner, name)
+
+        def recording(*args, **kwargs):
+            seen.setdefault(name, set()).add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recording)
+
+    for owner, name in [(stack.retriever, "search"), (stack.engine, "prepare"), (stack.engine.runner, "finish_layer"),
+                        (stack.engine.runner, "embed")]:
+        spy(owner, name)
+    real_sink = RequestStream.sink
+    monkeypatch.setattr(RequestStream, "sink", lambda self, i, item: (
+        seen.setdefault("sink", set()).add(threading.current_thread().name), real_sink(self, i, item))[1])
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Highest mountain?"}],
+                                                  "max_tokens": 3, "n": n, "temperature": 0.8, "seed": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == n
+    threads = set().union(*seen.values())
+    assert seen.keys() == {"search", "prepare", "finish_layer", "embed", "sink"}
+    assert len(threads) == 2 and "engine-loop" in threads, seen
+    assert seen["search"] == seen["prepare"] != {"engine-loop"}  # the event loop
+    assert seen["finish_layer"] == seen["embed"] == seen["sink"] == {"engine-loop"}
+
+
 def test_chat_explain_in_extra_body(client):
     from openai import OpenAI
 
@@ -634,55 +668,76 @@ def test_api_key_guards_everything_but_health(tmp_path, tiny_stack_factory):
 
 
 # ============================================================================ load: queue full, timeout
+def _poll(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @contextmanager
-def _occupied(worker, n_waiting: int) -> Iterator[None]:
-    """Block every worker thread and fill `n_waiting` queue slots with jobs waiting for the block to
-    end; then release them and wait (at most 5 s) until the worker is idle."""
-    release = threading.Event()
+def _engine_held(c) -> Iterator[object]:
+    """The engine loop busy in a task until the block ends: requests submitted meanwhile stay queued
+    at admission. Yields the loop."""
+    body = {"question": "q?", "documents": [{"text": "Warm the loop."}], "max_tokens": 1}
+    assert c.post("/v1/query", json=body).status_code == 200  # the loop thread runs from here on
+    loop = c.app.state.svc.stack.engine.loop
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(30)
+
+    holder = threading.Thread(target=loop.run_task, args=(hold,), daemon=True)
+    holder.start()
+    assert entered.wait(10)
     try:
-        worker.submit(lambda job: release.wait(30))
-        deadline = time.monotonic() + 5
-        while worker.running < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for _ in range(n_waiting):
-            worker.submit(lambda job: release.wait(30))
-        yield
+        yield loop
     finally:
         release.set()
-        deadline = time.monotonic() + 5
-        while (worker.depth or worker.running) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holder.join(10)
 
 
-def test_full_queue_is_503_with_retry_after(tmp_path, tiny_stack_factory):
-    with serving(make_settings(tmp_path / "data", workers=1, max_queue=2), tiny_stack_factory) as c:
-        worker = c.app.state.svc.worker
-        with _occupied(worker, 2):
-            assert worker.depth == 2
-            doc = {"documents": [{"text": "Queue text."}]}
+def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_path, tiny_stack_factory):
+    with serving(make_settings(tmp_path / "data", max_queue=2), tiny_stack_factory) as c:
+        doc = {"documents": [{"text": "Queue text."}]}
+        queued: list[int] = []
+        with _engine_held(c) as loop:
+            waiting = [threading.Thread(target=lambda: queued.append(c.post("/v1/query", json={
+                "question": "q?", "max_tokens": 2, **doc}).status_code)) for _ in range(2)]
+            for t in waiting:
+                t.start()
+            assert _poll(lambda: loop.admission.queued == 2)
             for path, body in [("/v1/query", {"question": "q?", **doc}), ("/v1/query", {"question": "q?",
                                                                                         "stream": True, **doc}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q?"}], **doc}),
-                               ("/v1/documents", doc)]:
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q?"}], **doc})]:
                 r = c.post(path, json=body)
                 assert r.status_code == 503, (path, r.text)
+                assert r.json()["error"]["code"] == "overloaded" and "queue is full" in r.json()["error"]["message"]
                 assert int(r.headers["retry-after"]) >= 1
             metrics = c.get("/metrics").text
-            assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 4.0" in metrics
+            assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 3.0" in metrics
+            assert 'blendserve_admission_total{decision="refused_queue_full"} 3.0' in metrics
+        for t in waiting:
+            t.join(30)
+        assert queued == [200, 200]  # the queued ones were answered once the loop was free
+        assert _poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0)
         r = c.post("/v1/query", json={"question": "q?", "documents": [{"text": "After the storm."}], "max_tokens": 2})
         assert r.status_code == 200
 
 
-def test_request_timeout_is_504_and_frees_the_slot(tmp_path, tiny_stack_factory):
-    with serving(make_settings(tmp_path / "data", workers=1, request_timeout_s=0.3), tiny_stack_factory) as c:
-        worker = c.app.state.svc.worker
+def test_request_timeout_is_504_and_leaves_no_state(tmp_path, tiny_stack_factory):
+    with serving(make_settings(tmp_path / "data", request_timeout_s=0.3), tiny_stack_factory) as c:
         body = {"question": "q?", "documents": [{"text": "Timeout text."}], "max_tokens": 2}
-        with _occupied(worker, 0):
+        with _engine_held(c) as loop:
             assert c.post("/v1/query", json=body).status_code == 504
             assert c.post("/v1/query", json={**body, "stream": True}).status_code == 504
-            assert worker.depth == 2  # both still queued behind the blocker, but cancelled
-        assert worker.depth == 0 and worker.running == 0
-        # the cancelled jobs never ran: their passage was not stored
+            assert loop.admission.queued == 2  # both still queued behind the held loop, but aborted
+        assert _poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0)
+        assert loop.stats()["running"] == 0 and loop.stats()["kv_blocks_in_use"] == 0
+        # the aborted requests never ran: their passage was not stored
         engine = c.app.state.svc.stack.engine
         from retrieval.text import format_passage
 

@@ -67,29 +67,35 @@ def test_concurrent_clients_without_errors(tiny_server):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(client_run, range(8)))
     assert results == [[200] * 5] * 8
-    worker = tiny_server.app.state.svc.worker
-    assert worker.depth == 0 and worker.running == 0
+    admission = tiny_server.app.state.svc.stack.engine.loop.admission
+    assert admission.queued == 0 and admission.running == 0
 
 
-def test_client_disconnect_mid_stream_frees_the_slot(tiny_server):
+@pytest.mark.parametrize("n", [1, 4])
+def test_client_disconnect_mid_stream_frees_the_engine_state(tiny_server, n):
     svc = tiny_server.app.state.svc
     engine = svc.stack.engine
-    text = "A passage that is only ever streamed and abandoned."
+    loop = engine.loop
+    text = f"A passage that is only ever streamed and abandoned, {n} ways."
     key = engine.key_of(engine.passage_tokens(format_passage(text)))
-    body = {"question": "Tell me everything.", "documents": [{"text": text}], "max_tokens": 1000, "stream": True}
+    body = {"messages": [{"role": "user", "content": "Tell me everything."}], "documents": [{"text": text}],
+            "max_tokens": 1000, "stream": True, "n": n, "temperature": 1.0, "seed": 3}
     with httpx.Client(base_url=tiny_server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/query", json=body) as r:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            assert svc.worker.running == 1
+            assert next(line for line in lines if line.startswith("data: ") and '"content"' in line)
+            assert loop.admission.running == 1 and loop.stats()["running"] == n
     t0 = time.monotonic()
-    while svc.worker.running and time.monotonic() - t0 < 10:
+    while (loop.admission.running or loop.stats()["running"]) and time.monotonic() - t0 < 10:
         time.sleep(0.02)
-    assert svc.worker.running == 0, "the abandoned generation kept its worker"
+    st = loop.stats()
+    assert loop.admission.running == 0 and st["running"] == 0, "the abandoned generation kept its place"
+    assert st["kv_blocks_in_use"] == 0, "the abandoned generation kept its KV blocks"
     # it stopped early: a finished generation would have stored the passage that missed the cache
     assert not engine.store.contains(key)
-    r = httpx.post(f"{tiny_server.url}/v1/query", json={**body, "max_tokens": 2, "stream": False}, timeout=30)
+    r = httpx.post(f"{tiny_server.url}/v1/query", json={"question": "Tell me everything.", "documents": [{"text": text}],
+                                                        "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
 
 

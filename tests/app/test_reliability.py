@@ -286,9 +286,9 @@ def test_an_unrepairable_storage_fault_is_a_logged_counted_5xx(client, caplog):
 
 
 # ============================================================================ 6. cancellation between layers
-def test_a_cancelled_query_stops_between_layers_of_prefill(client):
-    from app.service import QuerySpec, run_query
-    from app.worker import Cancelled
+def test_an_aborted_query_stops_between_layers_of_prefill(client):
+    from app.service import QueryRun, QuerySpec
+    from blend_engine.cancel import Cancelled
     from blend_engine.types import GenerationConfig, Mode
 
     s = svc(client)
@@ -296,27 +296,29 @@ def test_a_cancelled_query_stops_between_layers_of_prefill(client):
     holder, layers = [], []
     real = runner.finish_layer
 
-    def counting(layer, hidden, out):
+    def counting(layer, hidden, out):  # on the engine loop's thread
         layers.append(layer)
         if len(layers) == 2:
-            holder[0].cancel()
+            holder[0].abort()
         return real(layer, hidden, out)
 
     spec = QuerySpec(question="What is long?", top_k=1, documents=None, mode=Mode.FULL_PREFILL,
                      recompute_ratio=None, gen=GenerationConfig(max_tokens=4))
 
-    def fn(job):
-        holder.append(job)
-        return run_query(s.stack, spec, job)
+    async def query() -> None:
+        run = QueryRun.start(s.stack, s.require_client(), spec, 30.0)
+        holder.append(run)
+        await run.finish()
 
     runner.finish_layer = counting
     try:
-        job = s.worker.submit(fn, "cancel-test")
         with pytest.raises(Cancelled):
-            job.future.result(timeout=30)
+            asyncio.run(query())
     finally:
         del runner.finish_layer
-    assert len(layers) <= 3, f"{len(layers)} layers ran after the cancel"
+    assert len(layers) <= 3, f"{len(layers)} layers ran after the abort"
+    loop = s.stack.engine.loop
+    assert loop.admission.running == 0 and loop.stats()["kv_blocks_in_use"] == 0
 
 
 def test_queued_work_past_its_deadline_never_starts():
@@ -375,9 +377,9 @@ def _measured_worker(took_s: float):
 
 def test_work_that_cannot_finish_before_its_deadline_is_refused_or_skipped():
     """Goodput near the timeout: a query whose wait plus run would pass its deadline gets a quick 503
-    (QueueFull) instead of a late 504, and a queued one whose time left is shorter than a query takes
+    (Overloaded) instead of a late 504, and a queued one whose time left is shorter than a query takes
     is not started."""
-    from app.worker import QueueFull
+    from blend_engine.errors import Overloaded
 
     worker = _measured_worker(0.3)
     try:
@@ -385,7 +387,7 @@ def test_work_that_cannot_finish_before_its_deadline_is_refused_or_skipped():
         blocker = worker.submit(lambda job: gate.wait(5), "q", timeout_s=5)
         started = []
         doomed = worker.submit(lambda job: started.append(1), "q", timeout_s=0.7)  # 1 ahead: ~0.6 s, fits
-        with pytest.raises(QueueFull, match="longer than the request's"):
+        with pytest.raises(Overloaded, match="longer than the request's"):
             worker.submit(lambda job: None, "q", timeout_s=0.8)  # 2 ahead: ~0.9 s, does not
         time.sleep(0.5)  # doomed now has ~0.2 s left, less than the 0.3 s a query takes
         gate.set()

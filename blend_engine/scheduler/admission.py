@@ -1,0 +1,164 @@
+"""The one admission point: whether a request is taken, waits, or is refused, and why. Torch-free.
+
+A request meets admission twice, both here:
+
+    submit   (the caller's side) refused at once when the queue is full (`queue_full`) or when
+             the work ahead of it plus its own cannot end before its deadline (`too_slow`): a
+             503 with Retry-After, never a 504 later
+    start    (the engine loop, each step) a waiting request is dropped unstarted when its time
+             left is shorter than a request takes (`too_late`); the head of the queue waits
+             while the batch is full (`batch_has_room`) or the KV pool has no run of free
+             blocks for its prompt (`BatchScheduler._place`, the pool's own rule)
+
+Each rule is one function of plain numbers. `AdmissionControl` holds the numbers they read (the
+queue's length, the moving average of how long a request takes) and counts every decision by its
+reason (`DECISIONS`), the metric family that says why a request waited or was refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from blend_engine.errors import Overloaded
+
+# every reason a request was taken, waited or refused: the labels of one metric family
+DECISIONS = ("admitted", "refused_queue_full", "refused_too_slow", "refused_shutting_down",
+             "dropped_too_late", "waited_batch_full", "waited_kv_blocks")
+
+
+# ---------------------------------------------------------------------- the rules
+def queue_full(waiting: int, max_queue: int | None) -> bool:
+    """No room to wait: `max_queue` requests are already queued for the batch (None: no bound)."""
+    return max_queue is not None and waiting >= max_queue
+
+
+def predictable(took_s: float | None, timeout_s: float | None) -> bool:
+    """Requests usually end within this timeout. Otherwise (none measured yet, no timeout, or they
+    usually run longer) nothing is refused or dropped on estimates, so a stale one never starves."""
+    return timeout_s is not None and took_s is not None and took_s < timeout_s
+
+
+def expected_wait_s(took_s: float, waiting: int, running: int, max_batch: int) -> float:
+    """Until a request submitted now would end: the requests ahead of it, `max_batch` at a time,
+    then itself."""
+    return took_s * (1 + (waiting + running) / max_batch)
+
+
+def too_slow(took_s: float | None, waiting: int, running: int, max_batch: int, timeout_s: float | None) -> bool:
+    """The work ahead plus its own would end after its deadline: refuse now, not with a 504 later."""
+    if not predictable(took_s, timeout_s) or waiting + running == 0:
+        return False
+    return expected_wait_s(took_s, waiting, running, max_batch) > timeout_s
+
+
+def too_late(took_s: float | None, time_left_s: float | None, timeout_s: float | None) -> bool:
+    """A queued request whose time left is shorter than a request takes: starting it would only
+    produce a 504."""
+    return predictable(took_s, timeout_s) and time_left_s is not None and time_left_s < took_s
+
+
+def batch_has_room(running: int, max_batch: int) -> bool:
+    return running < max_batch
+
+
+# ---------------------------------------------------------------------- the state the rules read
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_queue: int | None = None  # requests waiting for the batch before 503 (None: no bound)
+    max_batch: int = 8  # requests prefilling or decoding at once
+
+    def __post_init__(self) -> None:
+        if (self.max_queue is not None and self.max_queue < 1) or self.max_batch < 1:
+            raise ValueError("max_queue and max_batch must be >= 1")
+
+
+class AdmissionControl:
+    """Queue length, the moving average of a request's time, and the decision counts. Thread-safe:
+    the caller's side submits, the engine loop starts and finishes requests."""
+
+    def __init__(self, limits: AdmissionLimits, took_s: float | None = None) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not started (or dropped) yet
+        self._running = 0
+        self._took_s = took_s  # a request's time, submit to end (moving average); None until one completed
+        self._closed = False
+        self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
+
+    # ------------------------------------------------------------------ caller side
+    def submit(self, timeout_s: float | None) -> None:
+        """Take a request into the queue, or raise `Overloaded` (queue full, too slow, shutting down)."""
+        with self._lock:
+            refusal = self._refusal(timeout_s)
+            if refusal is not None:
+                reason, message = refusal
+                self.decisions[reason] += 1
+                raise Overloaded(message, reason)
+            self._queued += 1
+
+    def _refusal(self, timeout_s: float | None) -> tuple[str, str] | None:
+        lim = self.limits
+        if self._closed:
+            return "refused_shutting_down", "the engine is shutting down"
+        if queue_full(self._queued, lim.max_queue):
+            return "refused_queue_full", f"engine queue is full ({lim.max_queue} waiting)"
+        if too_slow(self._took_s, self._queued, self._running, lim.max_batch, timeout_s):
+            wait = expected_wait_s(self._took_s, self._queued, self._running, lim.max_batch)
+            return "refused_too_slow", (f"engine busy: the work ahead would take about {wait:.1f} s, longer than "
+                                        f"the request's {timeout_s:g} s timeout")
+        return None
+
+    # ------------------------------------------------------------------ engine-loop side
+    def too_late(self, time_left_s: float | None, timeout_s: float | None) -> bool:
+        with self._lock:
+            return too_late(self._took_s, time_left_s, timeout_s)
+
+    def started(self) -> None:
+        """A queued request was admitted to the batch."""
+        with self._lock:
+            self._queued -= 1
+            self._running += 1
+            self.decisions["admitted"] += 1
+
+    def left_queue(self, reason: str | None = None) -> None:
+        """A queued request ended before it started (cancelled, failed; `reason` when admission dropped it)."""
+        with self._lock:
+            self._queued -= 1
+            if reason is not None:
+                self.decisions[reason] += 1
+
+    def finished(self, seconds: float | None) -> None:
+        """A started request ended; `seconds` (submit to end) teaches the moving average when it completed."""
+        with self._lock:
+            self._running -= 1
+        if seconds is not None:
+            self.learn(seconds)
+
+    def learn(self, seconds: float) -> None:
+        """One more completed request took `seconds`, submit to end (the moving average)."""
+        with self._lock:
+            self._took_s = seconds if self._took_s is None else 0.7 * self._took_s + 0.3 * seconds
+
+    def waited(self, reason: str) -> None:
+        """A request at the head of the queue waited a step for `reason` (`waited_*`)."""
+        with self._lock:
+            self.decisions[reason] += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def took_s(self) -> float | None:
+        return self._took_s
