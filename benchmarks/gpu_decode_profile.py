@@ -2,6 +2,7 @@
 prepared device run after the first GPU check found the step at 24x its bandwidth floor.
 
     python -m benchmarks.gpu_decode_profile OUT_DIR [--smoke] [--tokens 8192] [--sdpa any] [--only PARTS]
+    (PARTS: growing,step,hf,profile,batch,pooled)
 
 On the 8B-shaped random model (bf16) after a full prefill of ~n tokens, at batch 1:
 - `growing`: decode steps at growing positions (a new key length each, as serving runs them) and
@@ -12,7 +13,9 @@ On the 8B-shaped random model (bf16) after a full prefill of ~n tokens, at batch
 - `hf_ms`: transformers' own decode step (`model(ids, past_key_values=...)`, sdpa), the peer;
 - a torch.profiler table of one eager step (top ops by device and by host time, kernel count);
 then `decode_batch` at batch 1/16/64 over ~1K-token contexts (eager), to see how the per-sequence
-attention scales. Everything is written to OUT_DIR/decode_profile_{restricted,any}.{json,txt} as it goes.
+attention scales, and (`pooled`) the same batches as runs of one paged pool, per_sequence against
+pooled attention (one call a layer, `executor.decode`; `benchmarks.decode_attention`). Everything is
+written to OUT_DIR/decode_profile_{restricted,any}.{json,txt} as it goes.
 """
 
 from __future__ import annotations
@@ -141,6 +144,19 @@ def batch_scaling(setup: Setup, engine: BlendEngine, n_tokens: int, sizes: tuple
     return rows
 
 
+def pooled_vs_per_sequence(engine: BlendEngine, n_tokens: int, sizes: tuple[int, ...]) -> list[dict]:
+    """Both decode attentions over runs of one pool (`benchmarks.decode_attention.step_ms`)."""
+    from benchmarks.decode_attention import step_ms
+
+    rows = []
+    for b in sizes:
+        row = {"batch": b, "tokens": n_tokens,
+               **{f"{a}_ms": step_ms(engine.runner, b, n_tokens, a, 5) for a in ("per_sequence", "pooled")}}
+        rows.append(row)
+        logger.info("pooled %s", row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -176,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                      ("hf", lambda: hf_step(setup, engine, n)),
                      ("profile", lambda: profile_table(setup, engine, n)),
                      ("batch", lambda: batch_scaling(setup, engine, 512 if args.smoke else 1024,
-                                                     (1, 4) if args.smoke else (1, 16, 64)))]:
+                                                     (1, 4) if args.smoke else (1, 16, 64))),
+                     ("pooled", lambda: pooled_vs_per_sequence(engine, 512 if args.smoke else 1024,
+                                                               (1, 4) if args.smoke else (1, 16, 64)))]:
         if args.only and name not in args.only.split(","):
             continue
         try:

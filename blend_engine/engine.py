@@ -30,7 +30,7 @@ from blend_engine.cancel import StopCheck, never
 from blend_engine.chunk_cache import ChunkCache
 from blend_engine.engine_loop import EngineLoop, Prepared
 from blend_engine.executor.attention import check_selected_attention
-from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.decode import check_decode_attention, decode_batch
 from blend_engine.executor.layers import SERVING, KVCache, LayerHooks
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Generation
@@ -61,6 +61,7 @@ class EngineConfig:
     # how a blend's selected rows attend: "auto" (position-ordered query blocks on the CPU, one boolean-mask
     # SDPA on a device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
     selected_attention: str = "auto"
+    decode_attention: str = "auto"  # `executor.decode.decode_attention`: pooled / per_sequence / auto
     batch: BatchLimits = field(default_factory=BatchLimits)  # continuous batching (`scheduler.batch`)
     # automatic prefix caching over the KV pool: off, every request computes its whole prompt (a benchmark
     # comparing modes on one prompt must not let one mode take another's KV)
@@ -68,6 +69,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_selected_attention(self.selected_attention)
+        check_decode_attention(self.decode_attention)
         if not 0 <= self.default_ratio <= 1:
             raise ValueError("default_ratio must be within [0, 1]")
         if self.prefix_cache_bytes < 0:

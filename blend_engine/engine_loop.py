@@ -384,7 +384,7 @@ class EngineLoop:
         caches = [r.cache for r in reqs]
         try:
             logits = decode_batch(self.engine.runner, caches, [r.next_token for r in reqs],
-                                  [c.length for c in caches])  # [B, V]
+                                  [c.length for c in caches], self.engine.config.decode_attention)  # [B, V]
             host = self._read(reqs, logits)
         except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
             for r in reqs:

@@ -242,6 +242,12 @@ class ModelRunner:
             )  # [1, Hq, S, D]
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [S, Hq*D]
 
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Batched attention, one call: q [B, H, G, D] (each KV head's G query rows) over k, v
+        [B, H, N, D], mask [B, 1, 1, N] bool (True = may attend). Returns [B, H, G, D]."""
+        with _sdpa_kernels(self.sdpa_backends):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]."""
         blk = self._layers[layer]

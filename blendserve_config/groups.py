@@ -52,6 +52,10 @@ class EngineSettings(Group):
     selected_attention: Literal["auto", "sdpa_mask", "flex"] = Field(
         "auto", description="how a blend's recomputed rows attend: auto = 4 blocks on the CPU, one boolean-mask "
                             "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
+    decode_attention: Literal["auto", "pooled", "per_sequence"] = Field(
+        "auto", description="how a decode step attends: pooled = one call a layer over keys gathered from the KV "
+                            "pool; per_sequence = one call per sequence; auto = pooled on a GPU, per_sequence on "
+                            "the CPU (measured faster there)")
     max_batch: int = Field(16, ge=1, le=256, description="requests the engine loop prefills and decodes at once "
                                                          "(continuous batching; 16 measured best on a 2-core CPU, "
                                                          "64 for a GPU); more wait in its queue")

@@ -3,10 +3,20 @@
     seq b:  | sys | chunk_1 .. chunk_k | question | answer so far | new token at input_pos[b] |
 
 The projections, norms and MLP run batched over the B rows ([B, E]: each row its own token at
-its own position, so rows never mix). Attention is ragged: row b attends to its own cache
-`caches[b]` over keys 0..input_pos[b], through one SDPA call per sequence on a view of that cache
-(no padding, no copy of any cache: exact, and O(sum of lengths) work). A lone sequence is the
-same step with B = 1.
+its own position, so rows never mix). Attention is ragged, two ways with the same result:
+
+- `per_sequence`: row b attends to its own cache `caches[b]` over keys 0..input_pos[b], one SDPA
+  call per sequence on a view of that cache (no padding, no copy: O(sum of lengths) work, but
+  B calls per layer). The oracle, and the only way for caches that are not runs of one pool.
+- `pooled`: every cache is a run of the same paged pool (`kv_pool.KVPool`): per layer ONE write of
+  the B new K/V rows into the pool and ONE SDPA call for all rows, over keys gathered from the
+  pool into [B, H, Lmax, D] (padding masked). A row's Hq/H query heads of one KV head ride as
+  that head's query rows ([B, H, G, D]), so grouped K/V are never expanded. O(B x Lmax) work and
+  a gather, in a handful of kernels a layer instead of ~5 x B.
+
+`decode_attention("auto", ...)` picks pooled on a device (kernel launches dominate there) and
+per_sequence on the CPU, where the gather costs more than B calls (measured, docs/results.md).
+A lone sequence is the same step with B = 1.
 """
 
 from __future__ import annotations
@@ -20,31 +30,103 @@ from blend_engine.model import ModelRunner
 from .layers import KVCache
 from .uploads import upload_ints
 
+DECODE_ATTENTION = ("auto", "pooled", "per_sequence")
+
+
+def check_decode_attention(name: str) -> None:
+    if name not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, not {name!r}")
+
+
+def decode_attention(name: str, device: torch.device, caches: Sequence[KVCache]) -> str:
+    """The way this step attends: `name` as asked ("auto": pooled on a device, per_sequence on the
+    CPU); per_sequence whenever the caches are not all runs of one pool."""
+    check_decode_attention(name)
+    pool = caches[0].pool if caches else None
+    if pool is None or any(c.pool is not pool for c in caches):
+        return "per_sequence"
+    if name == "auto":
+        return "per_sequence" if device.type == "cpu" else "pooled"
+    return name
+
 
 @torch.inference_mode()
 def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequence[int],
-                 input_pos: Sequence[int]) -> torch.Tensor:
+                 input_pos: Sequence[int], attention: str = "auto") -> torch.Tensor:
     """Write token b at position input_pos[b] of caches[b] (every layer's K/V), return the logits
-    of the next token for every sequence: [B, V]. Each cache's length becomes input_pos[b] + 1."""
+    of the next token for every sequence: [B, V]. Each cache's length becomes input_pos[b] + 1.
+    `attention`: see `decode_attention`."""
     r = runner
     if len(caches) != len(token_ids) or len(caches) != len(input_pos):
         raise ValueError("decode_batch needs one token and one position per cache")
     for cache, p in zip(caches, input_pos):
         if p >= cache.capacity:
             raise ValueError("KV cache capacity exhausted")
-    ids = upload_ints(token_ids, r.device)  # [B], the step's two uploads: pinned, non-blocking
+    ids = upload_ints(token_ids, r.device)  # [B], the step's uploads: pinned, non-blocking
     pos = upload_ints(input_pos, r.device)  # [B]
     hidden = r.embed(ids)  # [B, E]
     cos, sin = r.rope(pos)  # [B, D] each
-    windows = [r.window_masks(pos[b:b + 1], p + 1) for b, p in enumerate(input_pos)]  # per seq: layer -> mask
+    if decode_attention(attention, r.device, caches) == "pooled":
+        attend = _Pooled(r, caches, input_pos, pos)
+    else:
+        attend = _PerSequence(r, caches, input_pos, pos)
     for layer in range(r.shape.n_layers):
         q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, B, D], [H, B, D], [H, B, D]
-        outs = []
-        for b, (cache, p) in enumerate(zip(caches, input_pos)):
-            K, V = cache.k[layer], cache.v[layer]  # [H, C, D] each
-            K[:, p:p + 1], V[:, p:p + 1] = k[:, b:b + 1], v[:, b:b + 1]
-            outs.append(r.attend(q[:, b:b + 1], K[:, :p + 1], V[:, :p + 1], windows[b](layer)))  # [1, Hq*D]
-        hidden = r.finish_layer(layer, hidden, torch.cat(outs))  # [B, E]
+        hidden = r.finish_layer(layer, hidden, attend(layer, q, k, v))  # [B, E]
     for cache, p in zip(caches, input_pos):
         cache.length = p + 1
     return r.logits(hidden)  # [B, V]
+
+
+class _PerSequence:
+    """One SDPA call per sequence on its own cache view (the oracle)."""
+
+    def __init__(self, r: ModelRunner, caches: Sequence[KVCache], input_pos: Sequence[int], pos: torch.Tensor) -> None:
+        self.r, self.caches, self.input_pos = r, caches, input_pos
+        self.windows = [r.window_masks(pos[b:b + 1], p + 1) for b, p in enumerate(input_pos)]  # per seq: layer -> mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for b, (cache, p) in enumerate(zip(self.caches, self.input_pos)):
+            K, V = cache.k[layer], cache.v[layer]  # [H, C, D] each
+            K[:, p:p + 1], V[:, p:p + 1] = k[:, b:b + 1], v[:, b:b + 1]
+            outs.append(self.r.attend(q[:, b:b + 1], K[:, :p + 1], V[:, :p + 1], self.windows[b](layer)))  # [1, Hq*D]
+        return torch.cat(outs)  # [B, Hq*D]
+
+
+class _Pooled:
+    """All rows in one SDPA call a layer, over keys gathered from the pool the caches are runs of."""
+
+    def __init__(self, r: ModelRunner, caches: Sequence[KVCache], input_pos: Sequence[int], pos: torch.Tensor) -> None:
+        self.r = r
+        self.k_pool, self.v_pool = caches[0].pool  # L x [H, slots, D] each
+        lengths = [p + 1 for p in input_pos]
+        n_keys = max(lengths)
+        start = upload_ints([c.offset for c in caches], r.device)  # [B]
+        n = upload_ints(lengths, r.device)  # [B]
+        j = torch.arange(n_keys, device=r.device)  # [Lmax]
+        self.slots = start + pos  # [B]: where each row's new K/V goes
+        self.keys = (start[:, None] + torch.minimum(j[None, :], n[:, None] - 1)).reshape(-1)  # [B*Lmax] pool slots
+        # (a row's padding reads its last valid key, masked)
+        self.valid = j[None, :] < n[:, None]  # [B, Lmax]
+        self.j, self.pos = j, pos
+        self.masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, 1, Lmax]
+
+    def _mask(self, layer: int) -> torch.Tensor:
+        window = self.r.windows[layer]
+        if window not in self.masks:
+            m = self.valid if window is None else self.valid & (self.j[None, :] > self.pos[:, None] - window)  # [B, Lmax]
+            self.masks[window] = m[:, None, None, :]  # [B, 1, 1, Lmax]
+        return self.masks[window]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        K, V = self.k_pool[layer], self.v_pool[layer]  # [H, slots, D] each
+        K.index_copy_(1, self.slots, k)  # the B new keys, [H, B, D] into [H, slots, D]
+        V.index_copy_(1, self.slots, v)
+        n_q, b, d = q.shape
+        h, n_keys = K.shape[0], self.keys.shape[0] // b
+        Kb = K.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]
+        Vb = V.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]
+        qb = q.transpose(0, 1).reshape(b, h, n_q // h, d)  # [B, H, G, D]: q head i reads KV head i // G
+        out = self.r.attend_rows(qb, Kb, Vb, self._mask(layer))  # [B, H, G, D]
+        return out.reshape(b, n_q * d)  # [B, Hq*D]

@@ -32,16 +32,17 @@ class KVPool:
 
     def __init__(self, runner: ModelRunner, n_blocks: int, block_tokens: int) -> None:
         self.runner, self.n_blocks, self.block_tokens = runner, n_blocks, block_tokens
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
+        self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if not self._k:
+        """(K, V): per layer [H, slots, D] each; one tuple for the pool's life (caches compare it by identity)."""
+        if self._kv is None:
             s, r = self.runner.shape, self.runner
             shape = (s.n_kv_heads, self.n_blocks * self.block_tokens, s.head_dim)
-            self._k = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
-            self._v = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
-        return self._k, self._v
+            k = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
+            v = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
+            self._kv = (k, v)
+        return self._kv
 
     def view(self, run: Run, length: int = 0) -> KVCache:
         """The run as a cache whose first `length` positions are valid."""
@@ -52,11 +53,13 @@ class KVPool:
 
     def rebind(self, cache: KVCache, run: Run) -> None:
         """Point the cache's views at `run` (its KV must already be there)."""
-        k, v = self._tensors()
+        kv = self._tensors()
+        k, v = kv
         a, n = run.start * self.block_tokens, run.n * self.block_tokens
         cache.k = [kl[:, a:a + n] for kl in k]  # L x [H, C, D] views
         cache.v = [vl[:, a:a + n] for vl in v]  # L x [H, C, D] views
         cache.capacity = n
+        cache.pool, cache.offset = kv, a  # the decode step's pooled attention reads the pool itself
 
     def move(self, cache: KVCache, new: Run) -> None:
         """Copy the cache's valid positions into `new` (which may overlap its old run: compaction),

@@ -39,12 +39,15 @@ class KVCache:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # L x [H, C, D]
         self.length = 0
         self.capacity = capacity
+        self.pool: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # a pool run's: the pool's K, V
+        self.offset = 0  # a pool run's: the pool slot of position 0
 
     @classmethod
     def over(cls, k: list[torch.Tensor], v: list[torch.Tensor], capacity: int) -> KVCache:
         """A cache over existing per-layer tensors (views) of [H, capacity, D]."""
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.length, cache.capacity = k, v, 0, capacity
+        cache.pool, cache.offset = None, 0
         return cache
 
     def segment(self, start: int, end: int) -> ChunkKV:

@@ -247,3 +247,39 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
     finally:
         runner.sdpa_backends = None
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before == (True, True)
+
+
+def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine):
+    """One attention call a layer over keys gathered from the paged pool gives the per-sequence
+    path's logits and writes the same K/V, for ragged lengths past a sliding window (every family)."""
+    from blend_engine.executor.decode import decode_attention, decode_batch
+    from blend_engine.executor.kv_pool import KVPool
+    from blend_engine.scheduler.kv_blocks import Run
+
+    runner = family_engine.runner
+    pool = KVPool(runner, n_blocks=16, block_tokens=16)
+    runs, lengths = [Run(0, 3), Run(3, 1), Run(6, 5)], [37, 5, 70]  # ragged; two beyond the window of 24
+    g = torch.Generator().manual_seed(1)
+    for k, v in zip(*pool._tensors()):
+        k.zero_()
+        v.zero_()
+    caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
+    for layer in range(runner.shape.n_layers):
+        for c, n in zip(caches, lengths):
+            c.k[layer][:, :n] = torch.randn(c.k[layer][:, :n].shape, generator=g)  # [H, n, D]
+            c.v[layer][:, :n] = torch.randn(c.v[layer][:, :n].shape, generator=g)  # [H, n, D]
+    before = [(k.clone(), v.clone()) for k, v in zip(*pool._tensors())]
+    tokens = [11, 22, 33]
+    want = decode_batch(runner, caches, tokens, lengths, attention="per_sequence")  # [B, V]
+    wrote = [(k.clone(), v.clone()) for k, v in zip(*pool._tensors())]
+    for (k, v), (k0, v0) in zip(zip(*pool._tensors()), before):
+        k.copy_(k0)
+        v.copy_(v0)
+    caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
+    assert decode_attention("pooled", runner.device, caches) == "pooled"
+    assert decode_attention("auto", torch.device("cpu"), caches) == "per_sequence"
+    got = decode_batch(runner, caches, tokens, lengths, attention="pooled")  # [B, V]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), (wk, wv) in zip(zip(*pool._tensors()), wrote):  # the same slots written, to fp rounding
+        torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-5)

@@ -24,12 +24,12 @@ PASSAGES = [f"Passage {i}: the river {w} flows past {i * 7} old mills and a brid
 GEN = GenerationConfig(max_tokens=12, ignore_eos=True)
 
 
-def _engine(runner, pool_tokens: int | None = None, max_batch: int = 8) -> BlendEngine:
+def _engine(runner, pool_tokens: int | None = None, max_batch: int = 8, decode_attention: str = "auto") -> BlendEngine:
     bt = 16
     per_token = 2 * runner.shape.n_layers * runner.shape.n_kv_heads * runner.shape.head_dim * runner.dtype.itemsize
     budget = (pool_tokens or 1 << 16) * per_token
     limits = BatchLimits(max_batch=max_batch, kv_budget_bytes=budget, prefill_step_tokens=64, block_tokens=bt)
-    return BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits))
+    return BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits, decode_attention=decode_attention))
 
 
 def _plan(i: int, mode: Mode = Mode.BLEND, salt: str | None = None) -> BlendPlan:
@@ -114,13 +114,14 @@ def test_a_prefix_hit_never_crosses_tenants_and_blend_never_takes_reused_kv(runn
         eng.close()
 
 
-def test_a_pool_far_too_small_preempts_and_every_request_ends_as_alone(runner):
+@pytest.mark.parametrize("decode_attention", ["auto", "pooled"])
+def test_a_pool_far_too_small_preempts_and_every_request_ends_as_alone(runner, decode_attention):
     plans = [_plan(i) for i in range(6)]
     gen = GenerationConfig(max_tokens=64, ignore_eos=True)  # 4 blocks of growth each
     alone = _alone(runner, plans, gen)
     longest = max(_engine(runner).layout(p).n_tokens for p in plans)
     # any two prompts fit at admission, with at most 6 blocks to spare: two of them cannot both grow
-    eng = _engine(runner, pool_tokens=2 * -(-(longest + 1) // 16) * 16)
+    eng = _engine(runner, pool_tokens=2 * -(-(longest + 1) // 16) * 16, decode_attention=decode_attention)
     try:
         _warm(eng, plans)
         got = _together(eng, plans, gen=gen)

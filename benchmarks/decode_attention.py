@@ -1,0 +1,89 @@
+"""The decode step's two attention paths side by side (`executor.decode`): one SDPA call per
+sequence (per_sequence) against one call a layer over keys gathered from the paged pool (pooled),
+at batch sizes B over contexts of T tokens, on the default model (SmolLM2-135M, its real shape
+and weights; on a GPU when there is one).
+
+    python -m benchmarks.decode_attention [--batch 1,8,16] [--tokens 1024] [--repeat 5]
+
+Prints per B: the median step time of each path, and the ratio; the runs are a pool's views filled
+with random K/V (timing does not depend on the values). Writes JSON to --out when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.kv_pool import KVPool
+from blend_engine.model import ModelRunner
+from blend_engine.scheduler.kv_blocks import Run, blocks_for
+
+logger = logging.getLogger(__name__)
+
+
+def _sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _runs(runner: ModelRunner, batch: int, n_tokens: int, block_tokens: int = 16):
+    """`batch` runs of one pool, each holding `n_tokens` tokens of random K/V, room for 64 more."""
+    per = blocks_for(n_tokens + 64, block_tokens)
+    pool = KVPool(runner, per * batch, block_tokens)
+    for k, v in zip(*pool._tensors()):
+        k.normal_()
+        v.normal_()
+    return pool, [Run(i * per, per) for i in range(batch)]
+
+
+def step_ms(runner: ModelRunner, batch: int, n_tokens: int, attention: str, repeat: int) -> float:
+    pool, runs = _runs(runner, batch, n_tokens)
+    tokens, starts = [7 + b for b in range(batch)], [n_tokens] * batch
+    times = []
+    for i in range(repeat + 1):
+        caches = [pool.view(run, n_tokens) for run in runs]
+        _sync(runner)
+        t0 = time.perf_counter()
+        decode_batch(runner, caches, tokens, starts, attention=attention)
+        _sync(runner)
+        if i:  # the first is a warm-up
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="1,8,16")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    runner = ModelRunner.load()
+    rows = []
+    with torch.inference_mode():
+        for b in (int(x) for x in args.batch.split(",")):
+            per_seq = step_ms(runner, b, args.tokens, "per_sequence", args.repeat)
+            pooled = step_ms(runner, b, args.tokens, "pooled", args.repeat)
+            rows.append({"batch": b, "tokens": args.tokens, "per_sequence_ms": round(per_seq, 2),
+                         "pooled_ms": round(pooled, 2), "pooled_over_per_sequence": round(pooled / per_seq, 3)})
+            logger.info("B=%d T=%d: per_sequence %.1f ms, pooled %.1f ms (%.2fx)", b, args.tokens, per_seq, pooled,
+                        pooled / per_seq)
+    result = {"device": str(runner.device), "dtype": str(runner.dtype), "model": runner.name,
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+    print(json.dumps(result, indent=2))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
