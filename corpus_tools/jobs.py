@@ -25,9 +25,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from blend_engine.cancel import Cancelled, cancel_scope
+from blend_engine.cancel import Cancelled
 from corpus_tools.documents import Document, Reader, resolve_doc_id
-from corpus_tools.ingest import paced
 from corpus_tools.pipeline import IngestPipeline
 
 logger = logging.getLogger(__name__)
@@ -343,12 +342,12 @@ class JobRunner:
         passages = new = kv = 0
         errors: list[str] = []
         try:
-            with cancel_scope(stop), paced(self._yield_to_requests):
-                for start, part in ((0, head), (len(head), rest)):  # a few documents first: answers within seconds
-                    if part:
-                        s = self.pipeline.ingest(_counted(part, tick, start), progress=False, publish="batch")
-                        passages, new, kv = passages + s.passages, new + s.new_passages, kv + s.kv_computed
-                        errors += s.errors
+            for start, part in ((0, head), (len(head), rest)):  # a few documents first: answers within seconds
+                if part:
+                    s = self.pipeline.ingest(_counted(part, tick, start), progress=False, publish="batch",
+                                             should_stop=stop, pace=self._yield_to_requests)
+                    passages, new, kv = passages + s.passages, new + s.new_passages, kv + s.kv_computed
+                    errors += s.errors
         except Cancelled:
             state = "cancelled" if job_id in self._cancelled else "queued"  # shutdown: resumed at the next start
             self.store.set_file(job_id, idx, state=state)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blend_engine.cancel import Cancelled, cancel_scope
+from blend_engine.cancel import Cancelled
 from blend_engine.layout import PRECOMPUTED_MARKERS, passage_text
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
@@ -387,9 +387,9 @@ def test_cancelled_between_precompute_batches_commits_nothing(tmp_path, runner, 
 
     chunks.precompute_many = counted
     try:
-        with cancel_scope(lambda: len(calls) >= 2):  # cancelled after the second forward
-            with pytest.raises(Cancelled, match="between precompute batches"):
-                s.pipeline.ingest([Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log")], publish="request")
+        with pytest.raises(Cancelled, match="between precompute batches"):  # cancelled after the second forward
+            s.pipeline.ingest([Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log")], publish="request",
+                              should_stop=lambda: len(calls) >= 2)
         assert calls == [2, 2]  # stopped before the third forward of the first ingest batch
         assert s.pipeline.db.counts()["passages"] == 0 and len(s.retriever.index) == 0
         assert s.pipeline.get_document("log") is None and not s.pipeline.db.incomplete()
