@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from blend_engine.cancel import Cancelled
+from blend_engine.cancel import Cancelled, StopCheck, never
 from corpus_tools.documents import Document, Reader, resolve_doc_id
 from corpus_tools.pipeline import IngestPipeline
 
@@ -177,7 +177,7 @@ class JobRunner:
     """Runs jobs one at a time on a daemon thread. `should_stop` (service shutdown) interrupts the current
     file at ingestion's next checkpoint and leaves the job to be resumed at the next start."""
 
-    def __init__(self, pipeline: IngestPipeline, data_dir: Path, should_stop: Callable[[], bool] = lambda: False,
+    def __init__(self, pipeline: IngestPipeline, data_dir: Path, should_stop: StopCheck = never,
                  progress_interval_s: float = 0.5, busy: Callable[[], bool] | None = None) -> None:
         self.pipeline = pipeline
         self._busy = busy  # the engine serves requests: a job yields before each passage (YIELD_MAX_S at most)
