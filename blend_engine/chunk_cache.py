@@ -6,6 +6,9 @@
 Keys never depend on a chunk's position in a prompt. The one place that computes a chunk's
 alone-KV (`precompute`, `precompute_many`) and stores it unless already there (`cache_ids`,
 `store_missing`): ingestion, the fidelity gate and the engine all call it.
+
+Cancellation is explicit: each of these takes an optional `should_stop` (`blend_engine.cancel`),
+checked between the layers of one chunk's precompute and between the forwards of a batched one.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from collections.abc import Sequence
 
 import torch
 
-from blend_engine.cancel import checkpoint
+from blend_engine.cancel import StopCheck, stop_if
 from blend_engine.errors import InputError
 from blend_engine.keys import chunk_key
 from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.layout import PromptLayout, passage_text
 from blend_engine.model import ModelRunner
 
-from .executor.layers import LayerJob, run_layers
+from .executor.layers import LayerJob, LayerLoop
 
 
 class ChunkCache:
@@ -46,21 +49,30 @@ class ChunkCache:
             )
 
     @torch.inference_mode()
-    def precompute(self, token_ids: Sequence[int]) -> ChunkKV:
-        """Prefill a chunk alone at positions 0..T-1; every layer's K (after RoPE) and V."""
+    def precompute(self, token_ids: Sequence[int], should_stop: StopCheck | None = None) -> ChunkKV:
+        """Prefill a chunk alone at positions 0..T-1; every layer's K (after RoPE) and V. Raises
+        `Cancelled` before a layer once `should_stop()` is true."""
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)  # [T]
         self.check_fits(len(ids))
-        return run_layers(self.runner, LayerJob(ids)).cache.segment(0, len(ids))
+        loop = LayerLoop(self.runner, LayerJob(ids))
+        steps = loop.steps()  # one layer per step
+        for layer in range(self.runner.shape.n_layers):
+            stop_if(should_stop, f"at layer {layer} of a precompute")
+            next(steps)
+        return loop.output().cache.segment(0, len(ids))  # k, v: [L, H, T, D]
 
     @torch.inference_mode()
-    def precompute_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16) -> list[ChunkKV]:
+    def precompute_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16,
+                        should_stop: StopCheck | None = None) -> list[ChunkKV]:
         """`precompute` for many chunks, batched on the device: chunks of similar length are
         right-padded into one forward of the model (each alone at positions 0..T-1: a causal
-        model's real tokens never see the padding after them). Results in input order."""
+        model's real tokens never see the padding after them). Results in input order.
+        `should_stop` is checked before each forward (the model's own forward runs the layers)."""
         lists = [list(t) for t in token_lists]
         order = sorted(range(len(lists)), key=lambda i: len(lists[i]))
         out: list[ChunkKV | None] = [None] * len(lists)
         for start in range(0, len(order), batch_size):
+            stop_if(should_stop, "between precompute batches")
             group = order[start:start + batch_size]
             longest = len(lists[group[-1]])
             self.check_fits(longest)
@@ -77,15 +89,16 @@ class ChunkCache:
                                  torch.stack([v[row, :, :t] for _, v in layers]))  # [L, H, T, D]
         return out  # type: ignore[return-value]
 
-    def cache_ids(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[str, bool]:
+    def cache_ids(self, token_ids: Sequence[int], salt: str | None = None,
+                  should_stop: StopCheck | None = None) -> tuple[str, bool]:
         """Make sure the alone-KV of these chunk tokens is stored: (key, was already cached)."""
-        key, cached, _ = self._ensure(token_ids, salt)
+        key, cached, _ = self._ensure(token_ids, salt, should_stop)
         return key, cached
 
     def cache_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16,
-                   salt: str | None = None) -> list[bool]:
+                   salt: str | None = None, should_stop: StopCheck | None = None) -> list[bool]:
         """`cache_ids` for many chunks, the missing ones computed `batch_size` per forward
-        (`precompute_many`), cancellation checked between forwards. Per chunk: stored now."""
+        (`precompute_many`), `should_stop` checked before each forward. Per chunk: stored now."""
         keys = [self.key_of(ids, salt) for ids in token_lists]
         todo: dict[str, list[int]] = {}
         for key, ids in zip(keys, token_lists):
@@ -94,7 +107,7 @@ class ChunkCache:
         stored: set[str] = set()
         items = list(todo.items())
         for start in range(0, len(items), batch_size):
-            checkpoint("between precompute batches")
+            stop_if(should_stop, "between precompute batches")
             group_keys, lists = zip(*items[start:start + batch_size])
             for key, kv in zip(group_keys, self.precompute_many(lists, batch_size)):
                 if self.store.put(key, kv):
@@ -109,9 +122,10 @@ class ChunkCache:
         """After answering: store the alone-KV of the segments that missed the cache. How many were stored."""
         return sum(self._ensure(layout.segments[i].token_ids, salt)[2] for i in missing)
 
-    def _ensure(self, token_ids: Sequence[int], salt: str | None) -> tuple[str, bool, bool]:
+    def _ensure(self, token_ids: Sequence[int], salt: str | None,
+                should_stop: StopCheck | None = None) -> tuple[str, bool, bool]:
         """(key, was already cached, stored now)."""
         key = self.key_of(token_ids, salt)
         if self.store.contains(key):
             return key, True, False
-        return key, False, bool(self.store.put(key, self.precompute(token_ids)))
+        return key, False, bool(self.store.put(key, self.precompute(token_ids, should_stop)))

@@ -107,27 +107,31 @@ class BlendEngine:
     def key_of(self, token_ids: Sequence[int], salt: str | None = None) -> str:
         return self.chunks.key_of(token_ids, salt)
 
-    def precompute(self, token_ids: Sequence[int]) -> ChunkKV:
+    def precompute(self, token_ids: Sequence[int], should_stop: StopCheck | None = None) -> ChunkKV:
         """A chunk's alone-KV, computed on the engine loop between its steps (so ingestion never
-        runs the model beside a batch)."""
-        return self.loop.run_task(lambda: self.chunks.precompute(token_ids))
+        runs the model beside a batch). `should_stop`: not started once true, else stops between layers."""
+        return self.loop.run_task(lambda: self.chunks.precompute(token_ids, should_stop), should_stop)
 
-    def precompute_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16) -> list[ChunkKV]:
-        return self.loop.run_task(lambda: self.chunks.precompute_many(token_lists, batch_size))
+    def precompute_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16,
+                        should_stop: StopCheck | None = None) -> list[ChunkKV]:
+        return self.loop.run_task(lambda: self.chunks.precompute_many(token_lists, batch_size, should_stop),
+                                  should_stop)
 
-    def cache_ids(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[str, bool]:
+    def cache_ids(self, token_ids: Sequence[int], salt: str | None = None,
+                  should_stop: StopCheck | None = None) -> tuple[str, bool]:
         """Make sure the alone-KV of these chunk tokens is stored: (key, was already cached)."""
-        return self.loop.run_task(lambda: self.chunks.cache_ids(token_ids, salt))
+        return self.loop.run_task(lambda: self.chunks.cache_ids(token_ids, salt, should_stop), should_stop)
 
     def cache_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16,
-                   salt: str | None = None) -> list[bool]:
+                   salt: str | None = None, should_stop: StopCheck | None = None) -> list[bool]:
         """`cache_ids` for many chunks, `batch_size` per forward: per chunk, whether stored now."""
-        return self.loop.run_task(lambda: self.chunks.cache_many(token_lists, batch_size, salt))
+        return self.loop.run_task(lambda: self.chunks.cache_many(token_lists, batch_size, salt, should_stop),
+                                  should_stop)
 
-    def ensure_cached(self, passage: str) -> tuple[str, int, bool]:
+    def ensure_cached(self, passage: str, should_stop: StopCheck | None = None) -> tuple[str, int, bool]:
         """Make sure a passage's KV is stored. Returns (key, n_tokens, was_already_cached)."""
         ids = self.passage_tokens(passage)
-        key, cached = self.cache_ids(ids)
+        key, cached = self.cache_ids(ids, should_stop=should_stop)
         return key, len(ids), cached
 
     def bytes_per_layer(self, n_tokens: int) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, cancel_scope, current_check, never
+from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never, stop_if
 from blend_engine.errors import InputError
 from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.kv_pool import KVPool, block_bytes
@@ -188,16 +188,18 @@ class EngineLoop:
             self._start()
             self._cond.notify()
 
-    def run_task(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the loop thread between steps (ingestion's precompute), under the caller's
-        cancellation; directly when called from the loop itself or before the loop started."""
+    def run_task(self, fn: Callable[[], Any], should_stop: StopCheck | None = None) -> Any:
+        """Run `fn` on the loop thread between steps (ingestion's precompute); directly when called
+        from the loop itself or before the loop started. Raises `Cancelled` instead of starting `fn`
+        once `should_stop()` is true (`fn` checks it itself once started)."""
         if self._thread is None or threading.current_thread() is self._thread:
+            stop_if(should_stop, "before the task started")
             return fn()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed:
                 raise Cancelled("the engine is shutting down")
-            self._tasks.append((fn, current_check(), fut))
+            self._tasks.append((fn, should_stop, fut))
             self._cond.notify()
         return fut.result()
 
@@ -520,12 +522,13 @@ class EngineLoop:
             fut.set_exception(exc)
 
     @staticmethod
-    def _run_task(fn: Callable[[], Any], check: Callable[[], bool] | None, fut: concurrent.futures.Future) -> None:
+    def _run_task(fn: Callable[[], Any], should_stop: StopCheck | None, fut: concurrent.futures.Future) -> None:
+        """One queued task: not started when its caller stopped while it waited."""
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            with cancel_scope(check or (lambda: False)):
-                fut.set_result(fn())
+            stop_if(should_stop, "while the task was queued")
+            fut.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             fut.set_exception(exc)
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from blend_engine.cancel import Cancelled, cancel_scope
+from blend_engine.cancel import Cancelled, StopCheck, never
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.kv_pool import pool_bytes
 from blend_engine.keys import store_fingerprint
@@ -193,7 +192,7 @@ def sample_to_ingest(stack: Stack) -> Path | None:
     return path
 
 
-def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] = lambda: False,
+def ingest_sample_on_first_start(stack: Stack, should_stop: StopCheck = never,
                                  progress: bool = False) -> IngestSummary | None:
     """Ingest Settings.ingest.sample_corpus when enabled and nothing is stored yet: one ingestion, published
     batch by batch, that `should_stop` interrupts at its next checkpoint (between layers and batches;
@@ -206,8 +205,7 @@ def ingest_sample_on_first_start(stack: Stack, should_stop: Callable[[], bool] =
     t0 = time.perf_counter()
     logger.info("first start: ingesting %d sample documents from %s", len(docs), path)
     try:
-        with cancel_scope(should_stop):
-            summary = stack.pipeline.ingest(docs, progress=progress)
+        summary = stack.pipeline.ingest(docs, progress=progress, should_stop=should_stop)
     except Cancelled:
         logger.info("sample ingestion interrupted by shutdown after %.1f s (%d passages published)",
                     time.perf_counter() - t0, stack.pipeline.db.counts()["passages"])

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from blend_engine.cancel import StopCheck, never
 from blend_engine.engine import BlendEngine
 from blend_engine.kv_store.codec import layer_nbytes
 from blend_engine.layout import PRECOMPUTED_MARKERS, marker_text
@@ -66,9 +67,10 @@ class Corpus:
         markers = [self.engine.runner.encode(marker_text(n)) for n in range(1, PRECOMPUTED_MARKERS + 1)]
         return [self.system_key()] + [(self.engine.key_of(ids), ids) for ids in markers]
 
-    def cache(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Make sure the KV of these passage tokens is stored: (key, was already cached)."""
-        return self.engine.cache_ids(token_ids)
+    def cache(self, token_ids: list[int], should_stop: StopCheck = never) -> tuple[str, bool]:
+        """Make sure the KV of these passage tokens is stored: (key, was already cached). Raises
+        `Cancelled` before or between the layers of its precompute once `should_stop()` is true."""
+        return self.engine.cache_ids(token_ids, should_stop=should_stop)
 
     def drop_unused_kv(self, keys: Iterable[str]) -> None:
         """Delete the KV entries no passage references any more. Caller holds the lock."""

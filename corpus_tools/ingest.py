@@ -17,9 +17,11 @@ any point resumes without duplicates. Staged rows left by a kill mark the docume
 Publishing: `publish="batch"` (CLI, sample corpus) publishes the documents completed by each
 batch, so a long run keeps its progress; `publish="request"` (the HTTP API) publishes every
 document at the end in one transaction, after `before_commit()` (the request's last chance to be
-cancelled), so a request that fails or times out commits nothing. Cancellation
-(`blend_engine.cancel`) is checked between batches and between the layers of every precompute;
-a cancelled run drops what it staged.
+cancelled), so a request that fails or times out commits nothing. Cancellation is explicit: the
+caller's `should_stop` (`blend_engine.cancel.StopCheck`) is checked between batches and handed to
+every precompute, which checks it between layers (or forwards); a cancelled run drops what it
+staged and keeps what it published. `pace`, when given, is called before each passage's KV
+precompute (a background job steps aside for the requests the engine is serving).
 
 KV precompute: one passage at a time (`precompute_batch` 1, the CPU default: a forward per
 passage, cancellation between its layers), or on a device `precompute_batch` passages per
@@ -29,18 +31,16 @@ cancellation checked between those forwards; at most an ingest batch (`batch_siz
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
-from blend_engine.cancel import Cancelled, checkpoint
+from blend_engine.cancel import Cancelled, StopCheck, never, stop_if
 from blend_engine.errors import InputError
 from corpus_tools.chunking import chunk_text
 from corpus_tools.corpus import Corpus
@@ -119,33 +119,15 @@ class _Tally:
 
 @dataclass
 class _Run:
-    """One ingest call's unpublished state: documents staged but not yet visible, and their new vectors."""
+    """One ingest call's unpublished state (documents staged but not yet visible, and their new
+    vectors), with the caller's stop check and pace."""
 
+    should_stop: StopCheck = never  # true once the run should stop (checked between batches and layers)
+    pace: Callable[[], None] | None = None  # called before each passage's KV precompute
     staged: dict[str, None] = field(default_factory=dict)  # doc ids with rows staged by this run
     complete: list[str] = field(default_factory=list)  # doc ids whose every passage is staged
     vecs: dict[int, np.ndarray] = field(default_factory=dict)  # vec_id -> embedding of a passage new to the index
     published: dict[str, set[str]] = field(default_factory=dict)  # doc id -> passage ids this run made visible
-
-
-_pace = threading.local()
-
-
-@contextlib.contextmanager
-def paced(wait: Callable[[], None]) -> Iterator[None]:
-    """Call `wait` on this thread before each passage's KV precompute (a background job yields to the
-    requests the engine is serving; `wait` returns when it may go on)."""
-    previous = getattr(_pace, "wait", None)
-    _pace.wait = wait
-    try:
-        yield
-    finally:
-        _pace.wait = previous
-
-
-def _yield_point() -> None:
-    wait = getattr(_pace, "wait", None)
-    if wait is not None:
-        wait()
 
 
 def default_precompute_batch(device_type: str) -> int:
@@ -166,13 +148,13 @@ class Ingestion:
         self.batch_size = batch_size
         self.precompute_batch = precompute_batch
 
-    def ensure_system_prefix(self) -> bool:
+    def ensure_system_prefix(self, should_stop: StopCheck = never) -> bool:
         """Precompute the system prefix and the passage markers (`Corpus.fixed_chunks`) so the first
         query misses nothing. True when the system prefix was computed now."""
         (_, sys_ids), *markers = self.corpus.fixed_chunks()
         if markers:  # one forward for all of them: a few tokens each
-            self.corpus.engine.cache_many([ids for _, ids in markers], len(markers))
-        return not self.corpus.cache(sys_ids)[1]
+            self.corpus.engine.cache_many([ids for _, ids in markers], len(markers), should_stop=should_stop)
+        return not self.corpus.cache(sys_ids, should_stop)[1]
 
     def _chunks(self, doc: Document, doc_id: str) -> list[_Candidate]:
         title = doc.title.strip()
@@ -216,25 +198,28 @@ class Ingestion:
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, docs: Iterable[Document], progress: bool = False, publish: str = "batch",
-               before_commit: Callable[[], None] | None = None, strict: bool = False) -> IngestSummary:
+               before_commit: Callable[[], None] | None = None, strict: bool = False, *,
+               should_stop: StopCheck = never, pace: Callable[[], None] | None = None) -> IngestSummary:
         """Chunk, precompute, embed, stage and publish `docs` (see the module docstring).
 
         strict: a document that fails `check_document` raises DocumentRejected before anything is
-        written (the API); otherwise it is skipped and reported in `errors` (the CLI)."""
+        written (the API); otherwise it is skipped and reported in `errors` (the CLI).
+        should_stop: raises `Cancelled` at the next batch or layer once true (what was published stays).
+        pace: called before each passage's KV precompute; it returns when the run may go on."""
         if publish not in PUBLISH_MODES:
             raise ValueError(f"publish must be one of {PUBLISH_MODES}, not {publish!r}")
         t0 = time.perf_counter()
         if strict:
             docs = list(docs)
             self._check_all(docs)
-        tally, run = _Tally(), _Run()
+        tally, run = _Tally(), _Run(should_stop=should_stop, pace=pace)
         bar = tqdm(desc="ingest", unit="passage", file=sys.stderr, disable=not progress, dynamic_ncols=True)
         try:
-            self.ensure_system_prefix()
+            self.ensure_system_prefix(should_stop)
             pending = self._stage_documents(docs, tally, run, bar, publish, before_commit, checked=strict)
             if pending:
                 self._flush(pending, tally, bar, run)
-            checkpoint("before publishing")
+            stop_if(should_stop, "before publishing")
             self._publish(run, before_commit)
         except Cancelled:
             self._discard(run)
@@ -272,23 +257,24 @@ class Ingestion:
 
     def _flush(self, batch: list[_Candidate], tally: _Tally, bar, run: _Run) -> None:
         """Precompute and stage one batch (one transaction). Nothing becomes visible here."""
-        checkpoint("between ingestion batches")
+        stop_if(run.should_stop, "between ingestion batches")
         c = self.corpus
         with c.lock:
             existing = c.db.get_many([cand.pid for cand in batch])
             if self.precompute_batch > 1:
-                self._precompute_missing(batch, tally)
+                self._precompute_missing(batch, tally, run.should_stop)
             rows = []
             for cand in batch:
-                _yield_point()  # a background job steps aside for requests here (`paced`)
-                rows.append(self._cache_one(cand, existing.get(cand.pid), tally))
+                if run.pace is not None:
+                    run.pace()  # a background job steps aside for requests here
+                rows.append(self._cache_one(cand, existing.get(cand.pid), tally, run.should_stop))
             fresh = [r for r in rows if r.vec_id not in c.index]
             t = time.perf_counter()
             if fresh:
                 vecs = c.embedder.encode([embed_text(r.title, r.text) for r in fresh])  # [N, dim]
                 run.vecs.update(zip((r.vec_id for r in fresh), vecs))
             tally.embed_s += time.perf_counter() - t
-            checkpoint("before staging a batch")
+            stop_if(run.should_stop, "before staging a batch")
             t = time.perf_counter()
             c.db.stage(rows, {r.vec_id: run.vecs[r.vec_id] for r in rows if r.vec_id in run.vecs})  # one transaction
             run.staged.update(dict.fromkeys(r.doc_id for r in rows))
@@ -296,14 +282,15 @@ class Ingestion:
             tally.new += sum(1 for r in rows if r.id not in existing)
         bar.update(len(batch))
 
-    def _precompute_missing(self, batch: list[_Candidate], tally: _Tally) -> None:
+    def _precompute_missing(self, batch: list[_Candidate], tally: _Tally, should_stop: StopCheck) -> None:
         """The KV of this batch's passages the store lacks, `precompute_batch` per forward, stored
         before `_cache_one` finds them (and counted here, not there). Cancellation is checked
         between forwards (the model's own forward runs the layers). A put the store skips (full)
         leaves the passage to `_cache_one`, which computes it alone."""
         t = time.perf_counter()
         ids = [cand.token_ids for cand in batch]
-        for tokens, stored in zip(ids, self.corpus.engine.cache_many(ids, self.precompute_batch)):
+        for tokens, stored in zip(ids, self.corpus.engine.cache_many(ids, self.precompute_batch,
+                                                                     should_stop=should_stop)):
             if stored:
                 tally.kv_computed += 1
                 tally.kv_bytes += self.corpus.kv_nbytes(len(tokens))
@@ -353,7 +340,8 @@ class Ingestion:
             logger.warning("could not drop the staged rows of a cancelled ingestion", exc_info=True)
         run.staged.clear()
 
-    def _cache_one(self, cand: _Candidate, row: PassageRow | None, tally: _Tally) -> PassageRow:
+    def _cache_one(self, cand: _Candidate, row: PassageRow | None, tally: _Tally,
+                   should_stop: StopCheck) -> PassageRow:
         """Make sure the passage's KV is stored (from the ids chunking produced); the row to stage."""
         tally.passages += 1
         tally.tokens += len(cand.token_ids)
@@ -362,7 +350,7 @@ class Ingestion:
             tally.skipped += 1
             return PassageRow(**{**row.__dict__, "seq": cand.seq, "location": cand.location})
         t = time.perf_counter()
-        key, was_cached = self.corpus.cache(cand.token_ids)
+        key, was_cached = self.corpus.cache(cand.token_ids, should_stop)
         tally.kv_s += time.perf_counter() - t
         if not was_cached:
             tally.kv_computed += 1

@@ -25,9 +25,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from blend_engine.cancel import Cancelled, cancel_scope
+from blend_engine.cancel import Cancelled, StopCheck, never
 from corpus_tools.documents import Document, Reader, resolve_doc_id
-from corpus_tools.ingest import paced
 from corpus_tools.pipeline import IngestPipeline
 
 logger = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ class JobRunner:
     """Runs jobs one at a time on a daemon thread. `should_stop` (service shutdown) interrupts the current
     file at ingestion's next checkpoint and leaves the job to be resumed at the next start."""
 
-    def __init__(self, pipeline: IngestPipeline, data_dir: Path, should_stop: Callable[[], bool] = lambda: False,
+    def __init__(self, pipeline: IngestPipeline, data_dir: Path, should_stop: StopCheck = never,
                  progress_interval_s: float = 0.5, busy: Callable[[], bool] | None = None) -> None:
         self.pipeline = pipeline
         self._busy = busy  # the engine serves requests: a job yields before each passage (YIELD_MAX_S at most)
@@ -343,12 +342,12 @@ class JobRunner:
         passages = new = kv = 0
         errors: list[str] = []
         try:
-            with cancel_scope(stop), paced(self._yield_to_requests):
-                for start, part in ((0, head), (len(head), rest)):  # a few documents first: answers within seconds
-                    if part:
-                        s = self.pipeline.ingest(_counted(part, tick, start), progress=False, publish="batch")
-                        passages, new, kv = passages + s.passages, new + s.new_passages, kv + s.kv_computed
-                        errors += s.errors
+            for start, part in ((0, head), (len(head), rest)):  # a few documents first: answers within seconds
+                if part:
+                    s = self.pipeline.ingest(_counted(part, tick, start), progress=False, publish="batch",
+                                             should_stop=stop, pace=self._yield_to_requests)
+                    passages, new, kv = passages + s.passages, new + s.new_passages, kv + s.kv_computed
+                    errors += s.errors
         except Cancelled:
             state = "cancelled" if job_id in self._cancelled else "queued"  # shutdown: resumed at the next start
             self.store.set_file(job_id, idx, state=state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from blend_engine.cancel import StopCheck, never
 from blend_engine.engine import BlendEngine
 from corpus_tools.corpus import Corpus
 from corpus_tools.documents import Document
@@ -50,13 +51,15 @@ class IngestPipeline(Corpus):
         self.ingestion.batch_size = n
 
     # ------------------------------------------------------------------ ingestion
-    def ensure_system_prefix(self) -> bool:
-        return self.ingestion.ensure_system_prefix()
+    def ensure_system_prefix(self, should_stop: StopCheck = never) -> bool:
+        return self.ingestion.ensure_system_prefix(should_stop)
 
     def ingest(self, docs: Iterable[Document], progress: bool = False, publish: str = "batch",
-               before_commit: Callable[[], None] | None = None, strict: bool = False) -> IngestSummary:
-        """See `Ingestion.ingest`."""
-        return self.ingestion.ingest(docs, progress, publish, before_commit, strict)
+               before_commit: Callable[[], None] | None = None, strict: bool = False, *,
+               should_stop: StopCheck = never, pace: Callable[[], None] | None = None) -> IngestSummary:
+        """See `Ingestion.ingest` (`should_stop`: the caller's cancellation; `pace`: its yield point)."""
+        return self.ingestion.ingest(docs, progress, publish, before_commit, strict, should_stop=should_stop,
+                                     pace=pace)
 
     # ------------------------------------------------------------------ maintenance
     def get_document(self, doc_id: str) -> dict | None:

@@ -36,7 +36,7 @@ async def ingest_documents(req: IngestRequest, svc: State) -> IngestResponse:
 
     def ingest(job):
         return stack.pipeline.ingest(docs_in, progress=False, publish="request", before_commit=job.begin_commit,
-                                     strict=True)
+                                     strict=True, should_stop=lambda: job.cancelled)
 
     try:
         summary = await run_job(svc.worker, ingest, svc.settings.service.request_timeout_s, "ingest")

@@ -105,10 +105,12 @@ def test_timed_out_ingestion_is_rolled_back(tmp_path, tiny_stack_factory):
         s = svc(c)
         chunks = s.stack.engine.chunks
         slow = chunks.precompute
+        stops = []  # the stop check each precompute was handed (explicitly, by the route)
 
-        def precompute(ids):
+        def precompute(ids, should_stop=None):
+            stops.append(should_stop)
             time.sleep(0.15)
-            return slow(ids)
+            return slow(ids, should_stop)
 
         chunks.precompute = precompute
         try:
@@ -122,6 +124,7 @@ def test_timed_out_ingestion_is_rolled_back(tmp_path, tiny_stack_factory):
             assert s.worker.running == 0
             # it stopped soon after its deadline, not after all 16 documents (2.4 s of precompute)
             assert time.monotonic() - t0 < 2.2
+            assert stops and all(stop is not None for stop in stops) and stops[-1]()  # the job's, now past its deadline
         finally:
             del chunks.precompute
         assert s.stack.pipeline.db.counts()["passages"] == 0
@@ -142,11 +145,11 @@ def test_a_document_is_visible_whole_or_not_at_all_and_verify_names_it(client):
     real = chunks.precompute
     seen = []
 
-    def dies_later(token_ids):
+    def dies_later(token_ids, should_stop=None):
         seen.append(token_ids)
         if len(seen) == 5:
             raise KeyboardInterrupt("simulated crash")
-        return real(token_ids)
+        return real(token_ids, should_stop)
 
     old_batch = pipe.batch_size
     pipe.batch_size = 2

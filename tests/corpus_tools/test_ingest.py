@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blend_engine.cancel import Cancelled, cancel_scope
+from blend_engine.cancel import Cancelled
 from blend_engine.layout import PRECOMPUTED_MARKERS, passage_text
 from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
@@ -321,6 +321,37 @@ def test_sample_ingestion_stops_at_shutdown_and_keeps_what_it_published(tmp_path
         s.close()
 
 
+def test_ingest_stops_at_its_next_batch_once_should_stop_turns_true(tmp_path, runner, embedder):
+    """An explicit `should_stop` (no thread-local scope): once true, the ingestion raises at its next
+    batch; the batches it published stay visible and whole, nothing of the stopped one is staged.
+    `pace` is called before each passage's precompute, and not once after the stop."""
+    s = make_stack(tmp_path, runner, embedder, ingest_batch_size=3)
+    docs = [Document(text=f"River {i} flows north past the mill. " * 3, title=f"River {i}", doc_id=f"r{i}")
+            for i in range(9)]
+    published, paced = [], []
+    real = s.pipeline.db.publish
+
+    def publish(*args, **kwargs):
+        published.append(real(*args, **kwargs))
+        return published[-1]
+
+    s.pipeline.db.publish = publish
+    try:
+        with pytest.raises(Cancelled, match="between ingestion batches"):
+            s.pipeline.ingest(docs, publish="batch", should_stop=lambda: len(published) >= 2,
+                              pace=lambda: paced.append(len(published)))
+        assert len(published) == 2 and paced == [0, 0, 0, 1, 1, 1]  # two batches of 3, none after the stop
+        visible = [r.doc_id for _, rows in published for r in rows]  # one passage per document
+        kept = [d.doc_id for d in docs if s.pipeline.get_document(d.doc_id) is not None]
+        assert 0 < len(kept) < 6 and kept == visible  # what it published stayed, nothing else
+        assert s.pipeline.db.counts()["passages"] == len(kept) == len(s.retriever.index)
+        assert s.pipeline.db.incomplete() == {}  # the staged rows of a document not yet published were dropped
+        report = s.pipeline.verify()
+        assert report.ok and report.index_missing == report.index_extra == 0
+    finally:
+        s.close()
+
+
 def test_stack_reopens_persisted_corpus_and_ingests_sample_once(tmp_path, runner, embedder):
     sample = tmp_path / "sample.jsonl"
     sample.write_text("\n".join(json.dumps({"title": t, "text": x, "doc_id": t, "source": "sample"})
@@ -387,9 +418,9 @@ def test_cancelled_between_precompute_batches_commits_nothing(tmp_path, runner, 
 
     chunks.precompute_many = counted
     try:
-        with cancel_scope(lambda: len(calls) >= 2):  # cancelled after the second forward
-            with pytest.raises(Cancelled, match="between precompute batches"):
-                s.pipeline.ingest([Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log")], publish="request")
+        with pytest.raises(Cancelled, match="between precompute batches"):  # cancelled after the second forward
+            s.pipeline.ingest([Document(text=LIGHTHOUSE, title="Lighthouse log", doc_id="log")], publish="request",
+                              should_stop=lambda: len(calls) >= 2)
         assert calls == [2, 2]  # stopped before the third forward of the first ingest batch
         assert s.pipeline.db.counts()["passages"] == 0 and len(s.retriever.index) == 0
         assert s.pipeline.get_document("log") is None and not s.pipeline.db.incomplete()
