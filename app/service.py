@@ -24,6 +24,7 @@ from blend_engine.client import EngineClient, RequestStream
 from blend_engine.errors import InputError, Overloaded, StorageError
 from blend_engine.explain import Explanation
 from blend_engine.layout import PromptLayout
+from blend_engine.scheduler.admission import Ticket
 from blend_engine.types import BlendPlan, BlendReport, BlendResult, GenerationConfig, Mode, TokenLogprob, Turn
 from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
@@ -281,16 +282,25 @@ class QueryRun:
         choices. Raises the service's errors (400, 503 Busy / NoPassagesYet, storage faults)."""
         t0 = time.perf_counter()
         with _service_errors():
-            texts, passages = _passages(stack, spec)
-            retrieval_ms = (time.perf_counter() - t0) * 1e3
-            mode, fallback = _gated_mode(stack, spec.mode)
-            plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
-                             recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
-                             explain=spec.explain, turns=spec.turns, numbered=spec.numbered,
-                             cache_salt=spec.cache_salt)
-            plan, layout, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
-            gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
-            stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout)
+            ticket = client.admit(timeout_s)  # refused before any retrieval or tokenizing is spent on it
+        try:
+            with _service_errors():
+                return cls._submit(stack, client, spec, timeout_s, ticket, t0)
+        finally:
+            ticket.release()  # a no-op once the engine took it
+
+    @classmethod
+    def _submit(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float, ticket: Ticket,
+                t0: float) -> QueryRun:
+        texts, passages = _passages(stack, spec)
+        retrieval_ms = (time.perf_counter() - t0) * 1e3
+        mode, fallback = _gated_mode(stack, spec.mode)
+        plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
+                         recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
+                         explain=spec.explain, turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
+        plan, layout, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
+        gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
+        stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout, ticket)
         return cls(spec, passages, plan, stream, t0, retrieval_ms, fallback, notes)
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:

@@ -2,7 +2,8 @@
 
     event loop (the routes)                         engine loop thread
     -----------------------                         ------------------
-    stream = client.submit(plan, gens, timeout_s)   admission (`scheduler.admission`), then
+    ticket = client.admit(timeout_s)                admission (`scheduler.admission`), first
+    stream = client.submit(plan, gens, ticket=...)  then
       layout, keys, plan: host work, once      ->     batched prefill and decode steps
     async for index, delta in stream:          <-   deltas, put on the event loop's queue
     stream.abort()  (client gone)              ->   dropped at the next step
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from blend_engine.cancel import DeadlineExceeded
 from blend_engine.generation import Delta, Ended, Generation
 from blend_engine.layout import PromptLayout
+from blend_engine.scheduler.admission import Ticket
 from blend_engine.types import BlendPlan, BlendResult, GenerationConfig
 
 __all__ = ["EngineClient", "RequestStream"]
@@ -92,11 +94,17 @@ class EngineClient:
     def __init__(self, engine) -> None:
         self.engine = engine  # BlendEngine (duck-typed: `start`)
 
+    def admit(self, timeout_s: float | None) -> Ticket:
+        """A place in the engine's queue before the prompt is built (retrieval, layout), or
+        `errors.Overloaded` at once: a refused request costs nothing more."""
+        return self.engine.loop.admission.admit(timeout_s)
+
     def submit(self, plan: BlendPlan, gens: Sequence[GenerationConfig], timeout_s: float | None = None,
-               layout: PromptLayout | None = None) -> RequestStream:
-        """Plan the request here (on the event loop: host work only) and queue its n sequences.
-        Raises `errors.InputError` (the prompt cannot be served as asked) or `errors.Overloaded`
-        (refused at admission) before anything is queued."""
+               layout: PromptLayout | None = None, ticket: Ticket | None = None) -> RequestStream:
+        """Plan the request here (on the event loop: host work only) and queue its n sequences on
+        `ticket` (`admit`; one is taken now when None). Raises `errors.InputError` (the prompt
+        cannot be served as asked) or `errors.Overloaded` (refused at admission) before anything
+        is queued."""
         stream = RequestStream(len(gens), timeout_s)
-        stream.handles = self.engine.start(plan, gens, stream.sink, timeout_s=timeout_s, layout=layout)
+        stream.handles = self.engine.start(plan, gens, stream.sink, timeout_s=timeout_s, layout=layout, ticket=ticket)
         return stream

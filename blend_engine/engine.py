@@ -41,6 +41,7 @@ from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, build_layout
 from blend_engine.model import ModelRunner
 from blend_engine.prefix_cache import PrefixCache
+from blend_engine.scheduler.admission import Ticket
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.scheduler.kv_blocks import NO_PREFIX, chain_hashes, chain_root, min_prefix, recipes
 from blend_engine.scheduler.plans import PlanEnv, RatioController, plan_prefill
@@ -211,16 +212,22 @@ class BlendEngine:
 
     def start(self, plan: BlendPlan, gens: Sequence[GenerationConfig], sink: Callable[[int, object], None],
               should_stop: StopCheck = never, timeout_s: float | None = None,
-              layout: PromptLayout | None = None) -> list[Generation]:
+              layout: PromptLayout | None = None, ticket: Ticket | None = None) -> list[Generation]:
         """The n sequences of one request (one per `GenerationConfig`), laid out (unless `layout` is
         given) and planned once and submitted together; sequence i's items go to `sink(i, item)`
         from the engine loop's thread (`generation.Generation`). They stop at the next step once
         `should_stop()` is true or `timeout_s` has passed. Input errors (context overflow, a prompt
         the KV pool cannot hold) and admission's refusal (`errors.Overloaded`) raise here, before
-        any is queued."""
-        prep = self.prepare(plan, max(g.max_tokens for g in gens), layout)
+        any is queued; a `ticket` taken earlier (`scheduler.admission`) is used, or released when
+        an input error comes first."""
+        try:
+            prep = self.prepare(plan, max(g.max_tokens for g in gens), layout)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         handles = [Generation(None, plan, g, sink=functools.partial(sink, i)) for i, g in enumerate(gens)]
-        self.loop.submit(handles, prep, should_stop, timeout_s)
+        self.loop.submit(handles, prep, should_stop, timeout_s, ticket)
         return handles
 
     def _submit(self, handle: Generation) -> None:

@@ -44,7 +44,7 @@ from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Delta, Generation
 from blend_engine.layout import PromptLayout
 from blend_engine.sampling import HostLogits, Sampler, StreamDecoder, read_logits
-from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits
+from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits, Ticket
 from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, SeqSpec
 from blend_engine.scheduler.kv_blocks import blocks_for
 from blend_engine.scheduler.plans import ModePlan, continue_prefix
@@ -80,6 +80,7 @@ class _Group:
     live: int  # sequences not ended yet
     started: bool = False  # one of them was admitted to the batch
     queue_s: float = 0.0  # submitted until admitted
+    cost_s: float = 0.0  # its share of the loop's step time while in the batch (admission learns it)
     completed: bool = True  # none failed or was cancelled
 
     @property
@@ -148,7 +149,7 @@ class EngineLoop:
         per_block = block_bytes(engine.runner, limits.block_tokens)
         n_blocks = max(1, limits.kv_budget_bytes // per_block)
         self.scheduler = BatchScheduler(limits, n_blocks, per_block)
-        self.admission = AdmissionControl(AdmissionLimits(limits.max_queue, limits.max_batch))
+        self.admission = AdmissionControl(AdmissionLimits(limits.max_queue))
         self.pool = KVPool(engine.runner, n_blocks, limits.block_tokens)
         self._cond = threading.Condition()
         self._incoming: deque[_Request] = deque()
@@ -173,15 +174,18 @@ class EngineLoop:
                              f"(BLENDSERVE_BATCH_KV_MB); ask for fewer tokens or fewer passages")
 
     def submit(self, handles: list[Generation], prep: Prepared, should_stop: StopCheck = never,
-               timeout_s: float | None = None) -> None:
-        """Queue one request's sequences (one per handle, all of one prompt), or refuse it at
-        admission (`errors.Overloaded`: queue full, or the work ahead would outlast `timeout_s`).
-        A sequence stops at the next step once its `handle.cancel()` is called, `should_stop()` is
-        true, or `timeout_s` has passed since now (it then fails with `DeadlineExceeded`)."""
+               timeout_s: float | None = None, ticket: Ticket | None = None) -> None:
+        """Queue one request's sequences (one per handle, all of one prompt) on its admission
+        `ticket`, or on one taken now (`errors.Overloaded`: queue full, or the work ahead would
+        outlast `timeout_s`). A sequence stops at the next step once its `handle.cancel()` is
+        called, `should_stop()` is true, or `timeout_s` has passed since now (it then fails with
+        `DeadlineExceeded`)."""
         with self._cond:
             if self._closed:
+                if ticket is not None:
+                    ticket.release()
                 raise Cancelled("the engine is shutting down")
-            self.admission.submit(timeout_s)
+            (ticket or self.admission.admit(timeout_s)).use()
             group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles))
             now = time.perf_counter()
             self._incoming.extend(_Request(next(self._ids), h, prep, group, now) for h in handles)
@@ -240,10 +244,12 @@ class EngineLoop:
                     self.scheduler.add(req.prep.seq(req.rid))
                 task = self._tasks.popleft() if self._tasks else None
             with torch.inference_mode():  # no autograd graph: the weights of a loaded model require grad
+                batch, t0 = self._batch_groups(), time.perf_counter()
                 try:
                     self._step()
                 except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
                     logger.exception("engine step failed")
+                self._share(batch | self._batch_groups(), time.perf_counter() - t0)
                 if task is not None:
                     self._run_task(*task)
                 self._store_one()
@@ -296,6 +302,16 @@ class EngineLoop:
             req.waited.add(held[1])
             self.admission.waited(held[1])
 
+    def _batch_groups(self) -> dict[int, _Group]:
+        """The requests in the batch (started, not ended), each once whatever its n."""
+        return {id(r.group): r.group for r in self._requests.values() if r.group.started}
+
+    @staticmethod
+    def _share(batch: dict[int, _Group], seconds: float) -> None:
+        """A step's time, divided among the requests it served: each one's cost."""
+        for g in batch.values():
+            g.cost_s += seconds / len(batch)
+
     def _started(self, req: _Request) -> None:
         g = req.group
         if not g.started:
@@ -310,7 +326,7 @@ class EngineLoop:
         if g.live:
             return
         if g.started:
-            self.admission.finished(g.elapsed_s if g.completed else None)
+            self.admission.finished(g.cost_s if g.completed else None)
         else:
             self.admission.left_queue(dropped)
 

@@ -11,8 +11,14 @@ A request meets admission twice, both here:
              blocks for its prompt (`BatchScheduler._place`, the pool's own rule)
 
 Each rule is one function of plain numbers. `AdmissionControl` holds the numbers they read (the
-queue's length, the moving average of how long a request takes) and counts every decision by its
-reason (`DECISIONS`), the metric family that says why a request waited or was refused.
+queue's length, the moving average of a request's cost) and counts every decision by its reason
+(`DECISIONS`), the metric family that says why a request waited or was refused.
+
+A request's cost is its share of the engine loop's time: each step's time divided among the
+requests in the batch. The loop is one server that everything in it shares, so the work ahead of
+a new request takes about cost x (requests ahead), whatever the batch size: batching shows up as
+a lower cost per request, measured, never assumed. (With a request's wall time as its cost and
+the batch as parallel servers, a loaded CPU admitted all it could and every request timed out.)
 """
 
 from __future__ import annotations
@@ -40,17 +46,17 @@ def predictable(took_s: float | None, timeout_s: float | None) -> bool:
     return timeout_s is not None and took_s is not None and took_s < timeout_s
 
 
-def expected_wait_s(took_s: float, waiting: int, running: int, max_batch: int) -> float:
-    """Until a request submitted now would end: the requests ahead of it, `max_batch` at a time,
-    then itself."""
-    return took_s * (1 + (waiting + running) / max_batch)
+def expected_wait_s(took_s: float, waiting: int, running: int, parallel: int) -> float:
+    """Until a request submitted now would end: the requests ahead of it, `parallel` servers
+    working through them (1 for the engine loop, whose cost is a share of it), then itself."""
+    return took_s * (1 + (waiting + running) / parallel)
 
 
-def too_slow(took_s: float | None, waiting: int, running: int, max_batch: int, timeout_s: float | None) -> bool:
+def too_slow(took_s: float | None, waiting: int, running: int, parallel: int, timeout_s: float | None) -> bool:
     """The work ahead plus its own would end after its deadline: refuse now, not with a 504 later."""
     if not predictable(took_s, timeout_s) or waiting + running == 0:
         return False
-    return expected_wait_s(took_s, waiting, running, max_batch) > timeout_s
+    return expected_wait_s(took_s, waiting, running, parallel) > timeout_s
 
 
 def too_late(took_s: float | None, time_left_s: float | None, timeout_s: float | None) -> bool:
@@ -64,14 +70,36 @@ def batch_has_room(running: int, max_batch: int) -> bool:
 
 
 # ---------------------------------------------------------------------- the state the rules read
+class Ticket:
+    """A request's place in the queue, taken before its prompt is built: the engine loop's `submit`
+    uses it; `release` gives it back when the request never gets there (retrieval failed)."""
+
+    def __init__(self, control: AdmissionControl) -> None:
+        self._control = control
+        self._open = True
+        self._lock = threading.Lock()
+
+    def use(self) -> None:
+        with self._lock:
+            if not self._open:
+                raise RuntimeError("an admission ticket is used once")
+            self._open = False
+
+    def release(self) -> None:
+        """No-op once used or released."""
+        with self._lock:
+            was_open, self._open = self._open, False
+        if was_open:
+            self._control.left_queue()
+
+
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_queue: int | None = None  # requests waiting for the batch before 503 (None: no bound)
-    max_batch: int = 8  # requests prefilling or decoding at once
 
     def __post_init__(self) -> None:
-        if (self.max_queue is not None and self.max_queue < 1) or self.max_batch < 1:
-            raise ValueError("max_queue and max_batch must be >= 1")
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
 
 
 class AdmissionControl:
@@ -83,13 +111,14 @@ class AdmissionControl:
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not started (or dropped) yet
         self._running = 0
-        self._took_s = took_s  # a request's time, submit to end (moving average); None until one completed
+        self._took_s = took_s  # a request's cost: its share of the loop (moving average); None until one completed
         self._closed = False
         self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
 
     # ------------------------------------------------------------------ caller side
-    def submit(self, timeout_s: float | None) -> None:
-        """Take a request into the queue, or raise `Overloaded` (queue full, too slow, shutting down)."""
+    def admit(self, timeout_s: float | None) -> Ticket:
+        """Take a request into the queue, or raise `Overloaded` (queue full, too slow, shutting down).
+        Called before the request's prompt is built, so a refusal costs no retrieval."""
         with self._lock:
             refusal = self._refusal(timeout_s)
             if refusal is not None:
@@ -97,6 +126,7 @@ class AdmissionControl:
                 self.decisions[reason] += 1
                 raise Overloaded(message, reason)
             self._queued += 1
+        return Ticket(self)
 
     def _refusal(self, timeout_s: float | None) -> tuple[str, str] | None:
         lim = self.limits
@@ -104,16 +134,18 @@ class AdmissionControl:
             return "refused_shutting_down", "the engine is shutting down"
         if queue_full(self._queued, lim.max_queue):
             return "refused_queue_full", f"engine queue is full ({lim.max_queue} waiting)"
-        if too_slow(self._took_s, self._queued, self._running, lim.max_batch, timeout_s):
-            wait = expected_wait_s(self._took_s, self._queued, self._running, lim.max_batch)
+        if too_slow(self._took_s, self._queued, self._running, 1, timeout_s):
+            wait = expected_wait_s(self._took_s, self._queued, self._running, 1)
             return "refused_too_slow", (f"engine busy: the work ahead would take about {wait:.1f} s, longer than "
                                         f"the request's {timeout_s:g} s timeout")
         return None
 
     # ------------------------------------------------------------------ engine-loop side
     def too_late(self, time_left_s: float | None, timeout_s: float | None) -> bool:
+        """A queued request could not end in its time left, sharing the loop with those running."""
         with self._lock:
-            return too_late(self._took_s, time_left_s, timeout_s)
+            need = None if self._took_s is None else expected_wait_s(self._took_s, 0, self._running, 1)
+            return predictable(self._took_s, timeout_s) and too_late(need, time_left_s, timeout_s)
 
     def started(self) -> None:
         """A queued request was admitted to the batch."""
@@ -130,14 +162,15 @@ class AdmissionControl:
                 self.decisions[reason] += 1
 
     def finished(self, seconds: float | None) -> None:
-        """A started request ended; `seconds` (submit to end) teaches the moving average when it completed."""
+        """A started request ended; `seconds` (its share of the loop) teaches the moving average when it
+        completed."""
         with self._lock:
             self._running -= 1
         if seconds is not None:
             self.learn(seconds)
 
     def learn(self, seconds: float) -> None:
-        """One more completed request took `seconds`, submit to end (the moving average)."""
+        """One more completed request cost `seconds` of the loop (the moving average)."""
         with self._lock:
             self._took_s = seconds if self._took_s is None else 0.7 * self._took_s + 0.3 * seconds
 

@@ -717,9 +717,16 @@ def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_pat
                 assert r.status_code == 503, (path, r.text)
                 assert r.json()["error"]["code"] == "overloaded" and "queue is full" in r.json()["error"]["message"]
                 assert int(r.headers["retry-after"]) >= 1
+            retriever, searched = c.app.state.svc.stack.retriever, []
+            real_search = retriever.search
+            retriever.search = lambda *a, **k: searched.append(1) or real_search(*a, **k)
+            try:  # refused before any retrieval is spent on it
+                assert c.post("/v1/query", json={"question": "Queue text?"}).status_code == 503 and not searched
+            finally:
+                del retriever.search
             metrics = c.get("/metrics").text
-            assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 3.0" in metrics
-            assert 'blendserve_admission_total{decision="refused_queue_full"} 3.0' in metrics
+            assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 4.0" in metrics
+            assert 'blendserve_admission_total{decision="refused_queue_full"} 4.0' in metrics
         for t in waiting:
             t.join(30)
         assert queued == [200, 200]  # the queued ones were answered once the loop was free

@@ -28,7 +28,8 @@ PLAN = BlendPlan(("The Arno flows past old mills.",), "Which river?", mode=Mode.
 
 def test_the_rules_as_numbers():
     assert rules.queue_full(2, 2) and not rules.queue_full(1, 2) and not rules.queue_full(10**6, None)
-    assert rules.expected_wait_s(0.3, waiting=1, running=1, max_batch=2) == pytest.approx(0.6)
+    assert rules.expected_wait_s(0.3, waiting=1, running=1, parallel=2) == pytest.approx(0.6)
+    assert rules.expected_wait_s(0.3, waiting=1, running=1, parallel=1) == pytest.approx(0.9)
     assert not rules.too_slow(0.3, 0, 0, 1, timeout_s=0.1)  # nothing ahead: never refused on estimates
     assert not rules.too_slow(0.3, 1, 0, 1, timeout_s=0.7) and rules.too_slow(0.3, 2, 0, 1, timeout_s=0.8)
     assert not rules.too_slow(None, 5, 5, 1, timeout_s=0.1)  # nothing measured yet
@@ -115,7 +116,7 @@ def test_work_past_its_deadline_is_refused_or_dropped_unstarted(tiny_runner):
     eng = _engine(tiny_runner, max_batch=1)
     now = [100.0]
     eng.loop.clock = lambda: now[0]
-    eng.loop.admission = AdmissionControl(AdmissionLimits(None, 1), took_s=0.3)  # a request takes 0.3 s
+    eng.loop.admission = AdmissionControl(AdmissionLimits(None), took_s=0.3)  # a request costs 0.3 s
     try:
         with _held(eng):
             doomed = _submit(eng, timeout_s=0.7)  # nothing ahead: ~0.3 s, fits
@@ -150,3 +151,24 @@ def test_a_request_of_n_sequences_is_admitted_and_ended_once(tiny_runner):
         _drained(eng)
     finally:
         eng.close()
+
+
+def test_a_request_costs_its_share_of_the_loop_not_its_wall_time(tiny_runner):
+    """Three requests batched together each cost about a third of the steps they shared: admission
+    learns the batch's real speed instead of taking a loaded request's wall time as its own work."""
+    eng = _engine(tiny_runner, max_batch=4)
+    eng.loop.admission = AdmissionControl(AdmissionLimits(None))  # nothing learned yet
+    try:
+        with _held(eng):
+            sinks = [_Submitted(eng) for _ in range(3)]
+        walls = [s.outcome.result.total_ms / 1e3 for s in sinks]
+        assert eng.loop.admission.took_s < 0.6 * max(walls), (eng.loop.admission.took_s, walls)
+        _drained(eng)
+    finally:
+        eng.close()
+
+
+class _Submitted(_Sink):
+    def __init__(self, eng: BlendEngine) -> None:
+        super().__init__()
+        eng.start(PLAN, [GenerationConfig(max_tokens=24, ignore_eos=True)], self)
