@@ -293,6 +293,19 @@ def test_concurrent_ingests_do_not_duplicate(stack):
     assert stack.retriever.search("Which way does river 7 flow?", k=1)[0].doc_id == "r7"
 
 
+def _recording_publish(stack) -> list:
+    """Every batch the passage store publishes, appended as it returns (the store's own publish runs)."""
+    published: list = []
+    real = stack.pipeline.db.publish
+
+    def publish(*args, **kwargs):
+        published.append(real(*args, **kwargs))
+        return published[-1]
+
+    stack.pipeline.db.publish = publish
+    return published
+
+
 def test_sample_ingestion_stops_at_shutdown_and_keeps_what_it_published(tmp_path, runner, embedder):
     """Shutdown interrupts the first-start ingestion at its next checkpoint (between layers and
     batches): the batches published before stay, nothing is left half-written, and the next start
@@ -301,14 +314,7 @@ def test_sample_ingestion_stops_at_shutdown_and_keeps_what_it_published(tmp_path
     sample.write_text("\n".join(json.dumps({"title": f"River {i}", "text": f"River {i} flows north. " * 3,
                                             "doc_id": f"r{i}", "source": "sample"}) for i in range(9)) + "\n")
     s = make_stack(tmp_path, runner, embedder, sample_corpus=sample, ingest_batch_size=3)
-    published = []
-    real = s.pipeline.db.publish
-
-    def publish(*args, **kwargs):
-        published.append(real(*args, **kwargs))
-        return published[-1]
-
-    s.pipeline.db.publish = publish
+    published = _recording_publish(s)
     try:
         assert ingest_sample_on_first_start(s, should_stop=lambda: len(published) >= 1) is None
         assert len(published) == 1  # stopped at the checkpoint after the first publish: no later batch
@@ -328,14 +334,7 @@ def test_ingest_stops_at_its_next_batch_once_should_stop_turns_true(tmp_path, ru
     s = make_stack(tmp_path, runner, embedder, ingest_batch_size=3)
     docs = [Document(text=f"River {i} flows north past the mill. " * 3, title=f"River {i}", doc_id=f"r{i}")
             for i in range(9)]
-    published, paced = [], []
-    real = s.pipeline.db.publish
-
-    def publish(*args, **kwargs):
-        published.append(real(*args, **kwargs))
-        return published[-1]
-
-    s.pipeline.db.publish = publish
+    published, paced = _recording_publish(s), []
     try:
         with pytest.raises(Cancelled, match="between ingestion batches"):
             s.pipeline.ingest(docs, publish="batch", should_stop=lambda: len(published) >= 2,
