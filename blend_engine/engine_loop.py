@@ -4,7 +4,7 @@
     --------------------------------       ---------------
     EngineClient.submit / Generation       each step (`scheduler.batch.BatchScheduler`):
       layout, keys, plan, block hashes ->    drop cancelled, timed-out and too-late requests
-      admission (`scheduler.admission`:      grow runs (or preempt the youngest), admit by free
+      admission (`scheduler.admission`)      grow runs (or preempt the youngest), admit by free
       then wait for deltas            <-     blocks (taking cached prefixes), advance prefills
                                              under a token budget, ONE batched decode step
     run_task(fn) (ingestion precompute) ->   one task between steps
