@@ -24,7 +24,7 @@ from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.layout import PromptLayout, passage_text
 from blend_engine.model import ModelRunner
 
-from .executor.layers import LayerJob, LayerLoop
+from .executor.layers import LayerJob, run_layers
 
 
 class ChunkCache:
@@ -54,12 +54,8 @@ class ChunkCache:
         `Cancelled` before a layer once `should_stop()` is true."""
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)  # [T]
         self.check_fits(len(ids))
-        loop = LayerLoop(self.runner, LayerJob(ids))
-        steps = loop.steps()  # one layer per step
-        for layer in range(self.runner.shape.n_layers):
-            stop_if(should_stop, f"at layer {layer} of a precompute")
-            next(steps)
-        return loop.output().cache.segment(0, len(ids))  # k, v: [L, H, T, D]
+        out = run_layers(self.runner, LayerJob(ids), should_stop, "a precompute")
+        return out.cache.segment(0, len(ids))  # k, v: [L, H, T, D]
 
     @torch.inference_mode()
     def precompute_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16,

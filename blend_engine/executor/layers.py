@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blend_engine.cancel import StopCheck, stop_if
 from blend_engine.executor.ape import ape_attend
 from blend_engine.executor.placement import Placer
 from blend_engine.executor.selection import RankSpace, Selection
@@ -151,13 +152,16 @@ class LayerClock:
         return [b - a for a, b in zip(starts, stops)]
 
 
-def run_layers(runner: ModelRunner, job: LayerJob) -> LayerOutput:
+def run_layers(runner: ModelRunner, job: LayerJob, should_stop: StopCheck | None = None,
+               what: str = "a pass") -> LayerOutput:
     """Run every layer once (see `LayerJob`). At the last layer only the last position's output
     is needed (its logits), so only it attends and runs the MLP there; every selected token's K/V
-    are still written."""
+    are still written. Raises `Cancelled` before a layer once `should_stop()` is true."""
     loop = LayerLoop(runner, job)
-    for _ in loop.steps():
-        pass
+    steps = loop.steps()  # one layer per step
+    for layer in range(runner.shape.n_layers):
+        stop_if(should_stop, f"at layer {layer} of {what}")
+        next(steps)
     return loop.output()
 
 
