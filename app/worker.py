@@ -30,7 +30,7 @@ from typing import Any
 
 from blend_engine.cancel import Cancelled
 from blend_engine.errors import Overloaded
-from blend_engine.scheduler.admission import expected_wait_s, too_late, too_slow
+from blend_engine.scheduler.admission import expected_wait_s, moving_average, too_late, too_slow
 
 __all__ = ["Cancelled", "EngineWorker", "Job"]
 
@@ -128,8 +128,7 @@ class EngineWorker:
 
     def _learn(self, job: Job, seconds: float) -> None:
         with self._lock:
-            old = self._took.get(job.name)
-            self._took[job.name] = seconds if old is None else 0.7 * old + 0.3 * seconds
+            self._took[job.name] = moving_average(self._took.get(job.name), seconds)
 
     def _too_late(self, job: Job) -> bool:
         """Its time left is shorter than such a job takes: starting it would only produce a 504."""

@@ -69,6 +69,11 @@ def batch_has_room(running: int, max_batch: int) -> bool:
     return running < max_batch
 
 
+def moving_average(old: float | None, seconds: float) -> float:
+    """The estimates' update: one more measurement weighs 0.3 (the first is taken as it is)."""
+    return seconds if old is None else 0.7 * old + 0.3 * seconds
+
+
 # ---------------------------------------------------------------------- the state the rules read
 class Ticket:
     """A request's place in the queue, taken before its prompt is built: the engine loop's `submit`
@@ -172,7 +177,7 @@ class AdmissionControl:
     def learn(self, seconds: float) -> None:
         """One more completed request cost `seconds` of the loop (the moving average)."""
         with self._lock:
-            self._took_s = seconds if self._took_s is None else 0.7 * self._took_s + 0.3 * seconds
+            self._took_s = moving_average(self._took_s, seconds)
 
     def waited(self, reason: str) -> None:
         """A request at the head of the queue waited a step for `reason` (`waited_*`)."""
