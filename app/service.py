@@ -264,17 +264,15 @@ def _choice_config(gen: GenerationConfig, index: int) -> GenerationConfig:
     return gen if index == 0 or gen.seed is None else replace(gen, seed=gen.seed + index)
 
 
-
-
 class QueryRun:
     """One query on the event loop: `start` retrieves, plans and submits it (errors raise there,
     before any byte is sent); `deltas()` yields the sources (one `StreamDelta` just before the
     first token) and then each choice's text; `outcome()` once they ended. `abort()` stops it."""
 
     def __init__(self, spec: QuerySpec, passages: tuple[PassageRef, ...], plan: BlendPlan, stream: RequestStream,
-                 t0: float, retrieval_ms: float, fallback: str | None, notes: tuple[str, ...]) -> None:
+                 retrieval_ms: float, fallback: str | None, notes: tuple[str, ...]) -> None:
         self.spec, self.passages, self.plan, self.stream = spec, passages, plan, stream
-        self._t0, self._retrieval_ms, self._fallback, self._notes = t0, retrieval_ms, fallback, notes
+        self._retrieval_ms, self._fallback, self._notes = retrieval_ms, fallback, notes
 
     @classmethod
     def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float) -> QueryRun:
@@ -283,11 +281,10 @@ class QueryRun:
         t0 = time.perf_counter()
         with _service_errors():
             ticket = client.admit(timeout_s)  # refused before any retrieval or tokenizing is spent on it
-        try:
-            with _service_errors():
+            try:
                 return cls._submit(stack, client, spec, timeout_s, ticket, t0)
-        finally:
-            ticket.release()  # a no-op once the engine took it
+            finally:
+                ticket.release()  # a no-op once the engine took it
 
     @classmethod
     def _submit(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float, ticket: Ticket,
@@ -301,7 +298,7 @@ class QueryRun:
         plan, layout, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
         gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
         stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout, ticket)
-        return cls(spec, passages, plan, stream, t0, retrieval_ms, fallback, notes)
+        return cls(spec, passages, plan, stream, retrieval_ms, fallback, notes)
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         """The sources first, then every piece of text (or logprobs) as the engine decodes it."""
@@ -315,11 +312,10 @@ class QueryRun:
                     yield StreamDelta(index, "", sources=self.passages)
                 yield StreamDelta(index, delta.text, delta.logprobs)
 
-    async def finish(self) -> QueryOutcome:
-        """Run to the end without streaming; the outcome."""
+    async def finish(self) -> None:
+        """Run to the end without streaming (then `outcome()`)."""
         async for _ in self.deltas():
             pass
-        return self.outcome()
 
     def abort(self) -> None:
         self.stream.abort()
