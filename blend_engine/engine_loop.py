@@ -121,13 +121,18 @@ class _Request:
     waited: set[str] = field(default_factory=set)  # why it waited in the queue (counted once each)
 
     @property
+    def aborted(self) -> bool:
+        """Its caller stopped it (the handle's cancel, the request's abort)."""
+        return self.handle.cancelled or self.group.should_stop()
+
+    @property
     def stopped(self) -> bool:
-        return self.handle.cancelled or self.group.should_stop() or self.group.expired
+        return self.aborted or self.group.expired
 
     def stop_error(self) -> Cancelled:
-        if self.group.expired and not (self.handle.cancelled or self.group.should_stop()):
-            return DeadlineExceeded(f"request exceeded its timeout of {self.group.timeout_s:g} s")
-        return Cancelled("request cancelled")
+        if self.aborted:
+            return Cancelled("request cancelled")
+        return DeadlineExceeded(f"request exceeded its timeout of {self.group.timeout_s:g} s")
 
 
 @dataclass
@@ -289,7 +294,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ admission (`scheduler.admission`)
     def _too_late(self, req: _Request) -> bool:
-        """Still queued, and its time left is shorter than a request takes."""
+        """Still queued, and its time left is shorter than it would take beside the running ones."""
         g = req.group
         return not g.started and self.admission.too_late(g.time_left_s, g.timeout_s)
 
