@@ -135,6 +135,37 @@ def serving(settings: ServiceSettings, stack_factory=None, documents: list[dict]
         yield client
 
 
+def poll(fn, timeout: float = 60.0, step: float = 0.05):
+    """fn()'s first truthy value, polled until the deadline (AssertionError after it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+@contextmanager
+def held_loop(loop) -> Iterator[None]:
+    """An engine loop (its thread running) kept busy in a task until the block ends: what is
+    submitted meanwhile stays queued at admission."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(30)
+
+    holder = threading.Thread(target=loop.run_task, args=(hold,), daemon=True)
+    holder.start()
+    assert entered.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def run_threads(fn, n: int, timeout_s: float = 300) -> None:
     """fn(0) .. fn(n - 1), each on a thread of its own, all started, then all joined."""
     threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]

@@ -16,7 +16,7 @@ from app.main import create_app
 from app.settings import ServiceSettings
 from blend_engine.types import SelectionPolicy
 from blendserve_config.settings import Settings
-from tests.helpers import make_settings, serving, svc, wait_ready
+from tests.helpers import held_loop, make_settings, poll, serving, svc, wait_ready
 
 MODES = ["blend", "full_prefill", "prefix_cache", "full_reuse"]
 FIXTURE_DOCS = [
@@ -668,36 +668,14 @@ def test_api_key_guards_everything_but_health(tmp_path, tiny_stack_factory):
 
 
 # ============================================================================ load: queue full, timeout
-def _poll(cond, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @contextmanager
 def _engine_held(c) -> Iterator[object]:
-    """The engine loop busy in a task until the block ends: requests submitted meanwhile stay queued
-    at admission. Yields the loop."""
+    """The service's engine loop, started by a first query, then held busy (`held_loop`). Yields the loop."""
     body = {"question": "q?", "documents": [{"text": "Warm the loop."}], "max_tokens": 1}
     assert c.post("/v1/query", json=body).status_code == 200  # the loop thread runs from here on
     loop = c.app.state.svc.stack.engine.loop
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(30)
-
-    holder = threading.Thread(target=loop.run_task, args=(hold,), daemon=True)
-    holder.start()
-    assert entered.wait(10)
-    try:
+    with held_loop(loop):
         yield loop
-    finally:
-        release.set()
-        holder.join(10)
 
 
 def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_path, tiny_stack_factory):
@@ -709,7 +687,7 @@ def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_pat
                 "question": "q?", "max_tokens": 2, **doc}).status_code)) for _ in range(2)]
             for t in waiting:
                 t.start()
-            assert _poll(lambda: loop.admission.queued == 2)
+            poll(lambda: loop.admission.queued == 2, 10.0)
             for path, body in [("/v1/query", {"question": "q?", **doc}), ("/v1/query", {"question": "q?",
                                                                                         "stream": True, **doc}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q?"}], **doc})]:
@@ -730,7 +708,7 @@ def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_pat
         for t in waiting:
             t.join(30)
         assert queued == [200, 200]  # the queued ones were answered once the loop was free
-        assert _poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0)
+        poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0, 10.0)
         r = c.post("/v1/query", json={"question": "q?", "documents": [{"text": "After the storm."}], "max_tokens": 2})
         assert r.status_code == 200
 
@@ -742,7 +720,7 @@ def test_request_timeout_is_504_and_leaves_no_state(tmp_path, tiny_stack_factory
             assert c.post("/v1/query", json=body).status_code == 504
             assert c.post("/v1/query", json={**body, "stream": True}).status_code == 504
             assert loop.admission.queued == 2  # both still queued behind the held loop, but aborted
-        assert _poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0)
+        poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0, 10.0)
         assert loop.stats()["running"] == 0 and loop.stats()["kv_blocks_in_use"] == 0
         # the aborted requests never ran: their passage was not stored
         engine = c.app.state.svc.stack.engine

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,7 +15,7 @@ from app.main import create_app
 from app.service import GATE_CHECKING
 from blend_engine.selfcheck import GateDecision
 from tests.app.test_api import FIXTURE_DOCS, sse_events
-from tests.helpers import held_ingest_factory, make_settings, serving, svc, wait_ready
+from tests.helpers import held_ingest_factory, make_settings, poll, serving, svc, wait_ready
 
 QUERY = {"question": "What is the capital of France?", "top_k": 2, "max_tokens": 3, "mode": "full_prefill"}
 
@@ -29,17 +28,6 @@ def client(tmp_path_factory, tiny_stack_factory):
 
 def _stored(client, passage_id: str):
     return svc(client).stack.pipeline.db.get_many([passage_id])[passage_id]
-
-
-def poll(fn, timeout: float = 60.0, step: float = 0.05):
-    """fn()'s first truthy value, polled until the deadline (AssertionError after it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 # ============================================================================ sources with their text

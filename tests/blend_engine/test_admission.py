@@ -7,8 +7,6 @@ loop's `clock` seam); the loop is held busy by a task, never by a sleep."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
@@ -21,6 +19,7 @@ from blend_engine.scheduler import admission as rules
 from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
+from tests.helpers import held_loop
 
 GEN = GenerationConfig(max_tokens=3, ignore_eos=True)
 PLAN = BlendPlan(("The Arno flows past old mills.",), "Which river?", mode=Mode.FULL_PREFILL)
@@ -64,25 +63,6 @@ def _engine(runner, max_queue: int | None = None, max_batch: int = 1) -> BlendEn
     return eng
 
 
-@contextmanager
-def _held(eng: BlendEngine) -> Iterator[None]:
-    """The loop busy in a task until the block ends: what is submitted meanwhile stays queued."""
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(30)
-
-    holder = threading.Thread(target=eng.loop.run_task, args=(hold,), daemon=True)
-    holder.start()
-    assert entered.wait(10)
-    try:
-        yield
-    finally:
-        release.set()
-        holder.join(10)
-
-
 def _submit(eng: BlendEngine, timeout_s: float | None = None) -> _Sink:
     sink = _Sink()
     eng.start(PLAN, [GEN], sink, timeout_s=timeout_s)
@@ -97,7 +77,7 @@ def _drained(eng: BlendEngine) -> None:
 def test_a_full_queue_is_refused_at_submit_and_a_full_batch_waits(tiny_runner):
     eng = _engine(tiny_runner, max_queue=2, max_batch=1)
     try:
-        with _held(eng):
+        with held_loop(eng.loop):
             first, second = _submit(eng), _submit(eng)
             assert eng.loop.admission.queued == 2
             with pytest.raises(Overloaded, match="queue is full") as refused:
@@ -118,7 +98,7 @@ def test_work_past_its_deadline_is_refused_or_dropped_unstarted(tiny_runner):
     eng.loop.clock = lambda: now[0]
     eng.loop.admission = AdmissionControl(AdmissionLimits(None), took_s=0.3)  # a request costs 0.3 s
     try:
-        with _held(eng):
+        with held_loop(eng.loop):
             doomed = _submit(eng, timeout_s=0.7)  # nothing ahead: ~0.3 s, fits
             with pytest.raises(Overloaded, match="longer than the request's") as refused:
                 _submit(eng, timeout_s=0.5)  # one ahead: ~0.6 s, does not
@@ -131,7 +111,7 @@ def test_work_past_its_deadline_is_refused_or_dropped_unstarted(tiny_runner):
         d = eng.loop.admission.decisions
         assert (d["refused_too_slow"], d["dropped_too_late"], d["admitted"]) == (1, 1, 1)
         _drained(eng)
-        with _held(eng):
+        with held_loop(eng.loop):
             late = _submit(eng, timeout_s=1.0)
             now[0] += 2.0  # past its deadline while queued
         assert isinstance(late.outcome, DeadlineExceeded)
@@ -159,7 +139,7 @@ def test_a_request_costs_its_share_of_the_loop_not_its_wall_time(tiny_runner):
     eng = _engine(tiny_runner, max_batch=4)
     eng.loop.admission = AdmissionControl(AdmissionLimits(None))  # nothing learned yet
     try:
-        with _held(eng):
+        with held_loop(eng.loop):
             sinks = [_Submitted(eng) for _ in range(3)]
         walls = [s.outcome.result.total_ms / 1e3 for s in sinks]
         assert eng.loop.admission.took_s < 0.6 * max(walls), (eng.loop.admission.took_s, walls)
