@@ -16,6 +16,7 @@ from app.settings import ServiceSettings
 from benchmarks.data import DATA_ENV, default_data_dir
 from blend_engine.kv_store import ChunkKV
 from blend_engine.model import ModelRunner
+from tests.local_services import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
@@ -137,13 +138,10 @@ def serving(settings: ServiceSettings, stack_factory=None, documents: list[dict]
 
 def poll(fn, timeout: float = 60.0, step: float = 0.05):
     """fn()'s first truthy value, polled until the deadline (AssertionError after it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout} s")
+    value = wait_for(fn, timeout, step)
+    if not value:
+        raise AssertionError(f"condition not met within {timeout} s")
+    return value
 
 
 @contextmanager
