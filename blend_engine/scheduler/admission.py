@@ -150,7 +150,7 @@ class AdmissionControl:
         """A queued request could not end in its time left, sharing the loop with those running."""
         with self._lock:
             need = None if self._took_s is None else expected_wait_s(self._took_s, 0, self._running, 1)
-            return predictable(self._took_s, timeout_s) and too_late(need, time_left_s, timeout_s)
+            return too_late(need, time_left_s, timeout_s)  # need >= a request's cost: predictable(need) implies it
 
     def started(self) -> None:
         """A queued request was admitted to the batch."""
