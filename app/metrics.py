@@ -105,6 +105,8 @@ _LOOP_SERIES = (  # the engine loop's stats() as metric families: (family, name,
     (CounterMetricFamily, "blendserve_preemptions", "Requests preempted because the KV pool was full", "preemptions"),
     (CounterMetricFamily, "blendserve_prefix_hit_tokens", "Prompt tokens taken from the KV pool's prefix cache",
      "prefix_hit_tokens"),
+    (GaugeMetricFamily, "blendserve_decode_graphs", "Decode steps captured as CUDA graphs (one per batch size and "
+     "key-length bucket; 0 on the CPU)", "decode_graphs"),
 )
 
 

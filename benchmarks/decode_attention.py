@@ -37,7 +37,7 @@ def _runs(runner: ModelRunner, batch: int, n_tokens: int, block_tokens: int = 16
     """`batch` runs of one pool, each holding `n_tokens` tokens of random K/V, room for 64 more."""
     per = blocks_for(n_tokens + 64, block_tokens)
     pool = KVPool(runner, per * batch, block_tokens)
-    for k, v in zip(*pool._tensors()):
+    for k, v in zip(*pool.kv):
         k.normal_()
         v.normal_()
     return pool, [Run(i * per, per) for i in range(batch)]

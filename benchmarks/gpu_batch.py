@@ -24,14 +24,15 @@ from blend_engine.types import BlendPlan, GenerationConfig
 
 
 def time_batched(setup: Setup, runner: ModelRunner, clients: tuple[int, ...], n_tokens: int,
-                 max_tokens: int = 32, n_contexts: int = 4) -> dict:
+                 max_tokens: int = 32, n_contexts: int = 4, decode_graphs: str = "auto") -> dict:
     """`n_contexts` different ~n_tokens contexts (their KV cached in pinned RAM), requests cycling over
-    them with different questions, `c` at once for each c in `clients`."""
+    them with different questions, `c` at once for each c in `clients`; `decode_graphs` as
+    `EngineConfig.decode_graphs` (auto: decode steps replayed as CUDA graphs on CUDA)."""
     fmt = "bf16" if runner.dtype == torch.bfloat16 else "fp16"
     dt = torch.bfloat16 if fmt == "bf16" else torch.float16
     pin = setup.device.type == "cuda"
     store = HeldStore("pinned", lambda t: t.to("cpu", dt).pin_memory() if pin else t.to("cpu", dt))
-    engine = BlendEngine(runner, store, _config(fmt, runner, max(clients), n_tokens + max_tokens))
+    engine = BlendEngine(runner, store, _config(fmt, runner, max(clients), n_tokens + max_tokens, decode_graphs))
     contexts = [make_passages(engine, n_tokens - 64, seed=100 + i) for i in range(n_contexts)]
     for passages in contexts:
         cache_kv(engine, passages, [store])
@@ -40,14 +41,17 @@ def time_batched(setup: Setup, runner: ModelRunner, clients: tuple[int, ...], n_
              for i in range(max(clients))]
     engine.run(plans[0], GenerationConfig(max_tokens=2))  # warm-up (kernels, allocator)
     rows = [_level(engine, plans[:c], gen) for c in clients]
+    captured = engine.loop.stats()["decode_graphs"]
     engine.close()
-    return {"tokens": engine.layout(plans[0]).n_tokens, "max_tokens": max_tokens, "rows": rows}
+    return {"tokens": engine.layout(plans[0]).n_tokens, "max_tokens": max_tokens, "decode_graphs": decode_graphs,
+            "graphs_captured": captured, "rows": rows}
 
 
 KV_SLACK = 1.25  # the batch's KV budget over what its requests need (block rounding, prefill chunks)
 
 
-def _config(fmt: str, runner: ModelRunner, clients: int, tokens_per_request: int) -> EngineConfig:
+def _config(fmt: str, runner: ModelRunner, clients: int, tokens_per_request: int,
+            decode_graphs: str = "auto") -> EngineConfig:
     """The engine configured to admit `clients` requests of `tokens_per_request` tokens at once, its KV
     budget what they need (the paged pool of #35 allocates its whole budget on the device: never a
     blanket limit). The one place that names the batching engine's limits."""
@@ -56,7 +60,8 @@ def _config(fmt: str, runner: ModelRunner, clients: int, tokens_per_request: int
     s = runner.shape
     per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * runner.dtype.itemsize  # K and V, every layer
     budget = int(KV_SLACK * clients * tokens_per_request * per_token)
-    return EngineConfig(kv_format=fmt, batch=BatchLimits(max_batch=clients, kv_budget_bytes=budget))
+    return EngineConfig(kv_format=fmt, batch=BatchLimits(max_batch=clients, kv_budget_bytes=budget),
+                        decode_graphs=decode_graphs)
 
 
 def _level(engine: BlendEngine, plans: list[BlendPlan], gen: GenerationConfig) -> dict:

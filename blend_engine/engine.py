@@ -63,6 +63,7 @@ class EngineConfig:
     # SDPA on a device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
     selected_attention: str = "auto"
     decode_attention: str = "auto"  # `executor.decode.decode_attention`: pooled / per_sequence / auto
+    decode_graphs: str = "auto"  # "auto": pooled decode steps replayed as CUDA graphs on CUDA; "off": eager
     batch: BatchLimits = field(default_factory=BatchLimits)  # continuous batching (`scheduler.batch`)
     # automatic prefix caching over the KV pool: off, every request computes its whole prompt (a benchmark
     # comparing modes on one prompt must not let one mode take another's KV)
@@ -71,6 +72,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_selected_attention(self.selected_attention)
         check_decode_attention(self.decode_attention)
+        if self.decode_graphs not in ("auto", "off"):
+            raise ValueError(f"decode_graphs must be auto or off, not {self.decode_graphs!r}")
         if not 0 <= self.default_ratio <= 1:
             raise ValueError("default_ratio must be within [0, 1]")
         if self.prefix_cache_bytes < 0:

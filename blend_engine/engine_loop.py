@@ -38,6 +38,7 @@ import torch
 from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never, stop_if
 from blend_engine.errors import InputError
 from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.decode_graphs import DecodeGraphs
 from blend_engine.executor.kv_pool import KVPool, block_bytes
 from blend_engine.executor.layers import KVCache
 from blend_engine.executor.prefill import PrefillRun, PrefillState
@@ -156,6 +157,7 @@ class EngineLoop:
         self.scheduler = BatchScheduler(limits, n_blocks, per_block)
         self.admission = AdmissionControl(AdmissionLimits(limits.max_queue))
         self.pool = KVPool(engine.runner, n_blocks, limits.block_tokens)
+        self._graphs: DecodeGraphs | None = None  # CUDA graphs of the decode step over the pool (first use)
         self._cond = threading.Condition()
         self._incoming: deque[_Request] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Callable[[], bool] | None, concurrent.futures.Future]] = deque()
@@ -219,7 +221,8 @@ class EngineLoop:
                 "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen,
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
                 "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
-                "prefix_hit_tokens": s.prefix_hit_tokens}
+                "prefix_hit_tokens": s.prefix_hit_tokens,
+                "decode_graphs": 0 if self._graphs is None else len(self._graphs.graphs)}
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.admission.close()
@@ -407,7 +410,8 @@ class EngineLoop:
         caches = [r.cache for r in reqs]
         try:
             logits = decode_batch(self.engine.runner, caches, [r.next_token for r in reqs],
-                                  [c.length for c in caches], self.engine.config.decode_attention)  # [B, V]
+                                  [c.length for c in caches], self.engine.config.decode_attention,
+                                  self._decode_graphs())  # [B, V]
             host = self._read(reqs, logits)
         except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
             for r in reqs:
@@ -419,6 +423,12 @@ class EngineLoop:
             if self._replayed(req):
                 continue
             self._guard(req, lambda r, b=b: self._take(r, host.top[b], host.rows.get(b)))
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The pool's decode graphs, made in this thread on first use: on CUDA unless turned off."""
+        if self._graphs is None and self.engine.config.decode_graphs == "auto" and self.engine.runner.device.type == "cuda":
+            self._graphs = DecodeGraphs(self.engine.runner, self.pool)
+        return self._graphs
 
     @staticmethod
     def _replayed(req: _Request) -> bool:

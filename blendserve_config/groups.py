@@ -56,6 +56,10 @@ class EngineSettings(Group):
         "auto", description="how a decode step attends: pooled = one call a layer over keys gathered from the KV "
                             "pool; per_sequence = one call per sequence; auto = pooled on a GPU, per_sequence on "
                             "the CPU (measured faster there)")
+    decode_graphs: Literal["auto", "off"] = Field(
+        "auto", description="auto = on CUDA, replay pooled decode steps as CUDA graphs (captured per batch size "
+                            "and key-length bucket on first use); off = always run them eagerly. No effect on "
+                            "the CPU")
     max_batch: int = Field(16, ge=1, le=256, description="requests the engine loop prefills and decodes at once "
                                                          "(continuous batching; 16 measured best on a 2-core CPU, "
                                                          "64 for a GPU); more wait in its queue")

@@ -124,6 +124,7 @@ def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> Ble
     config = EngineConfig(kv_format=settings.store.kv_format, prefix_cache_bytes=e.prefix_cache_mb << 20,
                           default_ratio=e.recompute_ratio if e.recompute_ratio is not None else e.ratio_floor,
                           selected_attention=e.selected_attention, decode_attention=e.decode_attention,
+                          decode_graphs=e.decode_graphs,
                           batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens, e.kv_block_tokens,
                                             max_queue=queue_limit(settings)),
                           prefix_caching=e.prefix_caching)

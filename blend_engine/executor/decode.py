@@ -16,12 +16,14 @@ its own position, so rows never mix). Attention is ragged, two ways with the sam
 
 `decode_attention("auto", ...)` picks pooled on a device (kernel launches dominate there) and
 per_sequence on the CPU, where the gather costs more than B calls (measured, docs/results.md).
-A lone sequence is the same step with B = 1.
+A lone sequence is the same step with B = 1. On CUDA a pooled step may instead be replayed as a
+CUDA graph at padded shapes (`decode_graphs.DecodeGraphs`): the same `forward` and `Pooled`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -52,29 +54,53 @@ def decode_attention(name: str, device: torch.device, caches: Sequence[KVCache])
 
 @torch.inference_mode()
 def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequence[int],
-                 input_pos: Sequence[int], attention: str = "auto") -> torch.Tensor:
+                 input_pos: Sequence[int], attention: str = "auto", graphs: DecodeGraphsLike | None = None
+                 ) -> torch.Tensor:
     """Write token b at position input_pos[b] of caches[b] (every layer's K/V), return the logits
     of the next token for every sequence: [B, V]. Each cache's length becomes input_pos[b] + 1.
-    `attention`: see `decode_attention`."""
+    `attention`: see `decode_attention`; a pooled step that `graphs` can replay runs as its graph."""
     r = runner
     if len(caches) != len(token_ids) or len(caches) != len(input_pos):
         raise ValueError("decode_batch needs one token and one position per cache")
     for cache, p in zip(caches, input_pos):
         if p >= cache.capacity:
             raise ValueError("KV cache capacity exhausted")
-    ids = upload_ints(token_ids, r.device)  # [B], the step's uploads: pinned, non-blocking
-    pos = upload_ints(input_pos, r.device)  # [B]
+    pooled = decode_attention(attention, r.device, caches) == "pooled"
+    if pooled and graphs is not None and graphs.fits(caches):
+        logits = graphs.step(caches, token_ids, input_pos)  # [B, V]
+    else:
+        ids = upload_ints(token_ids, r.device)  # [B], the step's uploads: pinned, non-blocking
+        pos = upload_ints(input_pos, r.device)  # [B]
+        if pooled:
+            start = upload_ints([c.offset for c in caches], r.device)  # [B]
+            n = upload_ints([p + 1 for p in input_pos], r.device)  # [B]
+            attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1)
+        else:
+            attend = _PerSequence(r, caches, input_pos, pos)
+        logits = forward(r, ids, pos, attend)  # [B, V]
+    for cache, p in zip(caches, input_pos):
+        cache.length = p + 1
+    return logits
+
+
+class Attend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class DecodeGraphsLike(Protocol):
+    def fits(self, caches: Sequence[KVCache]) -> bool: ...
+
+    def step(self, caches: Sequence[KVCache], token_ids: Sequence[int], input_pos: Sequence[int]) -> torch.Tensor: ...
+
+
+def forward(r: ModelRunner, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One token per row through every layer: ids, pos [B] on the device; returns logits [B, V].
+    No host sync and no shape but B's and attend's: the body a CUDA graph captures."""
     hidden = r.embed(ids)  # [B, E]
     cos, sin = r.rope(pos)  # [B, D] each
-    if decode_attention(attention, r.device, caches) == "pooled":
-        attend = _Pooled(r, caches, input_pos, pos)
-    else:
-        attend = _PerSequence(r, caches, input_pos, pos)
     for layer in range(r.shape.n_layers):
         q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, B, D], [H, B, D], [H, B, D]
         hidden = r.finish_layer(layer, hidden, attend(layer, q, k, v))  # [B, E]
-    for cache, p in zip(caches, input_pos):
-        cache.length = p + 1
     return r.logits(hidden)  # [B, V]
 
 
@@ -94,16 +120,17 @@ class _PerSequence:
         return torch.cat(outs)  # [B, Hq*D]
 
 
-class _Pooled:
-    """All rows in one SDPA call a layer, over keys gathered from the pool the caches are runs of."""
+class Pooled:
+    """All rows in one SDPA call a layer, over keys gathered from the pool.
 
-    def __init__(self, r: ModelRunner, caches: Sequence[KVCache], input_pos: Sequence[int], pos: torch.Tensor) -> None:
+    Row b's keys are pool slots start[b] .. start[b] + n[b] - 1 (its run's first n[b] positions);
+    its new K/V goes to slot start[b] + pos[b]. Every input is a device tensor and `n_keys` (>= the
+    longest n[b]) the one shape, so a graph captured at (B, n_keys) replays any step that fits it."""
+
+    def __init__(self, r: ModelRunner, kv: tuple[list[torch.Tensor], list[torch.Tensor]], start: torch.Tensor,
+                 n: torch.Tensor, pos: torch.Tensor, n_keys: int) -> None:
         self.r = r
-        self.k_pool, self.v_pool = caches[0].pool  # L x [H, slots, D] each
-        lengths = [p + 1 for p in input_pos]
-        n_keys = max(lengths)
-        start = upload_ints([c.offset for c in caches], r.device)  # [B]
-        n = upload_ints(lengths, r.device)  # [B]
+        self.k_pool, self.v_pool = kv  # L x [H, slots, D] each
         j = torch.arange(n_keys, device=r.device)  # [Lmax]
         self.slots = start + pos  # [B]: where each row's new K/V goes
         self.keys = (start[:, None] + torch.minimum(j[None, :], n[:, None] - 1)).reshape(-1)  # [B*Lmax] pool slots

@@ -6,7 +6,10 @@ the selection and the decode step read and write it as they do a dense cache, an
 it with no gather. Copies happen only when a cached prefix is taken into a run elsewhere or a run
 moves to a larger window.
 
-    pool slots:  | run of seq a ............ | cached prefix | free | run of seq b ...... | free |
+    pool slots:  | run of seq a ............ | cached prefix | free | run of seq b ...... | free | scratch |
+
+One block past the scheduler's blocks is scratch, never in a run: the padding rows of a decode step
+replayed at a padded batch size write their K/V there (`decode_graphs`).
 """
 
 from __future__ import annotations
@@ -38,11 +41,21 @@ class KVPool:
         """(K, V): per layer [H, slots, D] each; one tuple for the pool's life (caches compare it by identity)."""
         if self._kv is None:
             s, r = self.runner.shape, self.runner
-            shape = (s.n_kv_heads, self.n_blocks * self.block_tokens, s.head_dim)
+            shape = (s.n_kv_heads, (self.n_blocks + 1) * self.block_tokens, s.head_dim)  # + the scratch block
             k = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
             v = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
             self._kv = (k, v)
         return self._kv
+
+    @property
+    def kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The pool's (K, V): per layer [H, slots, D] each."""
+        return self._tensors()
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the scratch block (no run's)."""
+        return self.n_blocks * self.block_tokens
 
     def view(self, run: Run, length: int = 0) -> KVCache:
         """The run as a cache whose first `length` positions are valid."""

@@ -249,18 +249,15 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before == (True, True)
 
 
-def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine):
-    """One attention call a layer over keys gathered from the paged pool gives the per-sequence
-    path's logits and writes the same K/V, for ragged lengths past a sliding window (every family)."""
-    from blend_engine.executor.decode import decode_attention, decode_batch
+def _ragged_pool(runner):
+    """Three runs of one pool with ragged random K/V (two beyond the window of 24), the rest zero."""
     from blend_engine.executor.kv_pool import KVPool
     from blend_engine.scheduler.kv_blocks import Run
 
-    runner = family_engine.runner
     pool = KVPool(runner, n_blocks=16, block_tokens=16)
-    runs, lengths = [Run(0, 3), Run(3, 1), Run(6, 5)], [37, 5, 70]  # ragged; two beyond the window of 24
+    runs, lengths = [Run(0, 3), Run(3, 1), Run(6, 5)], [37, 5, 70]
     g = torch.Generator().manual_seed(1)
-    for k, v in zip(*pool._tensors()):
+    for k, v in zip(*pool.kv):
         k.zero_()
         v.zero_()
     caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
@@ -268,18 +265,66 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine):
         for c, n in zip(caches, lengths):
             c.k[layer][:, :n] = torch.randn(c.k[layer][:, :n].shape, generator=g)  # [H, n, D]
             c.v[layer][:, :n] = torch.randn(c.v[layer][:, :n].shape, generator=g)  # [H, n, D]
-    before = [(k.clone(), v.clone()) for k, v in zip(*pool._tensors())]
+    return pool, runs, lengths
+
+
+def _pool_kv(pool, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]  # L x ([H, slots, D] x 2)
+
+
+@pytest.mark.parametrize("path", ["pooled", "padded_static"])
+def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, path):
+    """One attention call a layer over keys gathered from the paged pool gives the per-sequence
+    path's logits and writes the same K/V, for ragged lengths past a sliding window (every family);
+    so does the same step at the padded shapes a CUDA graph replays (`decode_graphs`, run eagerly:
+    3 rows padded to 4, keys to a bucket of 256), whose padding row writes only the scratch block."""
+    from blend_engine.executor.decode import decode_attention, decode_batch
+    from blend_engine.executor.decode_graphs import DecodeGraphs
+
+    runner = family_engine.runner
+    pool, runs, lengths = _ragged_pool(runner)
+    before = [(k.clone(), v.clone()) for k, v in zip(*pool.kv)]
     tokens = [11, 22, 33]
+    caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
     want = decode_batch(runner, caches, tokens, lengths, attention="per_sequence")  # [B, V]
-    wrote = [(k.clone(), v.clone()) for k, v in zip(*pool._tensors())]
-    for (k, v), (k0, v0) in zip(zip(*pool._tensors()), before):
+    slots = pool.scratch_slot
+    wrote = _pool_kv(pool, slots)
+    for (k, v), (k0, v0) in zip(zip(*pool.kv), before):
         k.copy_(k0)
         v.copy_(v0)
     caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
     assert decode_attention("pooled", runner.device, caches) == "pooled"
     assert decode_attention("auto", torch.device("cpu"), caches) == "per_sequence"
-    got = decode_batch(runner, caches, tokens, lengths, attention="pooled")  # [B, V]
+    graphs = DecodeGraphs(runner, pool, capture=False) if path == "padded_static" else None
+    got = decode_batch(runner, caches, tokens, lengths, attention="pooled", graphs=graphs)  # [B, V]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for (k, v), (wk, wv) in zip(zip(*pool._tensors()), wrote):  # the same slots written, to fp rounding
+    assert [c.length for c in caches] == [n + 1 for n in lengths]
+    for (k, v), (wk, wv) in zip(_pool_kv(pool, slots), wrote):  # the same slots written, to fp rounding
         torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-5)
+    scratch_written = any(bool(k[:, slots].abs().sum() > 0) for k, _ in zip(*pool.kv))
+    assert scratch_written == (path == "padded_static")
+
+
+def test_decode_graph_buckets():
+    """Captured shapes: batch sizes up to 64 (None beyond), keys padded by less than 256 or a quarter."""
+    from blend_engine.executor.decode_graphs import BATCH_BUCKETS, batch_bucket, key_bucket
+
+    assert [batch_bucket(b) for b in (1, 3, 9, 17, 33, 64)] == [1, 4, 16, 24, 48, 64]
+    assert batch_bucket(BATCH_BUCKETS[-1] + 1) is None
+    for n in (1, 255, 256, 257, 1000, 1025, 5000, 8192, 40000):
+        assert 0 <= key_bucket(n) - n < max(256, n // 4 + 1), n
+    assert len({key_bucket(n) for n in range(1025, 2049)}) == 4  # 4 graphs an octave
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_replayed_decode_graph_equals_the_eager_step():
+    """On a GPU: steps replayed from captured graphs (growing positions, a new key bucket, a batch
+    that shrinks) give the same padded step's logits and K/V run eagerly, and the unpadded eager
+    step's greedy tokens."""
+    from benchmarks.decode_graph_check import compare_captured_and_eager
+    from blend_engine.model import ModelRunner
+
+    report = compare_captured_and_eager(ModelRunner.load(device="cuda", dtype="float32"), steps=6)
+    assert report["graphs"] >= 2 and report["captured_vs_padded_logit_diff"] < 1e-3, report
+    assert report["captured_vs_padded_kv_diff"] < 1e-3 and report["greedy_equal"], report

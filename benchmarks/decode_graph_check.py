@@ -1,0 +1,192 @@
+"""The decode step replayed as CUDA graphs (issue #35 item 6): equal to the eager step, and how
+close to its bandwidth floor a batched step gets (issue #35's GPU target: batch 64 on the 8B shape
+within 2x).
+
+    python -m benchmarks.decode_graph_check OUT_DIR [--smollm .gpucarry/smollm2] [--smoke]
+        [--batch 1,16,64] [--tokens 1024] [--reps 10] [--only equal,steps,batched]
+
+1. `equal`: on SmolLM2 (fp32 and the run dtype), B ragged sequences in runs of one pool decode
+   several steps at growing positions (crossing a key bucket, then a batch that shrinks) eagerly
+   (pooled attention) and from captured graphs, from the same pool contents: the largest logit
+   and K/V differences, whether greedy tokens agree, how many graphs were captured.
+2. `steps`: on the Llama-3.1-8B-shaped random model (bf16), batch B over T-token contexts: one
+   step with per-sequence attention, with pooled attention (eager), and replayed from its graph
+   (`DecodeGraphs.step`: the inputs' upload and the logits' copy included), the first capture's
+   time apart; beside them the floor: every weight once plus the batch's K/V once over the
+   device's copy bandwidth (`gpu_decode`).
+3. `batched`: the engine loop's batched run (`gpu_batch`, 64 clients each blending ~8K tokens and
+   decoding 32) with decode graphs off, then on.
+Results go to OUT_DIR/decode_graphs.json as each part ends. On a CPU (`--smoke`: tiny shapes) the
+graph rows run the same padded step eagerly (capture needs CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode_attention import _runs
+from benchmarks.gpu_common import Setup, median_ms
+from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.decode_graphs import DecodeGraphs
+from blend_engine.executor.kv_pool import KVPool
+from blend_engine.model import ModelRunner
+
+logger = logging.getLogger("decode_graph_check")
+
+
+def _steps(runner: ModelRunner, pool: KVPool, runs, lengths: list[int], steps: int,
+           graphs: DecodeGraphs | None) -> list[torch.Tensor]:
+    """`steps` decode steps from the given lengths: all rows, then (second half) all but the last two."""
+    caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
+    out = []
+    for s in range(steps):
+        rows = caches if s < steps // 2 else caches[:max(1, len(caches) - 2)]
+        tokens = [100 + 7 * b + s for b in range(len(rows))]
+        out.append(decode_batch(runner, rows, tokens, [c.length for c in rows], "pooled", graphs).float().cpu())
+    return out
+
+
+def compare_captured_and_eager(runner: ModelRunner, steps: int = 6, batch: int = 5) -> dict:
+    """The same steps from the same pool contents three ways: eager pooled (unpadded), the padded
+    step run eagerly (`capture=False`) and replayed from captured graphs. Captured vs padded differ
+    only if capture broke something (same kernels, same shapes); padded vs unpadded by the fp
+    rounding of other GEMM shapes."""
+    lengths = [253 - 40 * b for b in range(batch)]  # the longest crosses the 256-key bucket at step 3
+    pool, runs = _runs(runner, batch, max(lengths) + steps)
+    slots = pool.scratch_slot
+    start = [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]
+    logits, kv, n_graphs = {}, {}, 0
+    cuda = runner.device.type == "cuda"
+    for way in ("eager", "padded", "captured") if cuda else ("eager", "padded"):  # capture needs CUDA
+        for (k, v), (k0, v0) in zip(zip(*pool.kv), start):
+            k[:, :slots], v[:, :slots] = k0, v0
+        graphs = None if way == "eager" else DecodeGraphs(runner, pool, capture=way == "captured")
+        logits[way] = _steps(runner, pool, runs, lengths, steps, graphs)
+        kv[way] = [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]
+        n_graphs = len(graphs.graphs) if graphs is not None else n_graphs
+
+    def logit_diff(a: str, b: str) -> float:
+        return max((x - y).abs().max().item() for x, y in zip(logits[a], logits[b]))
+
+    def kv_diff(a: str, b: str) -> float:
+        return max(max((k - k2).abs().max().item(), (v - v2).abs().max().item())
+                   for (k, v), (k2, v2) in zip(kv[a], kv[b]))
+
+    captured = "captured" if cuda else "padded"
+    return {"dtype": str(runner.dtype), "batch": batch, "steps": steps, "graphs": n_graphs,
+            "capture_ran": captured == "captured",
+            "captured_vs_padded_logit_diff": logit_diff(captured, "padded"),
+            "captured_vs_padded_kv_diff": kv_diff(captured, "padded"),
+            "padded_vs_eager_logit_diff": logit_diff("padded", "eager"),
+            "padded_vs_eager_kv_diff": kv_diff("padded", "eager"),
+            "greedy_equal": all(bool((a.argmax(-1) == b.argmax(-1)).all())
+                                for a, b in zip(logits["eager"], logits[captured]))}
+
+
+def time_steps(setup: Setup, runner: ModelRunner, batches: list[int], n_tokens: int, reps: int) -> list[dict]:
+    """Per batch size: per_sequence, pooled and graph-replayed step times and the floor (ms)."""
+    from benchmarks.gpu_decode import copy_bandwidth, read_weight_bytes
+
+    bandwidth = copy_bandwidth(setup, 1 << 30 if setup.device.type == "cuda" else 64 << 20)
+    weights = read_weight_bytes(runner.model)
+    s = runner.shape
+    rows = []
+    for b in batches:
+        row = {"batch": b, "tokens": n_tokens, **_time_batch(setup, runner, b, n_tokens, reps)}
+        kv = 2 * s.n_layers * s.n_kv_heads * s.head_dim * n_tokens * b * runner.dtype.itemsize
+        row.update(weight_bytes=weights, kv_bytes=kv, copy_gb_per_s=round(bandwidth / 1e9, 1),
+                   floor_ms=(weights + kv) / bandwidth * 1e3)
+        row["graph_over_floor"] = row["graph_ms"] / row["floor_ms"]
+        rows.append(row)
+        logger.info("steps %s", row)
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _time_batch(setup: Setup, runner: ModelRunner, b: int, n_tokens: int, reps: int) -> dict:
+    pool, runs = _runs(runner, b, n_tokens)
+    tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
+
+    def caches() -> list:  # every step at the same positions
+        return [pool.view(run, n_tokens) for run in runs]
+
+    row = {f"{name}_ms": median_ms(lambda name=name: decode_batch(runner, caches(), tokens, starts, name), setup, reps)
+           for name in ("per_sequence", "pooled")}
+    graphs = DecodeGraphs(runner, pool, capture=setup.device.type == "cuda")
+    setup.sync()
+    t0 = time.perf_counter()
+    graphs.step(caches(), tokens, starts)  # the first: captures
+    setup.sync()
+    row["first_capture_ms"] = (time.perf_counter() - t0) * 1e3
+    row["graph_ms"] = median_ms(lambda: graphs.step(caches(), tokens, starts), setup, reps)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--smollm", type=Path, default=None, help="a gpu_pack folder (default: the local GGUF)")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--only", default="equal,steps,batched")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from benchmarks.gpu_check import _runner, _tokenizer
+    from benchmarks.gpu_timing import random_runner
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    setup = Setup(torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, args.smoke)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"torch": torch.__version__, "device": str(setup.device)}
+
+    def part(name: str, fn: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - a one-shot device check reports what it can
+            logger.exception("%s failed", name)
+            result[f"{name}_error"] = repr(exc)[:600]
+        result[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+        (args.out / "decode_graphs.json").write_text(json.dumps(result, indent=2))
+
+    parts = args.only.split(",")
+    with torch.inference_mode():
+        if "equal" in parts:
+            for dt in dict.fromkeys((torch.float32, setup.dtype)):
+                part(f"equal_{str(dt).removeprefix('torch.')}",
+                     lambda dt=dt: compare_captured_and_eager(_runner(args.smollm, str(setup.device), dt)))
+        big: list[ModelRunner] = []  # the 8B-shaped random model, built once for the parts that time
+
+        def timing_runner() -> ModelRunner:
+            if not big:
+                big.append(random_runner(setup, _tokenizer(args.smollm)))
+            return big[0]
+
+        if "steps" in parts:
+            batches = [1, 4] if args.smoke else [int(b) for b in args.batch.split(",")]
+            part("steps", lambda: time_steps(setup, timing_runner(), batches,
+                                             256 if args.smoke else args.tokens, 2 if args.smoke else args.reps))
+        if "batched" in parts:  # the engine loop's batched run with graphs off / on (gpu_check part 4's setup)
+            from benchmarks.gpu_batch import time_batched
+
+            clients = (4,) if args.smoke else (64,)
+            n = 329 if args.smoke else 8192
+            for mode in ("off", "auto"):
+                part(f"batched_graphs_{mode}", lambda mode=mode: time_batched(setup, timing_runner(), clients, n,
+                                                                             decode_graphs=mode))
+    print(json.dumps(result, indent=2))
+    return 0 if not any(k.endswith("_error") for k in result) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
