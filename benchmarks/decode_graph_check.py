@@ -6,13 +6,15 @@ within 2x).
         [--batch 1,16,64] [--tokens 1024] [--reps 10] [--only equal,steps,batched]
 
 1. `equal`: on SmolLM2 (fp32 and the run dtype), B ragged sequences in runs of one pool decode
-   several steps at growing positions (crossing a key bucket, then a batch that shrinks) eagerly
-   (pooled attention) and from captured graphs, from the same pool contents: the largest logit
-   and K/V differences, whether greedy tokens agree, how many graphs were captured.
+   several steps at growing positions (crossing a key bucket, then a batch that shrinks) with
+   per-sequence attention (the oracle), eagerly pooled and from captured graphs (each pooled
+   kernel), from the same pool contents: the largest logit and K/V differences, whether greedy
+   tokens agree, how many graphs were captured.
 2. `steps`: on the Llama-3.1-8B-shaped random model (bf16), batch B over T-token contexts: one
-   step with per-sequence attention, with pooled attention (eager), and replayed from its graph
-   (`DecodeGraphs.step`: the inputs' upload and the logits' copy included), the first capture's
-   time apart; beside them the floor: every weight once plus the batch's K/V once over the
+   step with per-sequence attention, with pooled attention (eager; keys gathered, and the Triton
+   kernel that reads the pool in place), and replayed from its graph with each (`DecodeGraphs.step`:
+   the inputs' upload and the logits' copy included), the first capture's time apart; beside them
+   the floor: every weight once plus the batch's K/V once over the
    device's copy bandwidth (`gpu_decode`).
 3. `batched`: the engine loop's batched run (`gpu_batch`, 64 clients each blending ~8K tokens and
    decoding 32) with decode graphs off, then on.
@@ -23,6 +25,7 @@ graph rows run the same padded step eagerly (capture needs CUDA).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import time
@@ -42,33 +45,39 @@ logger = logging.getLogger("decode_graph_check")
 
 
 def _steps(runner: ModelRunner, pool: KVPool, runs, lengths: list[int], steps: int,
-           graphs: DecodeGraphs | None) -> list[torch.Tensor]:
+           graphs: DecodeGraphs | None, attention: str = "pooled", kernel: str | None = None) -> list[torch.Tensor]:
     """`steps` decode steps from the given lengths: all rows, then (second half) all but the last two."""
     caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
     out = []
     for s in range(steps):
         rows = caches if s < steps // 2 else caches[:max(1, len(caches) - 2)]
         tokens = [100 + 7 * b + s for b in range(len(rows))]
-        out.append(decode_batch(runner, rows, tokens, [c.length for c in rows], "pooled", graphs).float().cpu())
+        out.append(decode_batch(runner, rows, tokens, [c.length for c in rows], attention, graphs, kernel).float().cpu())
     return out
 
 
-def compare_captured_and_eager(runner: ModelRunner, steps: int = 6, batch: int = 5) -> dict:
-    """The same steps from the same pool contents three ways: eager pooled (unpadded), the padded
-    step run eagerly (`capture=False`) and replayed from captured graphs. Captured vs padded differ
-    only if capture broke something (same kernels, same shapes); padded vs unpadded by the fp
-    rounding of other GEMM shapes."""
+def compare_captured_and_eager(runner: ModelRunner, steps: int = 6, batch: int = 5, kernel: str | None = None) -> dict:
+    """The same steps from the same pool contents four ways: per-sequence attention (the oracle),
+    eager pooled (unpadded), the padded step run eagerly (`capture=False`) and replayed from captured
+    graphs, the pooled ones with `kernel` (None: `decode.pooled_kernel`'s). Captured vs padded differ
+    only if capture broke something (same kernels, same shapes); the others by the fp rounding of
+    other kernels and GEMM shapes."""
+    from blend_engine.executor.decode import pooled_kernel
+
+    kernel = kernel or pooled_kernel(runner.device)
     lengths = [253 - 40 * b for b in range(batch)]  # the longest crosses the 256-key bucket at step 3
     pool, runs = _runs(runner, batch, max(lengths) + steps)
     slots = pool.scratch_slot
     start = [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]
     logits, kv, n_graphs = {}, {}, 0
     cuda = runner.device.type == "cuda"
-    for way in ("eager", "padded", "captured") if cuda else ("eager", "padded"):  # capture needs CUDA
+    for way in ("oracle", "eager", "padded", "captured") if cuda else ("oracle", "eager", "padded"):  # capture: CUDA
         for (k, v), (k0, v0) in zip(zip(*pool.kv), start):
             k[:, :slots], v[:, :slots] = k0, v0
-        graphs = None if way == "eager" else DecodeGraphs(runner, pool, capture=way == "captured")
-        logits[way] = _steps(runner, pool, runs, lengths, steps, graphs)
+        graphs = DecodeGraphs(runner, pool, capture=way == "captured", kernel=kernel) if way in ("padded", "captured") \
+            else None
+        attention = "per_sequence" if way == "oracle" else "pooled"
+        logits[way] = _steps(runner, pool, runs, lengths, steps, graphs, attention, kernel)
         kv[way] = [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]
         n_graphs = len(graphs.graphs) if graphs is not None else n_graphs
 
@@ -80,14 +89,15 @@ def compare_captured_and_eager(runner: ModelRunner, steps: int = 6, batch: int =
                    for (k, v), (k2, v2) in zip(kv[a], kv[b]))
 
     captured = "captured" if cuda else "padded"
-    return {"dtype": str(runner.dtype), "batch": batch, "steps": steps, "graphs": n_graphs,
-            "capture_ran": captured == "captured",
+    return {"dtype": str(runner.dtype), "kernel": kernel, "batch": batch, "steps": steps, "graphs": n_graphs,
+            "capture_ran": cuda,
             "captured_vs_padded_logit_diff": logit_diff(captured, "padded"),
             "captured_vs_padded_kv_diff": kv_diff(captured, "padded"),
             "padded_vs_eager_logit_diff": logit_diff("padded", "eager"),
-            "padded_vs_eager_kv_diff": kv_diff("padded", "eager"),
+            "eager_vs_oracle_logit_diff": logit_diff("eager", "oracle"),
+            "eager_vs_oracle_kv_diff": kv_diff("eager", "oracle"),
             "greedy_equal": all(bool((a.argmax(-1) == b.argmax(-1)).all())
-                                for a, b in zip(logits["eager"], logits[captured]))}
+                                for a, b in zip(logits["oracle"], logits[captured]))}
 
 
 def time_steps(setup: Setup, runner: ModelRunner, batches: list[int], n_tokens: int, reps: int) -> list[dict]:
@@ -112,21 +122,31 @@ def time_steps(setup: Setup, runner: ModelRunner, batches: list[int], n_tokens: 
 
 
 def _time_batch(setup: Setup, runner: ModelRunner, b: int, n_tokens: int, reps: int) -> dict:
+    from blend_engine.executor.decode import pooled_kernel
+
     pool, runs = _runs(runner, b, n_tokens)
     tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
 
     def caches() -> list:  # every step at the same positions
         return [pool.view(run, n_tokens) for run in runs]
 
-    row = {f"{name}_ms": median_ms(lambda name=name: decode_batch(runner, caches(), tokens, starts, name), setup, reps)
-           for name in ("per_sequence", "pooled")}
-    graphs = DecodeGraphs(runner, pool, capture=setup.device.type == "cuda")
-    setup.sync()
-    t0 = time.perf_counter()
-    graphs.step(caches(), tokens, starts)  # the first: captures
-    setup.sync()
-    row["first_capture_ms"] = (time.perf_counter() - t0) * 1e3
-    row["graph_ms"] = median_ms(lambda: graphs.step(caches(), tokens, starts), setup, reps)
+    row = {"per_sequence_ms": median_ms(lambda: decode_batch(runner, caches(), tokens, starts, "per_sequence"),
+                                        setup, reps)}
+    for kernel in dict.fromkeys(("gather", pooled_kernel(setup.device))):
+        try:
+            row[f"pooled_{kernel}_ms"] = median_ms(
+                lambda kernel=kernel: decode_batch(runner, caches(), tokens, starts, "pooled", kernel=kernel), setup, reps)
+            graphs = DecodeGraphs(runner, pool, capture=setup.device.type == "cuda", kernel=kernel)
+            setup.sync()
+            t0 = time.perf_counter()
+            graphs.step(caches(), tokens, starts)  # the first: captures
+            setup.sync()
+            row[f"first_capture_{kernel}_ms"] = (time.perf_counter() - t0) * 1e3
+            row[f"graph_{kernel}_ms"] = median_ms(lambda graphs=graphs: graphs.step(caches(), tokens, starts), setup, reps)
+        except Exception as exc:  # noqa: BLE001 - one kernel failing leaves the other's numbers
+            logger.exception("batch %d, %s kernel failed", b, kernel)
+            row[f"{kernel}_error"] = repr(exc)[:400]
+    row["graph_ms"] = min((v for k, v in row.items() if k.startswith("graph_") and k.endswith("_ms")), default=float("nan"))
     return row
 
 
@@ -162,9 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.only.split(",")
     with torch.inference_mode():
         if "equal" in parts:
+            from blend_engine.executor.decode import pooled_kernel
+
             for dt in dict.fromkeys((torch.float32, setup.dtype)):
-                part(f"equal_{str(dt).removeprefix('torch.')}",
-                     lambda dt=dt: compare_captured_and_eager(_runner(args.smollm, str(setup.device), dt)))
+                runner = _runner(args.smollm, str(setup.device), dt)
+                for kernel in dict.fromkeys(("gather", pooled_kernel(setup.device))):
+                    part(f"equal_{str(dt).removeprefix('torch.')}_{kernel}",
+                         lambda runner=runner, kernel=kernel: compare_captured_and_eager(runner, kernel=kernel))
         big: list[ModelRunner] = []  # the 8B-shaped random model, built once for the parts that time
 
         def timing_runner() -> ModelRunner:
@@ -182,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             clients = (4,) if args.smoke else (64,)
             n = 329 if args.smoke else 8192
             for mode in ("off", "auto"):
+                gc.collect()  # the last engine's KV pool (most of the device) goes before the next is made
+                if setup.device.type == "cuda":
+                    torch.cuda.empty_cache()
                 part(f"batched_graphs_{mode}", lambda mode=mode: time_batched(setup, timing_runner(), clients, n,
                                                                              decode_graphs=mode))
     print(json.dumps(result, indent=2))

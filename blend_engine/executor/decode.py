@@ -29,6 +29,7 @@ import torch
 
 from blend_engine.model import ModelRunner
 
+from . import paged_decode
 from .layers import KVCache
 from .uploads import upload_ints
 
@@ -54,11 +55,12 @@ def decode_attention(name: str, device: torch.device, caches: Sequence[KVCache])
 
 @torch.inference_mode()
 def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequence[int],
-                 input_pos: Sequence[int], attention: str = "auto", graphs: DecodeGraphsLike | None = None
-                 ) -> torch.Tensor:
+                 input_pos: Sequence[int], attention: str = "auto", graphs: DecodeGraphsLike | None = None,
+                 kernel: str | None = None) -> torch.Tensor:
     """Write token b at position input_pos[b] of caches[b] (every layer's K/V), return the logits
     of the next token for every sequence: [B, V]. Each cache's length becomes input_pos[b] + 1.
-    `attention`: see `decode_attention`; a pooled step that `graphs` can replay runs as its graph."""
+    `attention`: see `decode_attention`; a pooled step that `graphs` can replay runs as its graph,
+    else eagerly with `kernel` (None: `pooled_kernel`'s choice)."""
     r = runner
     if len(caches) != len(token_ids) or len(caches) != len(input_pos):
         raise ValueError("decode_batch needs one token and one position per cache")
@@ -74,7 +76,8 @@ def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequ
         if pooled:
             start = upload_ints([c.offset for c in caches], r.device)  # [B]
             n = upload_ints([p + 1 for p in input_pos], r.device)  # [B]
-            attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1)
+            attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1,
+                                    kernel or pooled_kernel(r.device))
         else:
             attend = _PerSequence(r, caches, input_pos, pos)
         logits = forward(r, ids, pos, attend)  # [B, V]
@@ -120,24 +123,35 @@ class _PerSequence:
         return torch.cat(outs)  # [B, Hq*D]
 
 
+def pooled_kernel(device: torch.device) -> str:
+    """How a pooled step reads the pool: "triton" (`paged_decode`, the pool read in place) on CUDA
+    where Triton is installed, else "gather" (the rows' keys copied out, one SDPA call)."""
+    return "triton" if device.type == "cuda" and paged_decode.available(device) else "gather"
+
+
 class Pooled:
-    """All rows in one SDPA call a layer, over keys gathered from the pool.
+    """All rows in one attention call a layer, over the pool itself.
 
     Row b's keys are pool slots start[b] .. start[b] + n[b] - 1 (its run's first n[b] positions);
-    its new K/V goes to slot start[b] + pos[b]. Every input is a device tensor and `n_keys` (>= the
-    longest n[b]) the one shape, so a graph captured at (B, n_keys) replays any step that fits it."""
+    its new K/V goes to slot start[b] + pos[b]. Every input is a device tensor: with the "triton"
+    kernel nothing has a shape but B, with "gather" `n_keys` (>= the longest n[b]) is the one other
+    shape, so a graph captured at B (and n_keys) replays any step that fits it."""
 
     def __init__(self, r: ModelRunner, kv: tuple[list[torch.Tensor], list[torch.Tensor]], start: torch.Tensor,
-                 n: torch.Tensor, pos: torch.Tensor, n_keys: int) -> None:
-        self.r = r
+                 n: torch.Tensor, pos: torch.Tensor, n_keys: int, kernel: str = "gather") -> None:
+        if kernel not in ("gather", "triton"):
+            raise ValueError(f"pooled decode kernel must be gather or triton, not {kernel!r}")
+        self.r, self.kernel = r, kernel
         self.k_pool, self.v_pool = kv  # L x [H, slots, D] each
-        j = torch.arange(n_keys, device=r.device)  # [Lmax]
+        self.start, self.n, self.pos = start, n, pos  # [B] each
         self.slots = start + pos  # [B]: where each row's new K/V goes
-        self.keys = (start[:, None] + torch.minimum(j[None, :], n[:, None] - 1)).reshape(-1)  # [B*Lmax] pool slots
-        # (a row's padding reads its last valid key, masked)
-        self.valid = j[None, :] < n[:, None]  # [B, Lmax]
-        self.j, self.pos = j, pos
-        self.masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, 1, Lmax]
+        if kernel == "gather":
+            j = torch.arange(n_keys, device=r.device)  # [Lmax]
+            self.keys = (start[:, None] + torch.minimum(j[None, :], n[:, None] - 1)).reshape(-1)  # [B*Lmax] slots
+            # (a row's padding reads its last valid key, masked)
+            self.valid = j[None, :] < n[:, None]  # [B, Lmax]
+            self.j = j
+            self.masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, 1, Lmax]
 
     def _mask(self, layer: int) -> torch.Tensor:
         window = self.r.windows[layer]
@@ -151,9 +165,14 @@ class Pooled:
         K.index_copy_(1, self.slots, k)  # the B new keys, [H, B, D] into [H, slots, D]
         V.index_copy_(1, self.slots, v)
         n_q, b, d = q.shape
-        h, n_keys = K.shape[0], self.keys.shape[0] // b
-        Kb = K.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]
-        Vb = V.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]
+        h = K.shape[0]
         qb = q.transpose(0, 1).reshape(b, h, n_q // h, d)  # [B, H, G, D]: q head i reads KV head i // G
-        out = self.r.attend_rows(qb, Kb, Vb, self._mask(layer))  # [B, H, G, D]
+        if self.kernel == "triton":
+            out = paged_decode.paged_decode(qb, K, V, self.start, self.n, self.pos, self.r.windows[layer],
+                                            self.r.scaling)  # [B, H, G, D]
+        else:
+            n_keys = self.keys.shape[0] // b
+            Kb = K.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]
+            Vb = V.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]
+            out = self.r.attend_rows(qb, Kb, Vb, self._mask(layer))  # [B, H, G, D]
         return out.reshape(b, n_q * d)  # [B, Hq*D]

@@ -1,14 +1,15 @@
 """The pooled decode step at fixed shapes, replayed as CUDA graphs (issue #35 item 6).
 
-A decode step's only varying shapes are B (rows) and Lmax (the longest row's keys). Here a step
-runs at (batch_bucket(B), key_bucket(Lmax)):
+A decode step's only varying shapes are B (rows) and, when the rows' keys are gathered out of the
+pool (`decode.Pooled`'s "gather" kernel), Lmax (the longest row's keys); the "triton" kernel reads
+the pool in place and has no Lmax. Here a step runs at (batch_bucket(B), key_bucket(Lmax) or 0):
 
     rows:  | seq 1 .. seq B | padding up to the batch bucket: write the pool's scratch block, attend to 1 key |
     keys:  | row b's n[b] keys | its last key again, masked, up to the key bucket |
 
 and its per-step inputs (token ids, positions, run starts, key counts) are one [4, B] upload into a
 static buffer, so the step (`decode.forward` over `decode.Pooled`) has no host sync and one graph
-per (batch bucket, key bucket) replays every step of that shape. Graphs are captured on first
+per shape replays every step of that shape. Graphs are captured on first
 use, in the thread that runs the step (the engine loop's), and share one memory pool: replays run
 one at a time on that thread's stream, and a step's logits are copied out before the next.
 
@@ -24,7 +25,7 @@ import torch
 
 from blend_engine.model import ModelRunner
 
-from .decode import Pooled, forward
+from .decode import Pooled, forward, pooled_kernel
 from .kv_pool import KVPool
 from .layers import KVCache
 from .uploads import upload
@@ -51,10 +52,11 @@ def key_bucket(n: int) -> int:
 class DecodeGraphs:
     """Owns the static inputs and the graphs of the pooled decode steps over one `KVPool`."""
 
-    def __init__(self, runner: ModelRunner, pool: KVPool, capture: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, pool: KVPool, capture: bool = True, kernel: str | None = None) -> None:
         if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.r, self.pool, self.capture = runner, pool, capture
+        self.kernel = kernel or pooled_kernel(runner.device)  # `decode.Pooled`'s
         self.inputs = torch.zeros(4, BATCH_BUCKETS[-1], dtype=torch.long, device=runner.device)  # [4, Bmax]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (B, L) -> graph, logits
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -71,7 +73,7 @@ class DecodeGraphs:
         size = batch_bucket(b)
         if size is None:
             raise ValueError(f"a step of {b} rows is past the largest captured batch ({BATCH_BUCKETS[-1]})")
-        n_keys = key_bucket(max(input_pos) + 1)
+        n_keys = key_bucket(max(input_pos) + 1) if self.kernel == "gather" else 0
         self._load(size, caches, token_ids, input_pos)
         if not self.capture:
             return self._run(size, n_keys)[:b].clone()  # [b, V]
@@ -92,7 +94,7 @@ class DecodeGraphs:
     def _run(self, size: int, n_keys: int) -> torch.Tensor:
         """The step at (size, n_keys) from the static inputs: logits [size, V]."""
         ids, pos, start, n = self.inputs[:, :size]  # [size] each
-        return forward(self.r, ids, pos, Pooled(self.r, self.pool.kv, start, n, pos, n_keys))  # [size, V]
+        return forward(self.r, ids, pos, Pooled(self.r, self.pool.kv, start, n, pos, n_keys, self.kernel))  # [size, V]
 
     def _captured(self, size: int, n_keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the step at (size, n_keys), after a warm-up on a side stream (which runs this step
@@ -106,5 +108,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             logits = self._run(size, n_keys)  # [size, V], in the graphs' pool
         self.graphs[(size, n_keys)] = (graph, logits)
-        logger.info("captured the decode step at batch %d, %d keys (%d graphs)", size, n_keys, len(self.graphs))
+        logger.info("captured the decode step at batch %d, %d keys, %s kernel (%d graphs)", size, n_keys, self.kernel,
+                    len(self.graphs))
         return graph, logits

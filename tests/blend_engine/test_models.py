@@ -272,12 +272,24 @@ def _pool_kv(pool, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]  # L x ([H, slots, D] x 2)
 
 
-@pytest.mark.parametrize("path", ["pooled", "padded_static"])
+def _triton_runs() -> bool:
+    from blend_engine.executor import paged_decode
+
+    return paged_decode.available(torch.device("cpu")) or torch.cuda.is_available() and paged_decode.triton is not None
+
+
+PATHS = ["pooled", "padded_static",
+         pytest.param("triton", marks=pytest.mark.skipif(not _triton_runs(), reason="needs Triton (CUDA, or "
+                                                                                    "TRITON_INTERPRET=1 on the CPU)"))]
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, path):
     """One attention call a layer over keys gathered from the paged pool gives the per-sequence
     path's logits and writes the same K/V, for ragged lengths past a sliding window (every family);
     so does the same step at the padded shapes a CUDA graph replays (`decode_graphs`, run eagerly:
-    3 rows padded to 4, keys to a bucket of 256), whose padding row writes only the scratch block."""
+    3 rows padded to 4, keys to a bucket of 256), whose padding row writes only the scratch block,
+    and the Triton kernel that reads the pool in place (`paged_decode`)."""
     from blend_engine.executor.decode import decode_attention, decode_batch
     from blend_engine.executor.decode_graphs import DecodeGraphs
 
@@ -296,7 +308,8 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, p
     assert decode_attention("pooled", runner.device, caches) == "pooled"
     assert decode_attention("auto", torch.device("cpu"), caches) == "per_sequence"
     graphs = DecodeGraphs(runner, pool, capture=False) if path == "padded_static" else None
-    got = decode_batch(runner, caches, tokens, lengths, attention="pooled", graphs=graphs)  # [B, V]
+    kernel = "triton" if path == "triton" else "gather"
+    got = decode_batch(runner, caches, tokens, lengths, attention="pooled", graphs=graphs, kernel=kernel)  # [B, V]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert [c.length for c in caches] == [n + 1 for n in lengths]
     for (k, v), (wk, wv) in zip(_pool_kv(pool, slots), wrote):  # the same slots written, to fp rounding
