@@ -3,7 +3,7 @@ close to its bandwidth floor a batched step gets (issue #35's GPU target: batch 
 within 2x).
 
     python -m benchmarks.decode_graph_check OUT_DIR [--smollm .gpucarry/smollm2] [--smoke]
-        [--batch 1,16,64] [--tokens 1024] [--reps 10] [--only equal,steps,batched]
+        [--batch 1,16,64] [--tokens 1024] [--reps 10] [--only equal,steps,kernel,batched]
 
 1. `equal`: on SmolLM2 (fp32 and the run dtype), B ragged sequences in runs of one pool decode
    several steps at growing positions (crossing a key bucket, then a batch that shrinks) with
@@ -16,7 +16,9 @@ within 2x).
    the inputs' upload and the logits' copy included), the first capture's time apart; beside them
    the floor: every weight once plus the batch's K/V once over the
    device's copy bandwidth (`gpu_decode`).
-3. `batched`: the engine loop's batched run (`gpu_batch`, 64 clients each blending ~8K tokens and
+3. `kernel`: one layer's decode attention alone (8B shape): the Triton kernel's (block, warps)
+   variants against gather + SDPA, in GB/s of K/V read.
+4. `batched`: the engine loop's batched run (`gpu_batch`, 64 clients each blending ~8K tokens and
    decoding 32) with decode graphs off, then on.
 Results go to OUT_DIR/decode_graphs.json as each part ends. On a CPU (`--smoke`: tiny shapes) the
 graph rows run the same padded step eagerly (capture needs CUDA).
@@ -97,7 +99,10 @@ def compare_captured_and_eager(runner: ModelRunner, steps: int = 6, batch: int =
             "eager_vs_oracle_logit_diff": logit_diff("eager", "oracle"),
             "eager_vs_oracle_kv_diff": kv_diff("eager", "oracle"),
             "greedy_equal": all(bool((a.argmax(-1) == b.argmax(-1)).all())
-                                for a, b in zip(logits["oracle"], logits[captured]))}
+                                for a, b in zip(logits["oracle"], logits[captured])),
+            # the first step alone: before earlier steps' K/V differences feed later ones
+            "first_step_vs_oracle_logit_diff": (logits[captured][0] - logits["oracle"][0]).abs().max().item(),
+            "first_step_greedy_equal": bool((logits[captured][0].argmax(-1) == logits["oracle"][0].argmax(-1)).all())}
 
 
 def time_steps(setup: Setup, runner: ModelRunner, batches: list[int], n_tokens: int, reps: int) -> list[dict]:
@@ -127,8 +132,10 @@ def _time_batch(setup: Setup, runner: ModelRunner, b: int, n_tokens: int, reps: 
     pool, runs = _runs(runner, b, n_tokens)
     tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
 
-    def caches() -> list:  # every step at the same positions
-        return [pool.view(run, n_tokens) for run in runs]
+    views = [pool.view(run, n_tokens) for run in runs]  # made once, as the engine loop holds them
+
+    def caches() -> list:  # every step at the same positions (given explicitly: the lengths it set do not matter)
+        return views
 
     row = {"per_sequence_ms": median_ms(lambda: decode_batch(runner, caches(), tokens, starts, "per_sequence"),
                                         setup, reps)}
@@ -150,6 +157,78 @@ def _time_batch(setup: Setup, runner: ModelRunner, b: int, n_tokens: int, reps: 
     return row
 
 
+def profile_step(setup: Setup, runner: ModelRunner, b: int, n_tokens: int) -> str:
+    """A torch.profiler table (top kernels by device time) of one eager pooled step at batch b: the
+    same kernels a graph replays, so where a replayed step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool, runs = _runs(runner, b, n_tokens)
+    tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
+
+    def step() -> None:
+        decode_batch(runner, [pool.view(run, n_tokens) for run in runs], tokens, starts, "pooled")
+
+    step()
+    setup.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        setup.sync()
+    by = "self_cuda_time_total" if setup.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=by, row_limit=15, max_name_column_width=50)
+
+
+KERNEL_CONFIGS = ((64, 4), (32, 4), (128, 4), (64, 2), (64, 8), (128, 8))  # (keys per step, warps)
+
+
+def time_kernels(setup: Setup, batches: list[int], n_tokens: int, reps: int) -> list[dict]:
+    """One layer's decode attention alone on the 8B shape (8 KV heads of 4 query heads, D 128): the
+    Triton kernel at each (block, warps) of KERNEL_CONFIGS against the gather + SDPA, in GB/s of K/V
+    read (the batch's K and V of this layer once)."""
+    rows = []
+    for b in batches:
+        rows.append(_time_kernel_batch(setup, b, n_tokens, reps))
+        logger.info("kernel %s", rows[-1])
+    return rows
+
+
+def _time_kernel_batch(setup: Setup, b: int, n_tokens: int, reps: int) -> dict:
+    from blend_engine.executor.paged_decode import paged_decode
+
+    h, g, d = 8, 4, 128
+    k = torch.randn(h, b * (n_tokens + 64), d, device=setup.device, dtype=setup.dtype)  # [H, slots, D]
+    v = torch.randn_like(k)
+    q = torch.randn(b, h, g, d, device=setup.device, dtype=setup.dtype)  # [B, H, G, D]
+    start = torch.arange(b, device=setup.device) * (n_tokens + 64)  # [B]
+    n = torch.full((b,), n_tokens, device=setup.device)  # [B]
+    pos = n - 1
+    nbytes = 2 * b * h * n_tokens * d * k.element_size()
+    row: dict = {"batch": b, "tokens": n_tokens, "kv_mb": nbytes / 1e6}
+    keys = (start[:, None] + torch.arange(n_tokens, device=setup.device)[None, :]).reshape(-1)  # [B*T]
+    mask = torch.ones(b, 1, 1, n_tokens, dtype=torch.bool, device=setup.device)  # [B, 1, 1, T]
+
+    def gather() -> torch.Tensor:
+        kb = k.index_select(1, keys).view(h, b, n_tokens, d).transpose(0, 1)  # [B, H, T, D]
+        vb = v.index_select(1, keys).view(h, b, n_tokens, d).transpose(0, 1)  # [B, H, T, D]
+        return torch.nn.functional.scaled_dot_product_attention(q, kb, vb, attn_mask=mask)  # [B, H, G, D]
+
+    want = gather()
+    row["gather_sdpa_us"] = median_ms(gather, setup, reps) * 1e3
+    for block, warps in KERNEL_CONFIGS:
+        name = f"triton_{block}x{warps}"
+
+        def kernel(block: int = block, warps: int = warps) -> torch.Tensor:
+            return paged_decode(q, k, v, start, n, pos, None, d ** -0.5, block, warps)  # [B, H, G, D]
+
+        try:
+            row[f"{name}_err"] = (kernel().float() - want.float()).abs().max().item()
+            row[f"{name}_us"] = median_ms(kernel, setup, reps) * 1e3
+            row[f"{name}_gb_per_s"] = nbytes / (row[f"{name}_us"] / 1e6) / 1e9
+        except Exception as exc:  # noqa: BLE001 - one config failing leaves the others
+            row[f"{name}_error"] = repr(exc)[:300]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -158,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--only", default="equal,steps,batched")
+    ap.add_argument("--only", default="equal,steps,kernel,batched")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from benchmarks.gpu_check import _runner, _tokenizer
@@ -200,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             batches = [1, 4] if args.smoke else [int(b) for b in args.batch.split(",")]
             part("steps", lambda: time_steps(setup, timing_runner(), batches,
                                              256 if args.smoke else args.tokens, 2 if args.smoke else args.reps))
+        if "profile" in parts:
+            part("profile", lambda: profile_step(setup, timing_runner(), 4 if args.smoke else 64,
+                                                 256 if args.smoke else args.tokens))
+            print(result.get("profile", ""))
+        if "kernel" in parts:
+            part("kernel", lambda: time_kernels(setup, [1, 4] if args.smoke else [1, 16, 64],
+                                                256 if args.smoke else args.tokens, 2 if args.smoke else 20))
         if "batched" in parts:  # the engine loop's batched run with graphs off / on (gpu_check part 4's setup)
             from benchmarks.gpu_batch import time_batched
 

@@ -25,7 +25,7 @@ try:
 except ImportError:  # the CPU install: no Triton
     triton = None
 
-BLOCK_N = 64  # keys per inner step
+BLOCK_N = 128  # keys per inner step: with 4 warps the best measured on an H200 at B = 16 and 64 (2.5 TB/s)
 
 
 def available(device: torch.device) -> bool:
@@ -36,7 +36,8 @@ def available(device: torch.device) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, start: torch.Tensor,
-                 n: torch.Tensor, pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                 n: torch.Tensor, pos: torch.Tensor, window: int | None, scale: float,
+                 block: int = BLOCK_N, num_warps: int = 4) -> torch.Tensor:
     """q [B, H, G, D] (each KV head's G query rows) over the pool's k, v [H, slots, D]: row b sees
     slots start[b] .. start[b] + n[b] - 1 (key j at position j; on a sliding-window layer only
     j > pos[b] - window). Returns [B, H, G, D] in q's dtype."""
@@ -50,7 +51,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, st
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         scale, 0 if window is None else window,
         G=g, D=d, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK=BLOCK_N, WINDOWED=window is not None, IEEE=q.dtype == torch.float32,
+        BLOCK=block, WINDOWED=window is not None, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
     return out
 
