@@ -3,9 +3,12 @@
 One decode step at batch 1 reads every weight once (the input embeddings only for one row, unless
 tied to the head) and the context's K/V once: its floor is those
 bytes over the device's memory bandwidth, measured here by a device-to-device copy (bytes read plus
-bytes written, over its time). The step is `BlendEngine.decode_step` (the public synchronous step)
-after a full prefill of ~n tokens; median of `reps` steps after a warm-up. Target on an H200 with
-the 8B shape: within 2x of the floor.
+bytes written, over its time). The step is the one serving runs (`pool_step_ms`): the sequence in
+a run of the paged pool, stepped at growing positions by `decode_batch` with the engine loop's
+defaults (on CUDA: the pool kernel, replayed as a CUDA graph); beside it `dense_step_ms`,
+`BlendEngine.decode_step` on the prefill's own dense cache (the public synchronous step, which
+serving does not use). Median of `reps` steps after a warm-up, after a full prefill of ~n tokens.
+Target on an H200 with the 8B shape: within 2x of the floor.
 """
 
 from __future__ import annotations
@@ -55,13 +58,40 @@ def time_decode_floor(setup: Setup, runner: ModelRunner, n_tokens: int, reps: in
         cache.length = start + next(steps)  # each step appends one token after the previous
         engine.decode_step(cache, token)
 
-    step_ms = median_ms(step, setup, reps)
+    dense_ms = median_ms(step, setup, reps)
+    pool_ms = _pool_step_ms(setup, runner, cache, token, reps)
     shape = runner.shape
     weights = read_weight_bytes(runner.model)
     kv = 2 * shape.n_layers * shape.n_kv_heads * start * shape.head_dim * runner.dtype.itemsize
     bandwidth = copy_bandwidth(setup, 1 << 30 if setup.device.type == "cuda" else 64 << 20)
     floor_ms = (weights + kv) / bandwidth * 1e3
-    row = {"tokens": start, "step_ms": step_ms, "weight_bytes": weights, "kv_bytes": kv,
-           "copy_gb_per_s": bandwidth / 1e9, "floor_ms": floor_ms, "over_floor": step_ms / floor_ms}
+    row = {"tokens": start, "step_ms": pool_ms, "dense_step_ms": dense_ms, "weight_bytes": weights, "kv_bytes": kv,
+           "copy_gb_per_s": bandwidth / 1e9, "floor_ms": floor_ms, "over_floor": pool_ms / floor_ms}
     logger.info("decode: %s", row)
     return row
+
+
+def _pool_step_ms(setup: Setup, runner: ModelRunner, cache, token: int, reps: int) -> float:
+    """The prefilled sequence copied into a run of a paged pool, stepped as the engine loop steps it
+    (`EngineConfig`'s defaults: pooled attention and CUDA graphs on CUDA)."""
+    from blend_engine.executor.decode import decode_attention, decode_batch
+    from blend_engine.executor.decode_graphs import DecodeGraphs
+    from blend_engine.executor.kv_pool import KVPool
+    from blend_engine.scheduler.kv_blocks import Run, blocks_for
+
+    start = cache.length
+    n_blocks = blocks_for(start + reps + 8, 16)
+    pool = KVPool(runner, n_blocks, 16)
+    seq = pool.view(Run(0, n_blocks), start)
+    for layer in range(runner.shape.n_layers):
+        seq.k[layer][:, :start] = cache.k[layer][:, :start]  # [H, T, D]
+        seq.v[layer][:, :start] = cache.v[layer][:, :start]
+    cfg = EngineConfig()
+    pooled = decode_attention(cfg.decode_attention, runner.device, [seq]) == "pooled"
+    graphs = DecodeGraphs(runner, pool) if pooled and cfg.decode_graphs == "auto" and setup.device.type == "cuda" \
+        else None
+
+    def step() -> None:  # each step appends one token after the previous
+        decode_batch(runner, [seq], [token], [seq.length], cfg.decode_attention, graphs)
+
+    return median_ms(step, setup, reps)

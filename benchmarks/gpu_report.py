@@ -77,7 +77,8 @@ def _tail(result: dict) -> list[str]:
     d = result.get("decode")
     if d is not None:
         lines += ["", f"## (5) decode step at {d['tokens']} tokens: {d['step_ms']:.2f} ms, floor {d['floor_ms']:.2f} ms "
-                  f"(weights + KV over a {d['copy_gb_per_s']:.0f} GB/s copy): {d['over_floor']:.2f}x the floor"]
+                  f"(weights + KV over a {d['copy_gb_per_s']:.0f} GB/s copy): {d['over_floor']:.2f}x the floor; "
+                  f"the dense synchronous step {d.get('dense_step_ms', float('nan')):.2f} ms"]
     for name, err in result.get("errors", {}).items():
         lines += ["", f"**{name} failed**: `{err.strip().splitlines()[-1]}` (traceback in the JSON)"]
     for name, why in result.get("skipped", {}).items():

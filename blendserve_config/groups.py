@@ -53,9 +53,10 @@ class EngineSettings(Group):
         "auto", description="how a blend's recomputed rows attend: auto = 4 blocks on the CPU, one boolean-mask "
                             "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
     decode_attention: Literal["auto", "pooled", "per_sequence"] = Field(
-        "auto", description="how a decode step attends: pooled = one call a layer over keys gathered from the KV "
-                            "pool; per_sequence = one call per sequence; auto = pooled on a GPU, per_sequence on "
-                            "the CPU (measured faster there)")
+        "auto", description="how a decode step attends: pooled = one call a layer over the KV pool (on CUDA a "
+                            "Triton kernel reading the pool in place, else keys gathered for one SDPA); "
+                            "per_sequence = one call per sequence; auto = pooled on a GPU, per_sequence on the "
+                            "CPU (measured faster there)")
     decode_graphs: Literal["auto", "off"] = Field(
         "auto", description="auto = on CUDA, replay pooled decode steps as CUDA graphs (captured per batch size "
                             "and key-length bucket on first use); off = always run them eagerly. No effect on "

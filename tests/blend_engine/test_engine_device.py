@@ -296,6 +296,31 @@ def test_the_batched_decode_step_runs_on_the_device_without_host_syncs(family, h
     assert host_sync_counter == []  # the decode step reads nothing back (the prefills' positions stand in above)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("path", ["pooled", "padded_static"])
+def test_the_pooled_decode_step_has_no_host_sync_and_uploads_once(family, path, host_sync_counter):
+    """Capturable (#35 item 6): three ragged runs of one paged pool decode one pooled step (keys
+    gathered; on mistral window masks too), eagerly or at the padded shapes a CUDA graph replays
+    (`decode_graphs`, run eagerly here): device tensors only, no value read back, and the step's
+    inputs cross in one upload each (ids, positions, run starts, key counts; one [4, B] when padded)."""
+    from blend_engine.executor.decode_graphs import DecodeGraphs
+    from blend_engine.executor.kv_pool import KVPool
+    from blend_engine.scheduler.kv_blocks import Run
+
+    runner = _device_runner(family)
+    pool = KVPool(runner, n_blocks=16, block_tokens=16)
+    lengths = [37, 5, 70]
+    caches = [pool.view(run, n) for run, n in zip([Run(0, 3), Run(3, 1), Run(6, 5)], lengths)]
+    graphs = DecodeGraphs(runner, pool, capture=False, kernel="gather") if path == "padded_static" else None
+    with DeviceChecker() as checker:
+        logits = decode_batch(runner, caches, [5, 6, 7], lengths, "pooled", graphs, kernel="gather")  # [B, V]
+    assert logits.shape == (3, CONFIG["vocab_size"]) and logits.device == runner.device
+    assert [c.length for c in caches] == [n + 1 for n in lengths]
+    want = {(4, 4)} if graphs is not None else {(3,)}
+    assert {shape for _, shape in checker.uploads} == want
+    assert host_sync_counter == []
+
+
 @pytest.fixture
 def token_reads(monkeypatch):
     """Replace the decode step's one device->host read (`sampling._to_host`) by a counter answering
