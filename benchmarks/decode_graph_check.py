@@ -16,8 +16,9 @@ within 2x).
    the inputs' upload and the logits' copy included), the first capture's time apart; beside them
    the floor: every weight once plus the batch's K/V once over the
    device's copy bandwidth (`gpu_decode`).
-3. `kernel`: one layer's decode attention alone (8B shape): the Triton kernel's (block, warps)
-   variants against gather + SDPA, in GB/s of K/V read.
+3. `kernel`: one layer's decode attention alone (8B shape): the Triton kernel's (block, warps,
+   key ranges) variants against gather + SDPA, in GB/s of K/V read (`--tokens 8192 --batch 1` for
+   the long single stream that key ranges are for).
 4. `batched`: the engine loop's batched run (`gpu_batch`, 64 clients each blending ~8K tokens and
    decoding 32) with decode graphs off, then on.
 Results go to OUT_DIR/decode_graphs.json as each part ends. On a CPU (`--smoke`: tiny shapes) the
@@ -178,13 +179,14 @@ def profile_step(setup: Setup, runner: ModelRunner, b: int, n_tokens: int) -> st
     return prof.key_averages().table(sort_by=by, row_limit=15, max_name_column_width=50)
 
 
-KERNEL_CONFIGS = ((64, 4), (32, 4), (128, 4), (64, 2), (64, 8), (128, 8))  # (keys per step, warps)
+# (keys per step, warps, key ranges per row and head; None: `paged_decode.splits`)
+KERNEL_CONFIGS = ((128, 4, None), (128, 4, 1), (64, 4, 1), (64, 2, 1), (128, 8, 1), (64, 4, None))
 
 
 def time_kernels(setup: Setup, batches: list[int], n_tokens: int, reps: int) -> list[dict]:
     """One layer's decode attention alone on the 8B shape (8 KV heads of 4 query heads, D 128): the
-    Triton kernel at each (block, warps) of KERNEL_CONFIGS against the gather + SDPA, in GB/s of K/V
-    read (the batch's K and V of this layer once)."""
+    Triton kernel at each (block, warps, key ranges) of KERNEL_CONFIGS against the gather + SDPA, in
+    GB/s of K/V read (the batch's K and V of this layer once)."""
     rows = []
     for b in batches:
         rows.append(_time_kernel_batch(setup, b, n_tokens, reps))
@@ -214,11 +216,11 @@ def _time_kernel_batch(setup: Setup, b: int, n_tokens: int, reps: int) -> dict:
 
     want = gather()
     row["gather_sdpa_us"] = median_ms(gather, setup, reps) * 1e3
-    for block, warps in KERNEL_CONFIGS:
-        name = f"triton_{block}x{warps}"
+    for block, warps, n_splits in KERNEL_CONFIGS:
+        name = f"triton_{block}x{warps}_split{n_splits or 'auto'}"
 
-        def kernel(block: int = block, warps: int = warps) -> torch.Tensor:
-            return paged_decode(q, k, v, start, n, pos, None, d ** -0.5, block, warps)  # [B, H, G, D]
+        def kernel(block: int = block, warps: int = warps, n_splits: int | None = n_splits) -> torch.Tensor:
+            return paged_decode(q, k, v, start, n, pos, None, d ** -0.5, block, warps, n_splits)  # [B, H, G, D]
 
         try:
             row[f"{name}_err"] = (kernel().float() - want.float()).abs().max().item()

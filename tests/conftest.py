@@ -11,6 +11,10 @@ import torch
 # The start-up fidelity gate measures the model at every service start; tests of other features run
 # with it off (their tiny random models are not meant to blend well). tests/blend_engine/test_selfcheck.py turns it on.
 os.environ.setdefault("BLENDSERVE_ENGINE_FIDELITY_GATE", "off")
+# Without CUDA, Triton kernels (the pooled decode kernel) run under Triton's interpreter; it is read
+# when a kernel is defined, so before anything imports blend_engine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
