@@ -17,8 +17,6 @@ on the CPU for tests); `available()` says whether it can run here.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -34,7 +32,7 @@ def available(device: torch.device) -> bool:
     """Triton is importable and can run on `device` (CUDA, or the CPU under its interpreter)."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)  # Triton's own TRITON_INTERPRET
 
 
 TARGET_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs)
