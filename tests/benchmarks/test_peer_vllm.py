@@ -285,3 +285,27 @@ def test_a_server_that_never_answers_times_out_with_its_log(tmp_path: Path):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+# ----------------------------------------------------------------------------- the design probe's KV layout
+
+
+def test_probe_writes_k_transposed_then_v_per_block_and_head():
+    """What vLLM's CPU `cpu_attn_reshape_and_cache` (ISA `vec`) leaves in a block's head buffer,
+    read through ExampleConnector's per-slot rows: K[t, d] at d * BLOCK + t, then V[t, d] at
+    BLOCK * D + t * D + d."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.vllm_decode_probe import BLOCK, cpu_blocks
+
+    H, D, n = 3, 8, 2
+    T = n * BLOCK
+    k = torch.randn(H, T + 5, D)  # [H, T', D]: tokens past T are not handed over
+    v = torch.randn(H, T + 5, D)
+    rows = cpu_blocks(k, v, T)  # [T, H, 2D]
+    assert rows.shape == (T, H, 2 * D)
+    for block in range(n):
+        for h in range(H):
+            buf = rows[block * BLOCK:(block + 1) * BLOCK, h].reshape(-1)  # the head's buffer [2 * BLOCK * D]
+            span = slice(block * BLOCK, (block + 1) * BLOCK)
+            assert torch.equal(buf[:BLOCK * D].view(D, BLOCK), k[h, span].T)
+            assert torch.equal(buf[BLOCK * D:].view(BLOCK, D), v[h, span])
