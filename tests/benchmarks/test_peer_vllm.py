@@ -193,7 +193,9 @@ def test_sse_events_pair_each_data_line_with_its_event():
 def test_blendserve_cases_name_their_modes():
     p = peer_vllm.RagPrompt("musique", 2000, "q?", ("a", "b"), ("b", "a"), (1,), (2,))
     cases = dict(peer_vllm.blend_cases(p, prefix_cache=False))
-    assert [c["mode"] for c in cases.values()] == ["full_prefill", "blend", "blend", "blend"]
+    assert {name: c["mode"] for name, c in cases.items()} == {
+        "cold_blend_ingest": "blend", "cold_full_prefill": "full_prefill", "same_order_blend": "blend",
+        "reordered_blend": "blend"}
     assert cases["reordered_blend"]["documents"] == [{"text": "b"}, {"text": "a"}]
     assert "same_order_prefix_cache" in dict(peer_vllm.blend_cases(p, prefix_cache=True))
 
@@ -242,6 +244,20 @@ def test_blendserve_runs_on_its_scratch_dir_without_inherited_settings(tmp_path:
     env = peer_vllm_servers.blendserve_env({"BLENDSERVE_DEFAULT_MODE": "full_reuse"}, tmp_path, 9000)
     assert env["BLENDSERVE_DATA_DIR"] == str(tmp_path) and env["BLENDSERVE_PORT"] == "9000"
     assert "BLENDSERVE_DEFAULT_MODE" not in env
+
+
+def test_blendserve_counts_as_up_once_its_fidelity_gate_is_done():
+    settled = peer_vllm_servers.blend_settled
+    assert not settled({"ready": False, "blend": None})
+    assert not settled({"ready": True, "blend": {"state": "checking", "reason": "the gate is running"}})
+    assert settled({"ready": True, "blend": {"state": "on", "reason": "blend passed the fidelity gate"}})
+    assert settled({"ready": True, "blend": {"state": "off", "reason": "blend failed"}})  # measured as served
+
+
+def test_blendserve_measures_its_cold_blend_before_its_full_prefill():
+    p = peer_vllm.RagPrompt("musique", 2000, "q?", ("a", "b"), ("b", "a"), (1, 2), (2, 1))
+    names = [name for name, _ in peer_vllm.blend_cases(p, prefix_cache=False)]
+    assert names.index("cold_blend_ingest") < names.index("cold_full_prefill") < names.index("same_order_blend")
 
 
 def test_a_missing_vllm_venv_names_the_install_target(tmp_path: Path):
