@@ -115,7 +115,7 @@ def layout_diffs(saved: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[
 
 
 async def ask(url: str, ids: list[int], n: int) -> tuple[list[int], float]:
-    body = vllm_body(ids, n, True) | {"stream": False}
+    body = vllm_body(ids, n, True) | {"stream": False, "ignore_eos": True}  # n tokens, as Blendserve's decode
     body.pop("stream_options")
     async with httpx.AsyncClient(timeout=3600) as http:
         t0 = time.perf_counter()
