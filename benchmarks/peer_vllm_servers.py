@@ -87,11 +87,11 @@ def blendserve_env(base: dict[str, str], data_dir: Path, port: int) -> dict[str,
     """`make run`'s service on a scratch data dir: its defaults, no sample corpus (the benchmark
     supplies its passages), fp32, room for 16 clients and 8K-token prompts on a slow CPU."""
     env = {k: v for k, v in base.items() if not k.startswith("BLENDSERVE_")}
-    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_PORT": str(port),
-                "BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_LOG_LEVEL": "warning",
-                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_DTYPE": "float32",
-                "BLENDSERVE_DEVICE": "cpu", "BLENDSERVE_REQUEST_TIMEOUT_S": "1800", "BLENDSERVE_MAX_QUEUE": "64",
-                "PYTHONPATH": str(REPO)})
+    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_SERVICE_PORT": str(port),
+                "BLENDSERVE_SERVICE_HOST": "127.0.0.1", "BLENDSERVE_SERVICE_LOG_LEVEL": "warning",
+                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_MODEL_DTYPE": "float32",
+                "BLENDSERVE_MODEL_DEVICE": "cpu", "BLENDSERVE_SERVICE_REQUEST_TIMEOUT_S": "1800",
+                "BLENDSERVE_SERVICE_MAX_QUEUE": "64", "PYTHONPATH": str(REPO)})
     return env
 
 

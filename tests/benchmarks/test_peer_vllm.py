@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,8 +243,26 @@ def test_vllm_server_command_and_environment():
 
 def test_blendserve_runs_on_its_scratch_dir_without_inherited_settings(tmp_path: Path):
     env = peer_vllm_servers.blendserve_env({"BLENDSERVE_DEFAULT_MODE": "full_reuse"}, tmp_path, 9000)
-    assert env["BLENDSERVE_DATA_DIR"] == str(tmp_path) and env["BLENDSERVE_PORT"] == "9000"
+    assert env["BLENDSERVE_DATA_DIR"] == str(tmp_path) and env["BLENDSERVE_SERVICE_PORT"] == "9000"
     assert "BLENDSERVE_DEFAULT_MODE" not in env
+
+
+def test_blendserve_gets_current_setting_names_only(tmp_path: Path, monkeypatch, caplog):
+    """The service reads every name the benchmark sets, none of them a deprecated alias."""
+    from app.settings import ServiceSettings
+
+    env = peer_vllm_servers.blendserve_env({}, tmp_path, 9000)
+    monkeypatch.chdir(tmp_path)  # no .env
+    for name in [k for k in os.environ if k.startswith("BLENDSERVE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith("BLENDSERVE_"):
+            monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING"):
+        s = ServiceSettings()
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert s.service.port == 9000 and s.model.dtype == "float32" and s.service.max_queue == 64
+    assert s.data_dir == tmp_path
 
 
 def test_blendserve_counts_as_up_once_its_fidelity_gate_is_done():
