@@ -37,6 +37,8 @@ class RagSample:
     cache_hits: int | None = None
     cache_misses: int | None = None
     mode: str | None = None  # the mode Blendserve served (blend may fall back to full_prefill)
+    load_avg_1m: float | None = None  # the machine's 1-minute load average when the reply ended
+    timings: dict[str, float] | None = None  # Blendserve's whole `timings` (retrieval, KV load, recompute, queue)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class LoadRow:
     tokens_per_s: float
     ttft_p50_ms: float
     ttft_p95_ms: float
+    load_avg_1m: float | None = None  # the 1-minute load average when the level ended
+    server_p50_ms: dict[str, float] | None = None  # Blendserve: p50 of each `timings` field over the level
 
 
 @dataclass(frozen=True)
@@ -130,10 +134,12 @@ def ttft_summary(samples: Sequence[RagSample]) -> list[dict[str, Any]]:
     for (system, case, size), group in sorted(groups.items(), key=lambda kv: (kv[0][2], order.get(kv[0][:2], 99))):
         ttft = [s.ttft_ms for s in group]
         store = [s.kv_store_ms for s in group if s.kv_store_ms is not None]
+        loads = [s.load_avg_1m for s in group if s.load_avg_1m is not None]
         rows.append({"system": system, "case": case, "size": size, "n": len(group),
                      "prompt_tokens": int(np.mean([s.prompt_tokens for s in group])),
                      "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
-                     "kv_store_p50_ms": percentile(store, 50) if store else None})
+                     "kv_store_p50_ms": percentile(store, 50) if store else None,
+                     "load_avg_1m": f"{min(loads):.1f}-{max(loads):.1f}" if loads else None})
     return rows
 
 
@@ -193,17 +199,25 @@ def _ms(v: float | None) -> str:
 
 
 def rag_table(summary: Sequence[Mapping[str, Any]]) -> str:
-    head = "| prompt | system | case | n | tokens | TTFT p50 / p95 (ms) | KV store p50 (ms) |\n|---|---|---|---|---|---|---|\n"
+    head = ("| prompt | system | case | n | tokens | TTFT p50 / p95 (ms) | KV store p50 (ms) | load 1m |\n"
+            "|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| ~{r['size']} | {r['system']} | {r['case']} | {r['n']} | {r['prompt_tokens']} | "
-        f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])} | {_ms(r['kv_store_p50_ms'])} |\n" for r in summary)
+        f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])} | {_ms(r['kv_store_p50_ms'])} | "
+        f"{r.get('load_avg_1m') or '-'} |\n" for r in summary)
 
 
 def load_table(rows: Sequence[LoadRow]) -> str:
-    head = "| clients | system | answered / requests | output tok/s | TTFT p50 / p95 (ms) |\n|---|---|---|---|---|\n"
+    head = ("| clients | system | answered / requests | output tok/s | TTFT p50 / p95 (ms) | load 1m "
+            "| Blendserve timings p50 (ms) |\n|---|---|---|---|---|---|---|\n")
     return head + "".join(f"| {r.clients} | {r.system} | {r.answered} / {r.requests} | {r.tokens_per_s:.1f} | "
-                          f"{_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} |\n"
+                          f"{_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | {_num(r.load_avg_1m)} | "
+                          f"{_timings(r.server_p50_ms)} |\n"
                           for r in sorted(rows, key=lambda r: (r.clients, r.system)))
+
+
+def _timings(t: Mapping[str, float] | None) -> str:
+    return "-" if not t else ", ".join(f"{k.removesuffix('_ms')} {v:,.0f}" for k, v in t.items())
 
 
 def fidelity_table(rows: Sequence[FidelityRow]) -> str:

@@ -87,11 +87,11 @@ def blendserve_env(base: dict[str, str], data_dir: Path, port: int) -> dict[str,
     """`make run`'s service on a scratch data dir: its defaults, no sample corpus (the benchmark
     supplies its passages), fp32, room for 16 clients and 8K-token prompts on a slow CPU."""
     env = {k: v for k, v in base.items() if not k.startswith("BLENDSERVE_")}
-    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_PORT": str(port),
-                "BLENDSERVE_HOST": "127.0.0.1", "BLENDSERVE_LOG_LEVEL": "warning",
-                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_DTYPE": "float32",
-                "BLENDSERVE_DEVICE": "cpu", "BLENDSERVE_REQUEST_TIMEOUT_S": "1800", "BLENDSERVE_MAX_QUEUE": "64",
-                "PYTHONPATH": str(REPO)})
+    env.update({"BLENDSERVE_DATA_DIR": str(data_dir), "BLENDSERVE_SERVICE_PORT": str(port),
+                "BLENDSERVE_SERVICE_HOST": "127.0.0.1", "BLENDSERVE_SERVICE_LOG_LEVEL": "warning",
+                "BLENDSERVE_INGEST_SAMPLE_ON_START": "false", "BLENDSERVE_MODEL_DTYPE": "float32",
+                "BLENDSERVE_MODEL_DEVICE": "cpu", "BLENDSERVE_SERVICE_REQUEST_TIMEOUT_S": "1800",
+                "BLENDSERVE_SERVICE_MAX_QUEUE": "64", "PYTHONPATH": str(REPO)})
     return env
 
 
@@ -119,6 +119,22 @@ def http_ok(url: str) -> Callable[[], bool]:
     return probe
 
 
+def blend_settled(body: dict) -> bool:
+    """A ready Blendserve whose start-up fidelity gate has finished: until then blend requests are
+    answered by full prefill and the gate's own prefills share the cores with the benchmark."""
+    return bool(body.get("ready")) and (body.get("blend") or {}).get("state") != "checking"
+
+
+def blendserve_ready(url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            r = httpx.get(url, timeout=5)
+            return r.status_code == 200 and blend_settled(r.json())
+        except (httpx.HTTPError, ValueError):
+            return False
+    return probe
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """SIGTERM to the server's own process group (vLLM runs its engine in child processes), then SIGKILL."""
     if proc.poll() is not None:
@@ -133,8 +149,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 @contextmanager
 def server(cmd: list[str], env: dict[str, str], log_path: Path, name: str, ready_path: str, port: int,
-           timeout_s: float) -> Iterator[str]:
-    """Start `cmd` in its own session, logging to `log_path`; yield its URL once `ready_path` answers 200."""
+           timeout_s: float, ready: Callable[[str], Callable[[], bool]] = http_ok) -> Iterator[str]:
+    """Start `cmd` in its own session, logging to `log_path`; yield its URL once `ready(url + ready_path)`
+    holds (by default: it answers 200)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "ab") as log:
@@ -142,7 +159,7 @@ def server(cmd: list[str], env: dict[str, str], log_path: Path, name: str, ready
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_up(http_ok(url + ready_path), proc, name, log_path, timeout_s)
+            wait_up(ready(url + ready_path), proc, name, log_path, timeout_s)
             logger.info("%s up in %.0f s", name, time.monotonic() - t0)
             yield url
         finally:
@@ -157,4 +174,4 @@ def vllm_server(model_dir: Path, s: VllmSettings, log_path: Path, port: int, tim
 
 def blendserve_server(data_dir: Path, log_path: Path, port: int, timeout_s: float) -> Iterator[str]:
     return server([sys.executable, "-m", "app"], blendserve_env(dict(os.environ), data_dir, port), log_path,
-                  "Blendserve (python -m app)", "/readyz", port, timeout_s)
+                  "Blendserve (python -m app)", "/readyz", port, timeout_s, blendserve_ready)

@@ -75,28 +75,47 @@ def blend_side(runner: ModelRunner, passages: tuple[str, ...], question: str, n:
     return out
 
 
-def match_layout(saved: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, float]:
-    """Which arrangement of one layer's K [H, T, D] and V [H, T, D] the connector's tensor holds, and
-    the largest difference from it."""
+def cpu_blocks(k: torch.Tensor, v: torch.Tensor, T: int) -> torch.Tensor:
+    """One layer's K and V [H, >=T, D] as ExampleConnector's file holds them for vLLM's CPU backend.
+
+    The CPU backend's cache is [blocks, H, BLOCK, 2D] (LBHNC), read as [blocks, H, 2 * BLOCK, D]: per
+    block and head, K *transposed* ([D, BLOCK], element (t, d) at d * BLOCK + t; what
+    `cpu_attn_reshape_and_cache` writes for the `vec` ISA, checked by calling it), then V as [BLOCK, D].
+    The connector copies `cache[block, :, offset]` (2D numbers) per token slot, so file row t is the
+    (t % BLOCK)-th run of 2D numbers of its block's head buffer, not token t's K and V.
+    """
+    H, _, D = k.shape
+    n = T // BLOCK
+    kb = k[:, :T].reshape(H, n, BLOCK, D).permute(1, 0, 3, 2)  # [n, H, D, BLOCK]: K transposed per block
+    vb = v[:, :T].reshape(H, n, BLOCK, D).permute(1, 0, 2, 3)  # [n, H, BLOCK, D]
+    heads = torch.cat([kb.reshape(n, H, D * BLOCK), vb.reshape(n, H, BLOCK * D)], -1)  # [n, H, 2 * BLOCK * D]
+    return heads.reshape(n, H, BLOCK, 2 * D).permute(0, 2, 1, 3).reshape(T, H, 2 * D).contiguous()  # [T, H, 2D]
+
+
+LAYOUTS = {  # name -> one layer's K, V [H, T, D] arranged as the connector's tensor
+    "CPU blocks (K^T | V per block and head)": cpu_blocks,
+    "[T, H, 2D]": lambda k, v, T: torch.cat([k[:, :T], v[:, :T]], -1).permute(1, 0, 2).contiguous(),
+    "[T, 2, H, D]": lambda k, v, T: torch.stack([k[:, :T], v[:, :T]]).permute(2, 0, 1, 3).contiguous(),
+    "[2, T, H, D]": lambda k, v, T: torch.stack([k[:, :T], v[:, :T]]).permute(0, 2, 1, 3).contiguous(),
+}
+
+
+def layout_diffs(saved: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
+    """The largest difference between the connector's tensor [T, ...] and each candidate layout of
+    one layer's K and V [H, T', D] (T' >= T) whose shape fits; the right one is near fp32 noise."""
     T = saved.shape[0]
-    k, v = k[:, :T], v[:, :T]
-    candidates = {"[T, 2, H, D]": torch.stack([k, v]).permute(2, 0, 1, 3), "[T, H, 2D]": torch.cat([k, v], -1).permute(1, 0, 2),
-                  "[2, T, H, D]": torch.stack([k, v]).permute(0, 2, 1, 3), "[T, H, D] (K only)": k.permute(1, 0, 2)}
-    for name, c in candidates.items():
+    out = {}
+    for name, arrange in LAYOUTS.items():
+        c = arrange(k, v, T)
         if c.shape == saved.shape:
-            return name, float((c - saved.float()).abs().max())
-    raise RuntimeError(f"the connector's tensor {tuple(saved.shape)} matches no known layout")
-
-
-def arrange(layout: str, k: torch.Tensor, v: torch.Tensor, T: int) -> torch.Tensor:
-    k, v = k[:, :T], v[:, :T]
-    return {"[T, 2, H, D]": lambda: torch.stack([k, v]).permute(2, 0, 1, 3),
-            "[T, H, 2D]": lambda: torch.cat([k, v], -1).permute(1, 0, 2),
-            "[2, T, H, D]": lambda: torch.stack([k, v]).permute(0, 2, 1, 3)}[layout]().contiguous()
+            out[name] = float((c - saved.float()).abs().max())
+    if not out:
+        raise RuntimeError(f"the connector's tensor {tuple(saved.shape)} matches no known layout")
+    return out
 
 
 async def ask(url: str, ids: list[int], n: int) -> tuple[list[int], float]:
-    body = vllm_body(ids, n, True) | {"stream": False}
+    body = vllm_body(ids, n, True) | {"stream": False, "ignore_eos": True}  # n tokens, as Blendserve's decode
     body.pop("stream_options")
     async with httpx.AsyncClient(timeout=3600) as http:
         t0 = time.perf_counter()
@@ -128,8 +147,10 @@ def run(args: argparse.Namespace) -> dict:
         result["calibration_folders"] = len(folders)
         layer_files = sorted(folders[0].glob("*.safetensors"), key=_layer_index)
         full_cal = _full_kv(runner, calib)
-        layouts = [match_layout(load_file(f)["kv_cache"], *full_cal[i]) for i, f in enumerate(layer_files)]
-        result["layout"], result["calibration_max_abs_diff"] = layouts[0][0], max(d for _, d in layouts)
+        diffs = [layout_diffs(load_file(f)["kv_cache"], *full_cal[i]) for i, f in enumerate(layer_files)]
+        worst = {name: max(d[name] for d in diffs) for name in diffs[0]}  # per layout, over layers
+        result["layout"] = min(worst, key=worst.get)
+        result["calibration_max_abs_diff"] = worst
         result |= _hand_over(url, storage, layer_files, ours, result["layout"], args.tokens)
     return result
 
@@ -148,26 +169,40 @@ def _full_kv(runner: ModelRunner, ids: list[int]) -> list[tuple[torch.Tensor, to
 
 
 def _hand_over(url: str, storage: Path, layer_files: list[Path], ours: dict, layout: str, n: int) -> dict:
-    """Full prefill's KV first (the control), then the blended KV, for the same prompt: each written
-    where vLLM's connector looks for it, then the prompt asked greedily (vLLM recomputes the tail)."""
-    out = {}
+    """vLLM's own cold prefill of the prompt first (its connector stores that KV, checked against
+    Blendserve's full prefill), then Blendserve's full-prefill KV (the control), then its blended KV:
+    each written where the connector looks for it, then the prompt asked greedily (vLLM recomputes
+    the tail after the last whole block)."""
     ids = ours["blend"]["ids"]
     aligned = (len(ids) - 1) // BLOCK * BLOCK  # what ExampleConnector loads: whole blocks, never the last token
     if (len(ids) - 1) % BLOCK == 0:  # its lookup then hashes one block less than its load: not handled here
         raise RuntimeError(f"a {len(ids)}-token prompt hits ExampleConnector's off-by-one block; change --paragraphs")
     folder = storage / folder_hash(ids[:aligned])
-    folder.mkdir(exist_ok=True)
+    tokens, seconds = asyncio.run(ask(url, ids, n))  # nothing to load: vLLM prefills and stores its KV
+    saved = [load_file(folder / f.name)["kv_cache"] for f in layer_files]
+    full = ours["full_prefill"]
+    own_diff = max(float((LAYOUTS[layout](full["k"][i], full["v"][i], aligned) - t).abs().max())
+                   for i, t in enumerate(saved))
+    out: dict = {"vllm_cold": {"request_s": seconds, "greedy_tokens_equal_full_prefill": _agreement(tokens, full["tokens"]),
+                               "stored_kv_max_abs_diff_vs_blendserve_full_prefill": own_diff, "tokens": tokens}}
     for mode in ("full_prefill", "blend"):
         t0 = time.perf_counter()
         for i, f in enumerate(layer_files):
-            save_file({"kv_cache": arrange(layout, ours[mode]["k"][i], ours[mode]["v"][i], aligned)}, folder / f.name)
+            save_file({"kv_cache": LAYOUTS[layout](ours[mode]["k"][i], ours[mode]["v"][i], aligned)}, folder / f.name)
         write_s = time.perf_counter() - t0
         tokens, seconds = asyncio.run(ask(url, ids, n))
-        same = sum(a == b for a, b in zip(tokens, ours[mode]["tokens"]))
-        out[mode] = {"handed_over_tokens": aligned, "write_s": write_s, "vllm_request_s": seconds,
-                     "greedy_tokens_equal": f"{same}/{n}", "vllm_tokens": tokens,
-                     "blendserve_tokens": ours[mode]["tokens"], "blendserve_prefill_s": ours[mode]["prefill_s"]}
+        out[mode] = {"handed_over_tokens": aligned, "write_s": write_s, "write_us_per_token": write_s / aligned * 1e6,
+                     "vllm_request_s": seconds, "greedy_tokens_equal": _agreement(tokens, ours[mode]["tokens"]),
+                     "vllm_tokens": tokens, "blendserve_tokens": ours[mode]["tokens"],
+                     "blendserve_prefill_s": ours[mode]["prefill_s"]}
     return out
+
+
+def _agreement(a: list[int], b: list[int]) -> str:
+    """"equal/n, first difference at i" for two greedy token lists."""
+    same = sum(x == y for x, y in zip(a, b))
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return f"{same}/{len(b)}" + ("" if first is None else f", first difference at token {first}")
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -193,7 +194,9 @@ def test_sse_events_pair_each_data_line_with_its_event():
 def test_blendserve_cases_name_their_modes():
     p = peer_vllm.RagPrompt("musique", 2000, "q?", ("a", "b"), ("b", "a"), (1,), (2,))
     cases = dict(peer_vllm.blend_cases(p, prefix_cache=False))
-    assert [c["mode"] for c in cases.values()] == ["full_prefill", "blend", "blend", "blend"]
+    assert {name: c["mode"] for name, c in cases.items()} == {
+        "cold_blend_ingest": "blend", "cold_full_prefill": "full_prefill", "same_order_blend": "blend",
+        "reordered_blend": "blend"}
     assert cases["reordered_blend"]["documents"] == [{"text": "b"}, {"text": "a"}]
     assert "same_order_prefix_cache" in dict(peer_vllm.blend_cases(p, prefix_cache=True))
 
@@ -240,8 +243,40 @@ def test_vllm_server_command_and_environment():
 
 def test_blendserve_runs_on_its_scratch_dir_without_inherited_settings(tmp_path: Path):
     env = peer_vllm_servers.blendserve_env({"BLENDSERVE_DEFAULT_MODE": "full_reuse"}, tmp_path, 9000)
-    assert env["BLENDSERVE_DATA_DIR"] == str(tmp_path) and env["BLENDSERVE_PORT"] == "9000"
+    assert env["BLENDSERVE_DATA_DIR"] == str(tmp_path) and env["BLENDSERVE_SERVICE_PORT"] == "9000"
     assert "BLENDSERVE_DEFAULT_MODE" not in env
+
+
+def test_blendserve_gets_current_setting_names_only(tmp_path: Path, monkeypatch, caplog):
+    """The service reads every name the benchmark sets, none of them a deprecated alias."""
+    from app.settings import ServiceSettings
+
+    env = peer_vllm_servers.blendserve_env({}, tmp_path, 9000)
+    monkeypatch.chdir(tmp_path)  # no .env
+    for name in [k for k in os.environ if k.startswith("BLENDSERVE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith("BLENDSERVE_"):
+            monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING"):
+        s = ServiceSettings()
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert s.service.port == 9000 and s.model.dtype == "float32" and s.service.max_queue == 64
+    assert s.data_dir == tmp_path
+
+
+def test_blendserve_counts_as_up_once_its_fidelity_gate_is_done():
+    settled = peer_vllm_servers.blend_settled
+    assert not settled({"ready": False, "blend": None})
+    assert not settled({"ready": True, "blend": {"state": "checking", "reason": "the gate is running"}})
+    assert settled({"ready": True, "blend": {"state": "on", "reason": "blend passed the fidelity gate"}})
+    assert settled({"ready": True, "blend": {"state": "off", "reason": "blend failed"}})  # measured as served
+
+
+def test_blendserve_measures_its_cold_blend_before_its_full_prefill():
+    p = peer_vllm.RagPrompt("musique", 2000, "q?", ("a", "b"), ("b", "a"), (1, 2), (2, 1))
+    names = [name for name, _ in peer_vllm.blend_cases(p, prefix_cache=False)]
+    assert names.index("cold_blend_ingest") < names.index("cold_full_prefill") < names.index("same_order_blend")
 
 
 def test_a_missing_vllm_venv_names_the_install_target(tmp_path: Path):
@@ -285,3 +320,27 @@ def test_a_server_that_never_answers_times_out_with_its_log(tmp_path: Path):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+# ----------------------------------------------------------------------------- the design probe's KV layout
+
+
+def test_probe_writes_k_transposed_then_v_per_block_and_head():
+    """What vLLM's CPU `cpu_attn_reshape_and_cache` (ISA `vec`) leaves in a block's head buffer,
+    read through ExampleConnector's per-slot rows: K[t, d] at d * BLOCK + t, then V[t, d] at
+    BLOCK * D + t * D + d."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.vllm_decode_probe import BLOCK, cpu_blocks
+
+    H, D, n = 3, 8, 2
+    T = n * BLOCK
+    k = torch.randn(H, T + 5, D)  # [H, T', D]: tokens past T are not handed over
+    v = torch.randn(H, T + 5, D)
+    rows = cpu_blocks(k, v, T)  # [T, H, 2D]
+    assert rows.shape == (T, H, 2 * D)
+    for block in range(n):
+        for h in range(H):
+            buf = rows[block * BLOCK:(block + 1) * BLOCK, h].reshape(-1)  # the head's buffer [2 * BLOCK * D]
+            span = slice(block * BLOCK, (block + 1) * BLOCK)
+            assert torch.equal(buf[:BLOCK * D].view(D, BLOCK), k[h, span].T)
+            assert torch.equal(buf[BLOCK * D:].view(BLOCK, D), v[h, span])
