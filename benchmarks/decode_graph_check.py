@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  256 if args.smoke else args.tokens))
             print(result.get("profile", ""))
         if "kernel" in parts:
-            part("kernel", lambda: time_kernels(setup, [1, 4] if args.smoke else [1, 16, 64],
+            part("kernel", lambda: time_kernels(setup, [1, 4] if args.smoke else [int(b) for b in args.batch.split(",")],
                                                 256 if args.smoke else args.tokens, 2 if args.smoke else 20))
         if "batched" in parts:  # the engine loop's batched run with graphs off / on (gpu_check part 4's setup)
             from benchmarks.gpu_batch import time_batched
