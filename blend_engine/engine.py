@@ -221,14 +221,9 @@ class BlendEngine:
         from the engine loop's thread (`generation.Generation`). They stop at the next step once
         `should_stop()` is true or `timeout_s` has passed. Input errors (context overflow, a prompt
         the KV pool cannot hold) and admission's refusal (`errors.Overloaded`) raise here, before
-        any is queued; a `ticket` taken earlier (`scheduler.admission`) is used, or released when
-        an input error comes first."""
-        try:
-            prep = self.prepare(plan, max(g.max_tokens for g in gens), layout)
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
-            raise
+        any is queued; a `ticket` taken earlier (`scheduler.admission`) is used, and stays its
+        taker's to release when this raises (`Ticket.release` is a no-op once used)."""
+        prep = self.prepare(plan, max(g.max_tokens for g in gens), layout)
         handles = [Generation(None, plan, g, sink=functools.partial(sink, i)) for i, g in enumerate(gens)]
         self.loop.submit(handles, prep, should_stop, timeout_s, ticket)
         return handles

@@ -183,14 +183,12 @@ class EngineLoop:
     def submit(self, handles: list[Generation], prep: Prepared, should_stop: StopCheck = never,
                timeout_s: float | None = None, ticket: Ticket | None = None) -> None:
         """Queue one request's sequences (one per handle, all of one prompt) on its admission
-        `ticket`, or on one taken now (`errors.Overloaded`: queue full, or the work ahead would
-        outlast `timeout_s`). A sequence stops at the next step once its `handle.cancel()` is
-        called, `should_stop()` is true, or `timeout_s` has passed since now (it then fails with
-        `DeadlineExceeded`)."""
+        `ticket` (if this raises, it stays its taker's to release), or on one taken now
+        (`errors.Overloaded`: queue full, or the work ahead would outlast `timeout_s`). A sequence
+        stops at the next step once its `handle.cancel()` is called, `should_stop()` is true, or
+        `timeout_s` has passed since now (it then fails with `DeadlineExceeded`)."""
         with self._cond:
             if self._closed:
-                if ticket is not None:
-                    ticket.release()
                 raise Cancelled("the engine is shutting down")
             (ticket or self.admission.admit(timeout_s)).use()
             group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles))
