@@ -77,15 +77,14 @@ def _pool_step_ms(setup: Setup, runner: ModelRunner, cache, token: int, reps: in
     from blend_engine.executor.decode import decode_attention, decode_batch
     from blend_engine.executor.decode_graphs import DecodeGraphs
     from blend_engine.executor.kv_pool import KVPool
+    from blend_engine.executor.layers import KVCache
     from blend_engine.scheduler.kv_blocks import Run, blocks_for
 
-    start = cache.length
-    n_blocks = blocks_for(start + reps + 8, 16)
+    n_blocks = blocks_for(cache.length + reps + 8, 16)
     pool = KVPool(runner, n_blocks, 16)
-    seq = pool.view(Run(0, n_blocks), start)
-    for layer in range(runner.shape.n_layers):
-        seq.k[layer][:, :start] = cache.k[layer][:, :start]  # [H, T, D]
-        seq.v[layer][:, :start] = cache.v[layer][:, :start]
+    seq = KVCache.over(cache.k, cache.v, cache.capacity)  # the prefill's cache, moved into the pool's run
+    seq.length = cache.length
+    pool.move(seq, Run(0, n_blocks))
     cfg = EngineConfig()
     pooled = decode_attention(cfg.decode_attention, runner.device, [seq]) == "pooled"
     graphs = DecodeGraphs(runner, pool) if pooled and cfg.decode_graphs == "auto" and setup.device.type == "cuda" \

@@ -71,11 +71,11 @@ def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequ
     if pooled and graphs is not None and graphs.fits(caches):
         logits = graphs.step(caches, token_ids, input_pos)  # [B, V]
     else:
-        ids = upload_ints(token_ids, r.device)  # [B], the step's uploads: pinned, non-blocking
-        pos = upload_ints(input_pos, r.device)  # [B]
+        rows = row_inputs(caches, token_ids, input_pos)
+        ids = upload_ints(rows[0], r.device)  # [B], the step's uploads: pinned, non-blocking
+        pos = upload_ints(rows[1], r.device)  # [B]
         if pooled:
-            start = upload_ints([c.offset for c in caches], r.device)  # [B]
-            n = upload_ints([p + 1 for p in input_pos], r.device)  # [B]
+            start, n = (upload_ints(x, r.device) for x in rows[2:])  # [B] each
             attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1,
                                     kernel or pooled_kernel(r.device))
         else:
@@ -84,6 +84,12 @@ def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequ
     for cache, p in zip(caches, input_pos):
         cache.length = p + 1
     return logits
+
+
+def row_inputs(caches: Sequence[KVCache], token_ids: Sequence[int], input_pos: Sequence[int]) -> list[list[int]]:
+    """A step's per-row inputs on the host: token ids, positions, each row's first pool slot and its
+    key count (`Pooled`'s start and n)."""
+    return [list(token_ids), list(input_pos), [c.offset for c in caches], [p + 1 for p in input_pos]]
 
 
 class Attend(Protocol):

@@ -25,7 +25,7 @@ import torch
 
 from blend_engine.model import ModelRunner
 
-from .decode import Pooled, forward, pooled_kernel
+from .decode import Pooled, forward, pooled_kernel, row_inputs
 from .kv_pool import KVPool
 from .layers import KVCache
 from .uploads import upload
@@ -85,10 +85,9 @@ class DecodeGraphs:
         """The step's inputs into the static buffer: rows b..size-1 are padding (token 0 at position 0
         of the scratch block, one key)."""
         pad = size - len(caches)
-        host = torch.tensor([list(token_ids) + [0] * pad,
-                             list(input_pos) + [0] * pad,
-                             [c.offset for c in caches] + [self.pool.scratch_slot] * pad,
-                             [p + 1 for p in input_pos] + [1] * pad], dtype=torch.long)  # [4, size]
+        padding = (0, 0, self.pool.scratch_slot, 1)  # token, position, first slot, key count
+        rows = row_inputs(caches, token_ids, input_pos)
+        host = torch.tensor([row + [p] * pad for row, p in zip(rows, padding)], dtype=torch.long)  # [4, size]
         self.inputs[:, :size].copy_(upload(host, self.r.device), non_blocking=True)
 
     def _run(self, size: int, n_keys: int) -> torch.Tensor:
