@@ -190,3 +190,27 @@ def held_ingest_factory(factory, release: threading.Event, stacks: list | None =
         return stack
 
     return make
+
+
+def ragged_pool(runner):
+    """Three runs of one pool with ragged random K/V (two beyond the window of 24), the rest zero."""
+    from blend_engine.executor.kv_pool import KVPool
+    from blend_engine.scheduler.kv_blocks import Run
+
+    pool = KVPool(runner, n_blocks=16, block_tokens=16)
+    runs, lengths = [Run(0, 3), Run(3, 1), Run(6, 5)], [37, 5, 70]
+    g = torch.Generator().manual_seed(1)
+    for k, v in zip(*pool.kv):
+        k.zero_()
+        v.zero_()
+    caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
+    for layer in range(runner.shape.n_layers):
+        for c, n in zip(caches, lengths):
+            c.k[layer][:, :n] = torch.randn(c.k[layer][:, :n].shape, generator=g)  # [H, n, D]
+            c.v[layer][:, :n] = torch.randn(c.v[layer][:, :n].shape, generator=g)  # [H, n, D]
+    return pool, runs, lengths
+
+
+def pool_kv(pool, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of every layer's K and V over the pool's first `slots` slots."""
+    return [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]  # L x ([H, slots, D] x 2)

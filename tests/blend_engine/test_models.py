@@ -28,7 +28,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner, UnsupportedModel, check_blendable, layer_windows
 from blend_engine.types import BlendPlan, GenerationConfig
-from tests.helpers import PASSAGES, QUESTION, perturb
+from tests.helpers import PASSAGES, QUESTION, perturb, pool_kv, ragged_pool
 
 WINDOW = 24  # sliding window, tokens
 ORIGINAL_MAX = 64  # original_max_position_embeddings of the scaled RoPE types
@@ -249,29 +249,6 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before == (True, True)
 
 
-def _ragged_pool(runner):
-    """Three runs of one pool with ragged random K/V (two beyond the window of 24), the rest zero."""
-    from blend_engine.executor.kv_pool import KVPool
-    from blend_engine.scheduler.kv_blocks import Run
-
-    pool = KVPool(runner, n_blocks=16, block_tokens=16)
-    runs, lengths = [Run(0, 3), Run(3, 1), Run(6, 5)], [37, 5, 70]
-    g = torch.Generator().manual_seed(1)
-    for k, v in zip(*pool.kv):
-        k.zero_()
-        v.zero_()
-    caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
-    for layer in range(runner.shape.n_layers):
-        for c, n in zip(caches, lengths):
-            c.k[layer][:, :n] = torch.randn(c.k[layer][:, :n].shape, generator=g)  # [H, n, D]
-            c.v[layer][:, :n] = torch.randn(c.v[layer][:, :n].shape, generator=g)  # [H, n, D]
-    return pool, runs, lengths
-
-
-def _pool_kv(pool, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]  # L x ([H, slots, D] x 2)
-
-
 def _triton_on_cuda() -> bool:
     from blend_engine.executor import paged_decode
 
@@ -293,13 +270,13 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, p
     from blend_engine.executor.decode_graphs import DecodeGraphs
 
     runner = family_engine.runner
-    pool, runs, lengths = _ragged_pool(runner)
+    pool, runs, lengths = ragged_pool(runner)
     before = [(k.clone(), v.clone()) for k, v in zip(*pool.kv)]
     tokens = [11, 22, 33]
     caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
     want = decode_batch(runner, caches, tokens, lengths, attention="per_sequence")  # [B, V]
     slots = pool.scratch_slot
-    wrote = _pool_kv(pool, slots)
+    wrote = pool_kv(pool, slots)
     for (k, v), (k0, v0) in zip(zip(*pool.kv), before):
         k.copy_(k0)
         v.copy_(v0)
@@ -311,7 +288,7 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, p
     got = decode_batch(runner, caches, tokens, lengths, attention="pooled", graphs=graphs, kernel=kernel)  # [B, V]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert [c.length for c in caches] == [n + 1 for n in lengths]
-    for (k, v), (wk, wv) in zip(_pool_kv(pool, slots), wrote):  # the same slots written, to fp rounding
+    for (k, v), (wk, wv) in zip(pool_kv(pool, slots), wrote):  # the same slots written, to fp rounding
         torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-5)
     scratch_written = any(bool(k[:, slots].abs().sum() > 0) for k, _ in zip(*pool.kv))

@@ -59,35 +59,27 @@ def test_splits_fill_the_device_only_when_rows_are_few():
 
 def test_a_decode_step_through_the_kernel_equals_the_per_sequence_oracle():
     """The kernel inside `decode_batch` on a sliding-window model (Mistral, window 24): logits and the
-    K/V written equal the per-sequence step's (ragged rows past the window, one row's range split)."""
+    K/V written equal the per-sequence step's (ragged rows past the window; the rule's key ranges, all
+    but the first empty at these lengths)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     from blend_engine.executor.decode import decode_batch
-    from blend_engine.executor.kv_pool import KVPool
     from blend_engine.model import ModelRunner
-    from blend_engine.scheduler.kv_blocks import Run
-    from tests.helpers import TINY_CONFIG, real_tokenizer
+    from tests.helpers import TINY_CONFIG, pool_kv, ragged_pool, real_tokenizer
 
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(**TINY_CONFIG, sliding_window=24))
     runner = ModelRunner(model, real_tokenizer(), "tiny mistral")
-    pool = KVPool(runner, n_blocks=16, block_tokens=16)
-    runs, lengths = [Run(0, 3), Run(3, 1), Run(6, 5)], [37, 5, 70]
-    g = torch.Generator().manual_seed(1)
-    for k, v in zip(*pool.kv):
-        k.copy_(torch.randn(k.shape, generator=g))  # [H, slots, D]
-        v.copy_(torch.randn(v.shape, generator=g))
-    start = [(k.clone(), v.clone()) for k, v in zip(*pool.kv)]
+    pool, runs, lengths = ragged_pool(runner)
+    start = pool_kv(pool, pool.scratch_slot)
     results = {}
     for way in ("per_sequence", "triton"):
         for (k, v), (k0, v0) in zip(zip(*pool.kv), start):
-            k.copy_(k0)
-            v.copy_(v0)
+            k[:, :pool.scratch_slot], v[:, :pool.scratch_slot] = k0, v0
         caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
         attention, kernel = ("per_sequence", None) if way == "per_sequence" else ("pooled", "triton")
         logits = decode_batch(runner, caches, [11, 22, 33], lengths, attention, kernel=kernel)  # [B, V]
-        results[way] = logits, [(k[:, :pool.scratch_slot].clone(), v[:, :pool.scratch_slot].clone())
-                                for k, v in zip(*pool.kv)]
+        results[way] = logits, pool_kv(pool, pool.scratch_slot)
     torch.testing.assert_close(results["triton"][0], results["per_sequence"][0], rtol=1e-4, atol=1e-4)
     for (k, v), (k2, v2) in zip(results["triton"][1], results["per_sequence"][1]):
         torch.testing.assert_close(k, k2, rtol=1e-4, atol=1e-5)
