@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,16 +37,16 @@ import torch
 
 from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never, stop_if
 from blend_engine.errors import InputError
-from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.decode import DecodeRows, check_rows, decode_batch, eager_rows, written
 from blend_engine.executor.decode_graphs import DecodeGraphs
 from blend_engine.executor.kv_pool import KVPool, block_bytes
-from blend_engine.executor.layers import KVCache
+from blend_engine.executor.layers import KVCache, LayerLoop, layer_pass
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Delta, Generation
 from blend_engine.layout import PromptLayout
 from blend_engine.sampling import HostLogits, Sampler, StreamDecoder, read_logits
 from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits, Ticket
-from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, SeqSpec
+from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, PrefillBudget, SeqSpec
 from blend_engine.scheduler.kv_blocks import blocks_for
 from blend_engine.scheduler.plans import ModePlan, continue_prefix
 from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
@@ -110,7 +110,6 @@ class _Request:
     cache: KVCache | None = None  # its run of the pool
     active: Prepared | None = None  # the prep its prefill runs (a cached prefix changes the plan)
     run: PrefillRun | None = None
-    steps: Iterator[int] | None = None
     state: PrefillState | None = None
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
@@ -169,6 +168,8 @@ class EngineLoop:
         self.clock: Callable[[], float] = time.monotonic  # deadlines and admission's timing (a seam for tests)
         self.steps = 0  # decode steps run (for stats and tests)
         self.max_batch_seen = 0
+        self.fused_steps = 0  # steps whose decode rows shared their layers with prefill rows
+        self.max_prefills_seen = 0  # the most prefills that advanced in one step
 
     # ================================================================== caller side
     def check_fits(self, n_tokens: int, max_new_tokens: int) -> None:
@@ -217,6 +218,7 @@ class EngineLoop:
         return {"running": s.running, "waiting": s.waiting + len(self._incoming), "kv_bytes": s.kv_bytes,
                 "queued_requests": self.admission.queued, "running_requests": self.admission.running,
                 "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen,
+                "fused_steps": self.fused_steps, "max_prefills_seen": self.max_prefills_seen,
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
                 "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
                 "prefix_hit_tokens": s.prefix_hit_tokens,
@@ -276,13 +278,11 @@ class EngineLoop:
             self._started(self._requests[adm.rid])
             self._guard(self._requests[adm.rid], lambda r, adm=adm: self._begin(r, adm))
         self.scheduler.applied()
-        budget = plan.prefill_tokens
-        for rid in plan.prefill:
-            if rid in self._requests and (budget is None or budget > 0):
-                done = self._guard(self._requests[rid], lambda r, b=budget: self._advance(r, b))
-                budget = None if budget is None else budget - (done or 0)
+        prefilling = [self._requests[rid] for rid in plan.prefill if rid in self._requests]
         decoding = [self._requests[rid] for rid in plan.decode if rid in self._requests]
-        if decoding:
+        if prefilling:
+            self._fused(decoding, prefilling, PrefillBudget(plan.prefill_tokens))
+        elif decoding:
             self._decode(decoding)
 
     def _guard(self, req: _Request, fn: Callable[[_Request], Any]) -> Any:
@@ -349,7 +349,7 @@ class EngineLoop:
         that once admitted again it is prefilled anew and its tokens so far are fed again."""
         if req.run is not None and req.state is None:
             req.run.close()
-        req.cache = req.run = req.steps = req.state = req.active = None
+        req.cache = req.run = req.state = req.active = None
         req.replay = None
         logger.info("request %d preempted after %d tokens (KV pool full)", req.rid, len(req.tokens))
 
@@ -365,31 +365,33 @@ class EngineLoop:
             prep = replace(prep, mp=continue_prefix(prep.mp, adm.prefix_tokens, prep.layout.n_tokens))
         req.active = prep
         req.run = eng.start_run(req.handle.plan, prep, req.handle.gen.max_tokens, cache=req.cache)
-        req.steps = req.run.steps()
 
-    def _advance(self, req: _Request, budget: int | None) -> int:
-        """Run prefill layers until they computed `budget` tokens (None: to the end); the tokens
-        computed."""
-        done = 0
-        for tokens in req.steps:
-            if req.stopped:  # between layers: a timed-out or abandoned prefill stops here
-                raise req.stop_error()
-            done += tokens
-            if budget is not None and done >= budget:
-                return done
+    def _enter(self, req: _Request, layer: int, budget: PrefillBudget) -> LayerLoop | None:
+        """The request's rows for this layer of the step (its layer loop, the layer loaded and
+        placed), or None: not at this layer, out of budget, or stopped (then dropped)."""
+        if req.run.next_layer != layer or req.rid not in self._requests:
+            return None
+        if req.stopped:  # between layers: a timed-out or abandoned prefill stops here
+            self._drop(req, req.stop_error())
+            return None
+        if not budget.take(req.rid, req.run.rows):
+            return None
+        return self._guard(req, lambda r: r.run.enter())
+
+    def _prefilled(self, req: _Request) -> None:
+        """Its last layer is computed: the first token (or, after a preemption, its tokens fed again)."""
         req.state = self.engine.complete_run(req.handle.plan, req.active, req.run)
         req.handle.state = req.state
         self.scheduler.prefilled(req.rid)
         if req.tokens:  # prefilled again after a preemption: feed its tokens again, sample nothing
             req.replay, req.next_token = 0, req.tokens[0]
-            return done
+            return
         gen = req.handle.gen
         req.sampler = Sampler(gen.temperature, gen.top_p, gen.seed)
         req.decoder = StreamDecoder(self.engine.runner.tokenizer, gen.stop)
         host = self._read([req], req.state.logits[None, :])  # [1, V]
         self._take(req, host.top[0], host.rows.get(0))  # the first token is out (it may also be the last)
         self._save_prefix(req)
-        return done
 
     def _save_prefix(self, req: _Request) -> None:
         """prefix_cache mode: issue the save once, after the first token and before the result is
@@ -403,14 +405,77 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             logger.exception("request %d: saving its prefix cache entries failed", req.rid)
 
-    # ------------------------------------------------------------------ decode
-    def _decode(self, reqs: list[_Request]) -> None:
+    # ------------------------------------------------------------------ the step's pass over the layers
+    def _fused(self, decoding: list[_Request], prefilling: list[_Request], budget: PrefillBudget) -> None:
+        """ONE pass over the layers for the whole step: at each layer, the decode rows of every
+        decoding request and the rows of every prefill at that layer (within `budget`) go through
+        one projection and one MLP call (`layers.layer_pass`), each attending on its own.
+
+            layer l:  | decode rows (B) | prefill 1's rows at l | prefill 2's rows at l | ... |
+
+        A prefill joins at its next layer and leaves when out of budget or done; a prefill's
+        failure ends it alone, a failed pass ends everyone in it."""
+        r = self.engine.runner
+        rows = self._decode_rows(decoding) if decoding else None
+        if rows is None:
+            decoding = []
+        advanced: set[int] = set()  # the prefills that ran a layer
+        shared = False  # decode rows and prefill rows went through a layer together
+        for layer in range(r.shape.n_layers):
+            entered = [(req, loop) for req in prefilling if (loop := self._enter(req, layer, budget)) is not None]
+            groups = ([rows] if rows is not None else []) + [loop for _, loop in entered]
+            if not groups:
+                continue
+            advanced.update(req.rid for req, _ in entered)
+            shared = shared or (rows is not None and bool(entered))
+            try:
+                layer_pass(r, layer, groups)
+            except BaseException as exc:  # noqa: BLE001 - the pass failed for all its members
+                for req in decoding + [req for req, _ in entered]:
+                    self._drop(req, exc)
+                rows, decoding = None, []
+                continue
+            for req, _ in entered:
+                req.run.leave()
+        self.fused_steps += shared
+        self.max_prefills_seen = max(self.max_prefills_seen, len(advanced))
+        for req in prefilling:
+            if req.rid in self._requests and req.run is not None and req.run.done and req.state is None:
+                self._guard(req, self._prefilled)
+        if rows is not None:
+            self._decoded(decoding, lambda: self._finish_rows(decoding, rows))
+
+    def _decode_rows(self, reqs: list[_Request]) -> DecodeRows | None:
+        """The decode rows of a fused step (None: building them failed, its members dropped)."""
         caches = [r.cache for r in reqs]
         try:
-            logits = decode_batch(self.engine.runner, caches, [r.next_token for r in reqs],
-                                  [c.length for c in caches], self.engine.config.decode_attention,
-                                  self._decode_graphs())  # [B, V]
-            host = self._read(reqs, logits)
+            check_rows(caches, [r.next_token for r in reqs], [c.length for c in caches])
+            return eager_rows(self.engine.runner, caches, [r.next_token for r in reqs], [c.length for c in caches],
+                              self.engine.config.decode_attention)
+        except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
+            for r in reqs:
+                self._drop(r, exc)
+            return None
+
+    @staticmethod
+    def _finish_rows(reqs: list[_Request], rows: DecodeRows) -> torch.Tensor:
+        caches = [r.cache for r in reqs]
+        logits = rows.logits()  # [B, V]
+        written(caches, [c.length for c in caches])
+        return logits
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, reqs: list[_Request]) -> None:
+        """A step with nothing prefilling: the decode rows alone (as a CUDA graph where captured)."""
+        caches = [r.cache for r in reqs]
+        self._decoded(reqs, lambda: decode_batch(
+            self.engine.runner, caches, [r.next_token for r in reqs], [c.length for c in caches],
+            self.engine.config.decode_attention, self._decode_graphs()))  # [B, V]
+
+    def _decoded(self, reqs: list[_Request], logits: Callable[[], torch.Tensor]) -> None:
+        """The step's logits [B, V] (from `logits()`) read once; each request takes its token."""
+        try:
+            host = self._read(reqs, logits())
         except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
             for r in reqs:
                 self._drop(r, exc)

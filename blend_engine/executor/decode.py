@@ -30,7 +30,7 @@ import torch
 from blend_engine.model import ModelRunner
 
 from . import paged_decode
-from .layers import KVCache
+from .layers import KVCache, layer_pass
 from .uploads import upload_ints
 
 DECODE_ATTENTION = ("auto", "pooled", "per_sequence")
@@ -62,28 +62,43 @@ def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], token_ids: Sequ
     `attention`: see `decode_attention`; a pooled step that `graphs` can replay runs as its graph,
     else eagerly with `kernel` (None: `pooled_kernel`'s choice)."""
     r = runner
+    check_rows(caches, token_ids, input_pos)
+    pooled = decode_attention(attention, r.device, caches) == "pooled"
+    if pooled and graphs is not None and graphs.fits(caches):
+        logits = graphs.step(caches, token_ids, input_pos)  # [B, V]
+    else:
+        logits = through_layers(r, eager_rows(r, caches, token_ids, input_pos, attention, kernel))  # [B, V]
+    written(caches, input_pos)
+    return logits
+
+
+def check_rows(caches: Sequence[KVCache], token_ids: Sequence[int], input_pos: Sequence[int]) -> None:
     if len(caches) != len(token_ids) or len(caches) != len(input_pos):
         raise ValueError("decode_batch needs one token and one position per cache")
     for cache, p in zip(caches, input_pos):
         if p >= cache.capacity:
             raise ValueError("KV cache capacity exhausted")
-    pooled = decode_attention(attention, r.device, caches) == "pooled"
-    if pooled and graphs is not None and graphs.fits(caches):
-        logits = graphs.step(caches, token_ids, input_pos)  # [B, V]
-    else:
-        rows = row_inputs(caches, token_ids, input_pos)
-        ids = upload_ints(rows[0], r.device)  # [B], the step's uploads: pinned, non-blocking
-        pos = upload_ints(rows[1], r.device)  # [B]
-        if pooled:
-            start, n = (upload_ints(x, r.device) for x in rows[2:])  # [B] each
-            attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1,
-                                    kernel or pooled_kernel(r.device))
-        else:
-            attend = _PerSequence(r, caches, input_pos, pos)
-        logits = forward(r, ids, pos, attend)  # [B, V]
+
+
+def written(caches: Sequence[KVCache], input_pos: Sequence[int]) -> None:
+    """The step wrote position input_pos[b] of caches[b]: their lengths."""
     for cache, p in zip(caches, input_pos):
         cache.length = p + 1
-    return logits
+
+
+def eager_rows(r: ModelRunner, caches: Sequence[KVCache], token_ids: Sequence[int], input_pos: Sequence[int],
+               attention: str = "auto", kernel: str | None = None) -> DecodeRows:
+    """The step's rows, run eagerly: alone (`decode_batch`) or beside prefill rows in one layer
+    pass (the engine loop's fused step). The step's uploads are pinned and non-blocking."""
+    rows = row_inputs(caches, token_ids, input_pos)
+    ids = upload_ints(rows[0], r.device)  # [B]
+    pos = upload_ints(rows[1], r.device)  # [B]
+    if decode_attention(attention, r.device, caches) == "pooled":
+        start, n = (upload_ints(x, r.device) for x in rows[2:])  # [B] each
+        attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1, kernel or pooled_kernel(r.device))
+    else:
+        attend = _PerSequence(r, caches, input_pos, pos)
+    return DecodeRows(r, ids, pos, attend)
 
 
 def row_inputs(caches: Sequence[KVCache], token_ids: Sequence[int], input_pos: Sequence[int]) -> list[list[int]]:
@@ -102,15 +117,37 @@ class DecodeGraphsLike(Protocol):
     def step(self, caches: Sequence[KVCache], token_ids: Sequence[int], input_pos: Sequence[int]) -> torch.Tensor: ...
 
 
+class DecodeRows:
+    """A decode step's B rows as a row group (`layers.layer_pass`): one token per row at its own
+    position, attending through `attend`."""
+
+    def __init__(self, r: ModelRunner, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> None:
+        self.r, self._attend = r, attend
+        self.hidden = r.embed(ids)  # [B, E]
+        self.cos, self.sin = r.rope(pos)  # [B, D] each
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._attend(layer, q, k, v)  # [B, Hq*D]
+
+    def logits(self) -> torch.Tensor:
+        """After the last layer: the next token's logits [B, V]."""
+        return self.r.logits(self.hidden)
+
+
 def forward(r: ModelRunner, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
     """One token per row through every layer: ids, pos [B] on the device; returns logits [B, V].
     No host sync and no shape but B's and attend's: the body a CUDA graph captures."""
-    hidden = r.embed(ids)  # [B, E]
-    cos, sin = r.rope(pos)  # [B, D] each
+    return through_layers(r, DecodeRows(r, ids, pos, attend))  # [B, V]
+
+
+def through_layers(r: ModelRunner, rows: DecodeRows) -> torch.Tensor:
+    """The decode rows alone through every layer; logits [B, V]."""
     for layer in range(r.shape.n_layers):
-        q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, B, D], [H, B, D], [H, B, D]
-        hidden = r.finish_layer(layer, hidden, attend(layer, q, k, v))  # [B, E]
-    return r.logits(hidden)  # [B, V]
+        layer_pass(r, layer, [rows])
+    return rows.logits()  # [B, V]
 
 
 class _PerSequence:

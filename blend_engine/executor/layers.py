@@ -7,13 +7,19 @@ recompute the positions of the current selection (all of them below a blend's ch
 write their fresh K/V over the placed ones and attend. At the check layer and the schedule's
 layers the selection narrows (`selection.RankSpace`). Nothing inside the loop reads a device
 value on the host: the caller reads the final positions once, after it.
+
+A layer runs in three phases (`LayerLoop.enter`, `layer_pass`, `LayerLoop.leave`) so that one
+`layer_pass` can carry several row groups at once: the engine loop's step puts the decode rows
+and every prefill at that layer through one projection and one MLP call, each group attending on
+its own (`RowGroup`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -194,29 +200,48 @@ class LayerLoop:
         self.placer = Placer(r, list(job.cached), job.rotate)
         self.clock = LayerClock(r.device)
         self.sizes: list[int] = []
+        self.layer = 0  # the next layer to run
+        self._layers = iter(job.stream) if job.stream is not None else None  # the loaded layers, in order
 
     def _selection(self, positions: torch.Tensor) -> Selection:
         return Selection(positions, self.cos_all, self.sin_all, self.n, self.r.window_masks, attention=self.job.attention)
 
     def steps(self) -> Iterator[int]:
         """Run the layers one per step; each step yields the number of tokens that layer computed."""
-        timer, n_layers = self.job.timer, self.r.shape.n_layers
-        layers = iter(self.job.stream) if self.job.stream is not None else None
-        for layer in range(n_layers):
-            t0 = time.perf_counter()
-            packed = next(layers) if layers is not None else None
-            t1 = time.perf_counter()
-            timer.wait += t1 - t0
-            K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
-            if packed is not None and not self._all_overwritten(layer):
-                self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
-            self.job.hooks.placed(layer, K, V)
-            timer.assemble += time.perf_counter() - t1
-            self.clock.mark()
-            self._layer(layer, K, V, last=layer == n_layers - 1)
-            self.sizes.append(self.n if self.sel is None else self.sel.pos.shape[0])
-            self.clock.mark()
-            yield self.sizes[-1]
+        while self.layer < self.r.shape.n_layers:
+            layer = self.enter()
+            layer_pass(self.r, layer, [self])
+            yield self.leave()
+
+    # ---------------------------------------------------------------- one layer, in three phases
+    # enter (load and place the layer's cached K/V), then `layer_pass` runs the projections and
+    # the MLP over this loop's rows, alone or beside other row groups (the engine's fused step),
+    # calling `attend` for this loop's attention; leave records the layer.
+    def enter(self) -> int:
+        """Take and place the next layer's cached K/V; the layer index (its compute follows)."""
+        timer, layer = self.job.timer, self.layer
+        t0 = time.perf_counter()
+        packed = next(self._layers) if self._layers is not None else None
+        t1 = time.perf_counter()
+        timer.wait += t1 - t0
+        K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
+        if packed is not None and not self._all_overwritten(layer):
+            self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
+        self.job.hooks.placed(layer, K, V)
+        timer.assemble += time.perf_counter() - t1
+        self.clock.mark()
+        return layer
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of the rows this layer recomputes (`hidden`'s)."""
+        return (self.cos_all, self.sin_all) if self.sel is None else (self.sel.cos, self.sel.sin)
+
+    def leave(self) -> int:
+        """The layer is computed (`hidden` holds its output): the tokens it computed."""
+        self.sizes.append(self.n if self.sel is None else self.sel.pos.shape[0])
+        self.clock.mark()
+        self.layer += 1
+        return self.sizes[-1]
 
     def output(self) -> LayerOutput:
         """After the last step: the filled cache, the last hidden state, the final selection."""
@@ -226,10 +251,14 @@ class LayerLoop:
     def _all_overwritten(self, layer: int) -> bool:
         return self.sel is None and self.job.check_layer is not None and layer < self.job.check_layer
 
-    def _layer(self, layer: int, K: torch.Tensor, V: torch.Tensor, last: bool) -> None:
-        """Recompute the current selection at one layer, write its K/V into K, V [H, C, D], attend."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Fresh q [Hq, T, D], k, v [H, T, D] of `hidden`'s rows at `layer`: select (at the check
+        layer and the schedule's), write their K/V into the cache and attend. `hidden` keeps the
+        rows that go on; returns their attention output [T', Hq*D]."""
         r, N = self.r, self.n
-        q = self._recompute_all(layer, K, V) if self.sel is None else self._recompute_selected(layer, K, V)
+        K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
+        q = self._write_all(layer, q, k, v, K, V) if self.sel is None else self._write_selected(layer, q, k, v, K, V)
+        last = layer == r.shape.n_layers - 1
         if last:  # only the last position's output is used: it alone attends, to every key
             q, self.hidden = q[:, -1:], self.hidden[-1:]  # [Hq, 1, D], [1, E]
             out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos[-1:], N))  # [1, Hq*D]
@@ -239,7 +268,7 @@ class LayerLoop:
             out = self.sel.attend(r, q, K, V, layer)  # [S, Hq*D]
         if self.passage_keys is not None:
             out = self._ape_rows(layer, q, K, V, out, 1 if last else self.ranked.n_query)  # [S or N, Hq*D]
-        self.hidden = r.finish_layer(layer, self.hidden, out)  # [S or N, E]
+        return out
 
     def _ape_rows(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, out: torch.Tensor,
                   rows: int) -> torch.Tensor:
@@ -251,10 +280,11 @@ class LayerLoop:
                          policy.ape_temperature, policy.ape_scale)  # [rows, Hq*D]
         return torch.cat([out[:-rows], ape])  # [S, Hq*D]
 
-    def _recompute_all(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-        """Every position; at a blend's check layer, select and keep only the chosen rows."""
+    def _write_all(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor,
+                   V: torch.Tensor) -> torch.Tensor:
+        """Every position's K/V written; at a blend's check layer, select and keep only the chosen
+        rows of q and `hidden`."""
         job, N = self.job, self.n
-        q, k, v = self.r.qkv(layer, self.hidden, self.cos_all, self.sin_all)  # [Hq, N, D], [H, N, D], [H, N, D]
         if job.check_layer is not None and layer == job.check_layer:
             picked, rows = job.hooks.select(layer, self.ranked, q, k, v, K, V, job, None, self.narrowing[layer])  # [S]
             self.sel = self._selection(picked)
@@ -262,10 +292,10 @@ class LayerLoop:
         K[:, :N], V[:, :N] = k, v
         return q
 
-    def _recompute_selected(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-        """The selected positions; at a schedule layer, narrow the selection after writing."""
+    def _write_selected(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor,
+                        V: torch.Tensor) -> torch.Tensor:
+        """The selected positions' K/V written; at a schedule layer, narrow the selection after."""
         job, sel = self.job, self.sel
-        q, k, v = self.r.qkv(layer, self.hidden, sel.cos, sel.sin)  # [Hq, S, D], [H, S, D] x2
         keep = None
         if self.ranked is not None and layer in self.narrowing:
             narrowed, keep = job.hooks.select(layer, self.ranked, q, k, v, K, V, job, sel.pos,
@@ -275,3 +305,42 @@ class LayerLoop:
             q, self.hidden = q[:, keep], self.hidden[keep]  # [Hq, S', D], [S', E]
             self.sel = self._selection(narrowed)
         return q
+
+
+class RowGroup(Protocol):
+    """Rows that go through a layer together with others (`layer_pass`): a prefill's (`LayerLoop`)
+    or a decode step's (`decode.DecodeRows`)."""
+
+    hidden: torch.Tensor  # [T, E]: the rows' input to the layer, then (set by `layer_pass`) its output
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def layer_pass(r: ModelRunner, layer: int, groups: Sequence[RowGroup]) -> None:
+    """One layer over every group's rows: ONE q/k/v projection and ONE o_proj + MLP call over the
+    rows of all groups concatenated, and each group's own attention between them.
+
+        rows:  | group 1's T_1 rows | group 2's T_2 rows | ... |
+
+    A group may keep fewer rows than it came with (`attend` narrows its `hidden`: a blend's
+    selection, a prefill's last layer); its output rows are handed back to it. One group alone
+    runs without a copy (the decode step's CUDA graphs capture that path)."""
+    if len(groups) == 1:
+        g = groups[0]
+        q, k, v = r.qkv(layer, g.hidden, *g.rope(layer))  # [Hq, T, D], [H, T, D], [H, T, D]
+        out = g.attend(layer, q, k, v)  # [T', Hq*D]
+        g.hidden = r.finish_layer(layer, g.hidden, out)  # [T', E]
+        return
+    ropes = [g.rope(layer) for g in groups]
+    sizes = [g.hidden.shape[0] for g in groups]
+    hidden = torch.cat([g.hidden for g in groups])  # [sum T, E]
+    cos, sin = torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes])  # [sum T, D] each
+    q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, sum T, D], [H, sum T, D], [H, sum T, D]
+    outs = [g.attend(layer, qi, ki, vi) for g, qi, ki, vi in
+            zip(groups, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))]  # [T_i', Hq*D] each
+    kept = [o.shape[0] for o in outs]
+    hidden = r.finish_layer(layer, torch.cat([g.hidden for g in groups]), torch.cat(outs))  # [sum T', E]
+    for g, h in zip(groups, hidden.split(kept)):
+        g.hidden = h  # [T_i', E]

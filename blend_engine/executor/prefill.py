@@ -4,9 +4,11 @@
       loaded layer by layer (`kv_store.loader`), placed by RoPE (`placement`), repaired by the
       selection (`selection`) in the layer loop (`layers.LayerLoop`)
 
-`PrefillRun.steps()` runs one layer per step, so the engine loop can interleave batched decode
-steps between the layers of a long prefill; `finish()` reads the final positions (the prefill's
-one host sync) and builds the report.
+`PrefillRun.steps()` runs one layer per step; the engine loop instead drives it one layer at a
+time (`enter`, then its rows in a `layers.layer_pass` beside other requests' rows, then `leave`),
+so a long prefill spreads over several engine steps and shares each layer's projections with the
+batch's decode rows. `finish()` reads the final positions (the prefill's one host sync) and builds
+the report.
 """
 
 from __future__ import annotations
@@ -75,6 +77,31 @@ class PrefillRun:
         try:
             yield from self.loop.steps()
         finally:
+            self.close()
+
+    # one layer at a time beside other rows (the engine loop's fused step, `layers.layer_pass`)
+    @property
+    def next_layer(self) -> int:
+        return self.loop.layer
+
+    @property
+    def done(self) -> bool:
+        return self.loop.layer == self.runner.shape.n_layers
+
+    @property
+    def rows(self) -> int:
+        """The rows its next layer computes (a host int: no sync)."""
+        return self.loop.hidden.shape[0]
+
+    def enter(self) -> LayerLoop:
+        """Load and place its next layer; the loop, a row group for that layer's `layer_pass`."""
+        self.loop.enter()
+        return self.loop
+
+    def leave(self) -> None:
+        """Its layer is computed; after the last one the loader stream closes."""
+        self.loop.leave()
+        if self.done:
             self.close()
 
     def close(self) -> None:

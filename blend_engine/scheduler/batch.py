@@ -10,10 +10,14 @@ Each step of the engine loop:
     admit    waiting requests in order while the batch has room (`max_batch`) and a run of blocks
              for their prompt is free; each first takes the longest cached prefix of its prompt
              (automatic prefix caching), in place or copied, and computes only the rest
-    prefill  partly prefilled requests advance, oldest first, until they computed
-             `prefill_step_tokens` tokens (summed over layers, at least one layer each) while
-             others decode; with nothing decoding the oldest runs whole
-    decode   ONE batched decode step for every request past its prefill
+    prefill  partly prefilled requests advance together, layer by layer, until they computed
+             `prefill_step_tokens` tokens between them (summed over layers, oldest first at each
+             layer, at least one layer each: `PrefillBudget`) while others decode; with nothing
+             decoding the oldest runs whole
+    decode   every request past its prefill decodes one token
+
+The executor runs a step as ONE pass over the layers: at each layer the decode rows and the rows
+of every prefill at that layer go through one projection and one MLP call (`layers.layer_pass`).
 
 Blocks are taken as tokens arrive (a prompt's run at admission, one block per `block_tokens`
 decoded tokens), never reserved for `max_tokens`.
@@ -102,6 +106,26 @@ class StepPlan:
     @property
     def idle(self) -> bool:
         return not (self.admit or self.prefill or self.decode or self.preempt)
+
+
+class PrefillBudget:
+    """A step's prefill work, in tokens x layers, shared by the step's prefills (None: unbounded).
+    At each layer the prefills ask oldest first; each gets its first layer of the step whatever is
+    left (every planned prefill advances), further layers while any budget is left."""
+
+    def __init__(self, tokens: int | None) -> None:
+        self.left = tokens
+        self._started: set[int] = set()
+
+    def take(self, rid: int, rows: int) -> bool:
+        """May `rid` compute its next layer (`rows` tokens) in this step? If so, they are spent."""
+        if self.left is None:
+            return True
+        if rid in self._started and self.left <= 0:
+            return False
+        self._started.add(rid)
+        self.left -= rows
+        return True
 
 
 @dataclass

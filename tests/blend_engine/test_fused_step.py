@@ -1,0 +1,137 @@
+"""One batch per step (issue #35 item 4): the decode rows and the rows of every prefill at a layer
+go through one projection and one MLP call (`layers.layer_pass`), each group attending on its own.
+On the tiny random Llama (fp32): a layer pass over several groups gives each what it gives alone;
+in the engine loop several prefills advance in the same step beside the decode rows and every
+request ends with its tokens alone; the step's prefill budget is shared as documented."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from blend_engine.engine import BlendEngine, EngineConfig
+from blend_engine.executor.decode import decode_batch, eager_rows, written
+from blend_engine.executor.layers import KVCache, layer_pass
+from blend_engine.kv_store import MemoryStore
+from blend_engine.scheduler.batch import BatchLimits, PrefillBudget
+from blend_engine.types import BlendPlan, GenerationConfig, Mode
+from tests.helpers import PASSAGES, QUESTION, held_loop, poll
+
+GEN = GenerationConfig(max_tokens=10, ignore_eos=True)
+
+
+def _engine(runner, prefill_step_tokens: int = 4096) -> BlendEngine:
+    limits = BatchLimits(max_batch=8, kv_budget_bytes=64 << 20, prefill_step_tokens=prefill_step_tokens)
+    return BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits))
+
+
+def _plan(i: int, mode: Mode = Mode.BLEND) -> BlendPlan:
+    docs = tuple(PASSAGES[(i + j) % len(PASSAGES)] for j in range(2 + i % 3))
+    return BlendPlan(docs, f"{QUESTION} ({i})", mode=mode, recompute_ratio=0.3)
+
+
+def _warm(engine: BlendEngine, plan: BlendPlan) -> None:
+    for seg in engine.layout(plan).segments[:-1]:
+        engine.cache_ids(seg.token_ids, plan.cache_salt)
+
+
+def _copy(cache: KVCache) -> KVCache:
+    out = KVCache.over([k.clone() for k in cache.k], [v.clone() for v in cache.v], cache.capacity)
+    out.length = cache.length
+    return out
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_runner):
+    return tiny_runner
+
+
+def test_one_layer_pass_over_several_groups_gives_each_what_it_gives_alone(runner):
+    eng = _engine(runner)
+    try:
+        plans = [_plan(0), _plan(1, Mode.FULL_PREFILL)]
+        for p in plans:
+            _warm(eng, p)
+        alone = [eng.prefill(p, 4) for p in plans]
+        decoding = eng.prefill(_plan(2, Mode.FULL_PREFILL), 4).cache  # a sequence that decodes
+        twin = _copy(decoding)
+        tok, pos = 42, decoding.length
+        decode_alone = decode_batch(runner, [twin], [tok], [pos])  # [1, V]
+
+        with torch.inference_mode():  # as on the engine loop's thread
+            preps = [eng.prepare(p, 4) for p in plans]
+            runs = [eng.start_run(p, prep, 4) for p, prep in zip(plans, preps)]
+            rows = eager_rows(runner, [decoding], [tok], [pos])
+            for layer in range(runner.shape.n_layers):
+                layer_pass(runner, layer, [rows] + [run.enter() for run in runs])  # | decode | blend | full |
+                for run in runs:
+                    run.leave()
+            decode_fused = rows.logits()  # [1, V]
+            written([decoding], [pos])
+            fused = [eng.complete_run(p, prep, run) for p, prep, run in zip(plans, preps, runs)]
+    finally:
+        eng.close()
+    assert alone[0].report.recomputed_tokens < alone[0].layout.n_tokens  # the blend selected rows
+    for a, f in zip(alone, fused):
+        assert f.report.recomputed_positions == a.report.recomputed_positions
+        torch.testing.assert_close(f.logits, a.logits, atol=1e-4, rtol=1e-4)
+        n = a.layout.n_tokens
+        for layer in range(runner.shape.n_layers):
+            torch.testing.assert_close(f.cache.k[layer][:, :n], a.cache.k[layer][:, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode_fused, decode_alone, atol=1e-4, rtol=1e-4)
+    assert decoding.length == twin.length == pos + 1
+    for layer in range(runner.shape.n_layers):
+        torch.testing.assert_close(decoding.v[layer][:, pos], twin.v[layer][:, pos], atol=1e-5, rtol=1e-5)
+
+
+def test_several_prefills_advance_in_one_step_beside_the_decode_rows(runner):
+    plans = [_plan(3), _plan(4), _plan(5, Mode.FULL_PREFILL)]
+    long_gen = GenerationConfig(max_tokens=80, ignore_eos=True)
+    alone = []
+    for p, g in zip(plans, (long_gen, GEN, GEN)):
+        eng = _engine(runner)
+        try:
+            _warm(eng, p)
+            alone.append(eng.run(p, g).token_ids)
+        finally:
+            eng.close()
+
+    eng = _engine(runner, prefill_step_tokens=1)  # each prefill: one layer a step (its first is always granted)
+    out: list = [None] * 3
+    try:
+        for p in plans:
+            _warm(eng, p)
+
+        def one(i: int, gen: GenerationConfig) -> None:
+            out[i] = eng.run(plans[i], gen).token_ids
+
+        first = threading.Thread(target=one, args=(0, long_gen))
+        first.start()
+        poll(lambda: eng.loop.stats()["decode_steps"] >= 1)  # the first request decodes
+        with held_loop(eng.loop):  # the next two arrive in the same step
+            rest = [threading.Thread(target=one, args=(i, GEN)) for i in (1, 2)]
+            for t in rest:
+                t.start()
+            poll(lambda: eng.loop.stats()["waiting"] >= 2)
+        for t in [first, *rest]:
+            t.join(60)
+        stats = eng.loop.stats()
+    finally:
+        eng.close()
+    assert out == alone
+    assert stats["max_prefills_seen"] == 2
+    assert stats["fused_steps"] >= runner.shape.n_layers  # one layer a step, beside the decoding request
+
+
+def test_the_prefill_budget_is_shared_oldest_first_with_one_layer_each_guaranteed():
+    unbounded = PrefillBudget(None)
+    assert all(unbounded.take(1, 10_000) for _ in range(50))
+    b = PrefillBudget(100)
+    assert b.take(1, 60) and b.take(2, 60)  # layer 0: both (2's first layer is granted past the budget)
+    assert not b.take(1, 60) and not b.take(2, 60)  # layer 1: nothing left
+    assert b.take(3, 500)  # a prefill's first layer of the step, whatever is left
+    b = PrefillBudget(100)
+    assert b.take(1, 30) and b.take(1, 30) and b.take(1, 30) and b.take(1, 30)  # 120: the last began under 100
+    assert not b.take(1, 30)
