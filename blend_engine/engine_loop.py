@@ -419,6 +419,8 @@ class EngineLoop:
         rows = self._decode_rows(decoding) if decoding else None
         if rows is None:
             decoding = []
+        for req in prefilling:  # oldest first
+            budget.allot(req.rid, req.run.rows * (r.shape.n_layers - req.run.next_layer))
         advanced: set[int] = set()  # the prefills that ran a layer
         shared = False  # decode rows and prefill rows went through a layer together
         for layer in range(r.shape.n_layers):

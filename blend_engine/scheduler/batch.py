@@ -10,10 +10,9 @@ Each step of the engine loop:
     admit    waiting requests in order while the batch has room (`max_batch`) and a run of blocks
              for their prompt is free; each first takes the longest cached prefix of its prompt
              (automatic prefix caching), in place or copied, and computes only the rest
-    prefill  partly prefilled requests advance together, layer by layer, until they computed
-             `prefill_step_tokens` tokens between them (summed over layers, oldest first at each
-             layer, at least one layer each: `PrefillBudget`) while others decode; with nothing
-             decoding the oldest runs whole
+    prefill  partly prefilled requests advance, oldest first, until they computed
+             `prefill_step_tokens` tokens between them (summed over layers; `PrefillBudget`)
+             while others decode; with nothing decoding the oldest runs whole
     decode   every request past its prefill decodes one token
 
 The executor runs a step as ONE pass over the layers: at each layer the decode rows and the rows
@@ -109,22 +108,34 @@ class StepPlan:
 
 
 class PrefillBudget:
-    """A step's prefill work, in tokens x layers, shared by the step's prefills (None: unbounded).
-    At each layer the prefills ask oldest first; each gets its first layer of the step whatever is
-    left (every planned prefill advances), further layers while any budget is left."""
+    """A step's prefill work, in tokens x layers (None: unbounded), given oldest first: in age
+    order each prefill is allotted what is left, up to the most it could use this step (`allot`);
+    it then runs layer after layer while its allotment lasts (the layer that crosses it included).
+    A prefill allotted nothing waits for the next step. So the oldest prefill advances as if alone
+    and the younger ones use what it leaves, while all of them share each layer's pass."""
 
     def __init__(self, tokens: int | None) -> None:
         self.left = tokens
-        self._started: set[int] = set()
+        self._own: dict[int, int | None] = {}
+
+    def allot(self, rid: int, most: int) -> None:
+        """Before the step, oldest first: `rid` could compute at most `most` tokens this step (its
+        rows now x its layers left: rows only shrink along a prefill)."""
+        if self.left is None:
+            self._own[rid] = None
+            return
+        give = max(0, min(self.left, most))
+        self._own[rid] = give
+        self.left -= give
 
     def take(self, rid: int, rows: int) -> bool:
         """May `rid` compute its next layer (`rows` tokens) in this step? If so, they are spent."""
-        if self.left is None:
+        own = self._own.get(rid, 0)
+        if own is None:
             return True
-        if rid in self._started and self.left <= 0:
+        if own <= 0:
             return False
-        self._started.add(rid)
-        self.left -= rows
+        self._own[rid] = own - rows
         return True
 
 
