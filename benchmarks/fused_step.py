@@ -1,11 +1,11 @@
 """One engine step with a prefill's rows beside the decode rows (issue #35 item 4), against the
 two run one after the other, on the default model (real weights; on a GPU when there is one).
 
-    python -m benchmarks.fused_step [--batch 1,8,16] [--tokens 1024] [--passages 3] [--repeat 5]
+    python -m benchmarks.fused_step [--batch 1,8,16] [--tokens 1024] [--passages 3] [--repeat 9]
 
 The prefill is a blend@0.15 of a MuSiQue dev question over its first `--passages` paragraphs (their
 KV cached first); the decode rows are B sequences of T tokens each in runs of one paged pool (random
-K/V: timing does not depend on the values). Per B, medians of `--repeat` runs:
+K/V: timing does not depend on the values). Per B, medians of `--repeat` rounds (the four take turns in each):
 
 - prefill alone, decode step alone;
 - apart: the prefill's layers, then the decode step (what a step cost before item 4);
@@ -85,16 +85,23 @@ class Step:
         return logits
 
 
-def median_ms(r: ModelRunner, fn: Callable[[], object], repeat: int) -> float:
-    times = []
+WAYS = ("prefill", "decode", "apart", "fused")
+
+
+def medians_ms(r: ModelRunner, step: Step, repeat: int) -> dict[str, float]:
+    """Each way's median time; the ways take turns within every repeat, so that a machine whose
+    speed drifts (shared cores) slows them alike."""
+    times: dict[str, list[float]] = {w: [] for w in WAYS}
     for i in range(repeat + 1):
-        _sync(r)
-        t0 = time.perf_counter()
-        fn()
-        _sync(r)
-        if i:  # the first is a warm-up
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for way in WAYS:
+            fn: Callable[[], object] = getattr(step, way)
+            _sync(r)
+            t0 = time.perf_counter()
+            fn()
+            _sync(r)
+            if i:  # the first round is a warm-up
+                times[way].append((time.perf_counter() - t0) * 1e3)
+    return {w: round(statistics.median(t), 1) for w, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,8,16")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--passages", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -116,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             for b in (int(x) for x in args.batch.split(",")):
                 step = Step(eng, plan, b, args.tokens)
-                ms = {name: round(median_ms(runner, getattr(step, name), args.repeat), 1)
-                      for name in ("prefill", "decode", "apart", "fused")}
+                ms = medians_ms(runner, step, args.repeat)
                 rows.append({"batch": b, "tokens": args.tokens, "prompt_tokens": step.prep.layout.n_tokens, **ms,
                              "saved_ms": round(ms["apart"] - ms["fused"], 1),
                              "decode_riding_ms": round(ms["fused"] - ms["prefill"], 1)})

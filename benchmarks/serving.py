@@ -31,6 +31,8 @@ from benchmarks.throughput import REPO, app_process, free_port
 
 logger = logging.getLogger(__name__)
 OUT = REPO / "benchmarks" / "results" / "serving"
+MIN_REQUESTS = 8  # the fewest requests a level makes (its medians need a few)
+WARMUP = 4  # warm-up requests, on questions of their own
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ def _wait_ingested(url: str, timeout_s: float = 900) -> None:
 
 
 def questions(n: int) -> list[str]:
-    """HotpotQA dev questions whose paragraphs make up the bundled sample corpus."""
+    """The first n HotpotQA dev questions (the bundled sample corpus holds the paragraphs of the
+    first ~40; the rest retrieve their nearest passages from it: RAG prompts all the same)."""
     return [ex.question for ex in load_examples("hotpotqa", n)]
 
 
@@ -163,9 +166,19 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int, natural: bool = False) -> ServingRow:
-    n = max(clients * rounds, 4)
-    bodies = [{"question": qs[i % len(qs)], "top_k": 5, "max_tokens": max_tokens, "temperature": 0.0,
+def level_size(clients: int, rounds: int) -> int:
+    """Requests at one level: `rounds` per client, at least MIN_REQUESTS."""
+    return max(clients * rounds, MIN_REQUESTS)
+
+
+def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int, natural: bool = False,
+            offset: int = 0) -> ServingRow:
+    """One level: its questions are qs[offset:offset + n] (wrapping), so that each level asks
+    questions no earlier level asked (`main` moves the offset on) and every level sees the same mix:
+    retrieved passages from the store, no exact repeat of an earlier prompt (a repeat is a prefix
+    hit: far cheaper, and once made the 1-client level cheaper than the rest)."""
+    n = level_size(clients, rounds)
+    bodies = [{"question": qs[(offset + i) % len(qs)], "top_k": 5, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "ignore_eos": not natural} for i in range(n)]
     seconds, results, gauges = asyncio.run(_level(url, bodies, clients))
     first, last = gauges[0], gauges[-1]
@@ -232,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", default="1,2,4,8,16")
     p.add_argument("--max-tokens", default="32,128")
     p.add_argument("--rounds", type=int, default=2, help="requests per client at each level (at least 4 in all)")
-    p.add_argument("--questions", type=int, default=40)
+    p.add_argument("--questions", type=int, default=200,
+                   help="HotpotQA dev questions to draw from; a level's questions are new unless they run out")
     p.add_argument("--data-dir", type=Path, default=None, help="reuse an ingested data dir (default: a temporary one)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--natural", action="store_true", help="answers end at EOS (natural lengths), max_tokens a cap")
@@ -246,10 +260,15 @@ def main(argv: list[str] | None = None) -> None:
         data_dir = args.data_dir or Path(tmp)
         data_dir.mkdir(parents=True, exist_ok=True)
         with service(data_dir, dict(kv.split("=", 1) for kv in args.set)) as url:
-            measure(url, qs, 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
+            measure(url, qs[-WARMUP:], 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
+            offset = 0
             for mt in (int(x) for x in args.max_tokens.split(",")):
                 for clients in (int(x) for x in args.clients.split(",")):
-                    rows.append(measure(url, qs, clients, mt, args.rounds, args.natural))
+                    rows.append(measure(url, qs[:-WARMUP], clients, mt, args.rounds, args.natural, offset))
+                    offset += level_size(clients, args.rounds)
+            if offset > len(qs) - WARMUP:
+                logger.warning("%d requests over %d questions: later levels repeated earlier questions "
+                               "(prefix hits); pass --questions %d", offset, len(qs) - WARMUP, offset + WARMUP)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (args.out / "serving.md").write_text(table(rows))

@@ -5,8 +5,10 @@
     EngineClient.submit / Generation       each step (`scheduler.batch.BatchScheduler`):
       layout, keys, plan, block hashes ->    drop cancelled, timed-out and too-late requests
       admission (`scheduler.admission`)      grow runs (or preempt the youngest), admit by free
-      then wait for deltas            <-     blocks (taking cached prefixes), advance prefills
-                                             under a token budget, ONE batched decode step
+      then wait for deltas            <-     blocks (taking cached prefixes), then ONE pass over
+                                             the layers: every decode row and the prefills'
+                                             rows under a token budget, one projection and one
+                                             MLP call a layer (`layers.layer_pass`)
     run_task(fn) (ingestion precompute) ->   one task between steps
                                              one missed passage's alone-KV stored between steps
 

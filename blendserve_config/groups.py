@@ -73,8 +73,10 @@ class EngineSettings(Group):
     kv_block_tokens: int = Field(16, ge=1, le=1024, description="token slots per block of the KV pool")
     prefix_caching: bool = Field(True, description="automatic prefix caching: a request first takes the longest "
                                                    "cached prefix of its prompt from the KV pool, in every mode")
-    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, prefills run layers until they "
-                                                             "computed this many tokens (summed over layers) per step")
+    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, prefills (oldest first) run "
+                                                             "layers until they computed this many tokens (summed "
+                                                             "over layers) per step, sharing each layer's pass with "
+                                                             "the decode rows")
     prefix_cache_mb: int = Field(1024, ge=0, description="in-memory budget of prefix_cache mode's in-context "
                                                          "entries, per engine (LRU); 0 = never reuse a prefix")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
