@@ -180,7 +180,7 @@ class BlendEngine:
     def complete_run(self, plan: BlendPlan, prep: Prepared, run: PrefillRun) -> PrefillState:
         state = run.finish()
         if self.controller is not None and prep.mp.learns:
-            self.controller.observe(state.report, self.bytes_per_layer(prep.mp.cached_tokens))
+            self.controller.observe(state.report, self.bytes_per_layer(prep.mp.cached_tokens), compute=not run.shared)
         return state
 
     def save_prefix(self, plan: BlendPlan, prep: Prepared, state: PrefillState) -> None:

@@ -439,7 +439,8 @@ class EngineLoop:
                     self._drop(req, exc)
                 rows, decoding = None, []
                 continue
-            for req, _ in entered:
+            for req, loop in entered:
+                loop.shared = loop.shared or len(groups) > 1
                 req.run.leave()
         self.fused_steps += shared
         self.max_prefills_seen = max(self.max_prefills_seen, len(advanced))

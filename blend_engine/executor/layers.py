@@ -201,6 +201,7 @@ class LayerLoop:
         self.clock = LayerClock(r.device)
         self.sizes: list[int] = []
         self.layer = 0  # the next layer to run
+        self.shared = False  # a layer's pass carried other rows (the per-layer clock counts them too)
         self._layers = iter(job.stream) if job.stream is not None else None  # the loaded layers, in order
 
     def _selection(self, positions: torch.Tensor) -> Selection:

@@ -89,6 +89,11 @@ class PrefillRun:
         return self.loop.layer == self.runner.shape.n_layers
 
     @property
+    def shared(self) -> bool:
+        """Some layer ran in a pass with other rows: its layer times count them too."""
+        return self.loop.shared
+
+    @property
     def rows(self) -> int:
         """The rows its next layer computes (a host int: no sync)."""
         return self.loop.hidden.shape[0]

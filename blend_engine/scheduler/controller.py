@@ -276,8 +276,10 @@ class BandwidthController:
         return RatioChoice(ratio, full_prefill=total >= full_s, predicted_ms=total * 1e3,
                            full_prefill_ms=full_s * 1e3)
 
-    def observe(self, report, bytes_per_layer: int) -> None:
-        """Learn from one report: load bandwidth (blend) and the per-layer compute cost (any mode)."""
+    def observe(self, report, bytes_per_layer: int, compute: bool = True) -> None:
+        """Learn from one report: load bandwidth (blend) and, when `compute`, the per-layer compute
+        cost (any mode; not from a prefill whose layers shared their pass with other rows: their
+        times count those rows too)."""
         n_layers = len(report.layer_load_ms)
         with self._lock:
             self._observations += 1
@@ -287,7 +289,7 @@ class BandwidthController:
             pairs = [(n, t / 1e3) for n, t in zip(report.selected_per_layer, report.layer_compute_ms)]
             if len(pairs) > 1:
                 pairs = pairs[:-1]  # the last layer runs attention and the MLP for one position only
-            if pairs:
+            if pairs and compute:
                 self._fit.add(pairs)
 
     def state(self) -> ControllerState:

@@ -136,6 +136,15 @@ def test_controller_fits_fixed_and_per_token_layer_costs():
     assert state.bandwidth == pytest.approx(5e6 / 0.04)
 
 
+def test_layer_times_shared_with_other_rows_teach_bandwidth_but_not_compute():
+    c = BandwidthController()
+    before = c.state()
+    c.observe(report(40.0, SIZES, tuple(3 * t for t in TIMES)), 1_000_000, compute=False)
+    state = c.state()
+    assert (state.layer_fixed_s, state.token_layer_s) == (before.layer_fixed_s, before.token_layer_s)
+    assert state.bandwidth == pytest.approx(5e6 / 0.04)
+
+
 def test_controller_picks_the_smallest_ratio_whose_recompute_hides_the_next_load():
     c = BandwidthController(floor=0.0, cap=1.0)
     cost = (1e-3, 1e-5)
