@@ -28,12 +28,12 @@ from blend_engine.scheduler.kv_blocks import Run, blocks_for
 logger = logging.getLogger(__name__)
 
 
-def _sync(runner: ModelRunner) -> None:
+def sync(runner: ModelRunner) -> None:
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _runs(runner: ModelRunner, batch: int, n_tokens: int, block_tokens: int = 16):
+def pool_runs(runner: ModelRunner, batch: int, n_tokens: int, block_tokens: int = 16):
     """`batch` runs of one pool, each holding `n_tokens` tokens of random K/V, room for 64 more."""
     per = blocks_for(n_tokens + 64, block_tokens)
     pool = KVPool(runner, per * batch, block_tokens)
@@ -44,27 +44,22 @@ def _runs(runner: ModelRunner, batch: int, n_tokens: int, block_tokens: int = 16
 
 
 def step_ms(runner: ModelRunner, batch: int, n_tokens: int, attention: str, repeat: int) -> float:
-    pool, runs = _runs(runner, batch, n_tokens)
+    pool, runs = pool_runs(runner, batch, n_tokens)
     tokens, starts = [7 + b for b in range(batch)], [n_tokens] * batch
     times = []
     for i in range(repeat + 1):
         caches = [pool.view(run, n_tokens) for run in runs]
-        _sync(runner)
+        sync(runner)
         t0 = time.perf_counter()
         decode_batch(runner, caches, tokens, starts, attention=attention)
-        _sync(runner)
+        sync(runner)
         if i:  # the first is a warm-up
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", default="1,8,16")
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = step_parser(__doc__, repeat=5).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runner = ModelRunner.load()
     rows = []
@@ -76,13 +71,32 @@ def main(argv: list[str] | None = None) -> int:
                          "pooled_ms": round(pooled, 2), "pooled_over_per_sequence": round(pooled / per_seq, 3)})
             logger.info("B=%d T=%d: per_sequence %.1f ms, pooled %.1f ms (%.2fx)", b, args.tokens, per_seq, pooled,
                         pooled / per_seq)
-    result = {"device": str(runner.device), "dtype": str(runner.dtype), "model": runner.name,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+    result = with_machine(runner, rows)
     print(json.dumps(result, indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     return 0
+
+
+def step_parser(doc: str | None, repeat: int) -> argparse.ArgumentParser:
+    """The step benchmarks' common arguments: --batch, --tokens, --repeat, --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="1,8,16")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=repeat)
+    ap.add_argument("--out", type=Path, default=None)
+    return ap
+
+
+def with_machine(runner: ModelRunner, rows: list[dict]) -> dict:
+    """A benchmark's rows with the device, dtype, model, torch and thread count they ran on."""
+    return {"device": str(runner.device), "dtype": str(runner.dtype), "model": runner.name,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

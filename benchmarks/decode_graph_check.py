@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode_attention import _runs
+from benchmarks.decode_attention import pool_runs
 from benchmarks.gpu_common import Setup, median_ms
 from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.decode_graphs import DecodeGraphs
@@ -69,7 +69,7 @@ def compare_captured_and_eager(runner: ModelRunner, steps: int = 6, batch: int =
 
     kernel = kernel or pooled_kernel(runner.device)
     lengths = [253 - 40 * b for b in range(batch)]  # the longest crosses the 256-key bucket at step 3
-    pool, runs = _runs(runner, batch, max(lengths) + steps)
+    pool, runs = pool_runs(runner, batch, max(lengths) + steps)
     slots = pool.scratch_slot
     start = [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]
     logits, kv, n_graphs = {}, {}, 0
@@ -130,7 +130,7 @@ def time_steps(setup: Setup, runner: ModelRunner, batches: list[int], n_tokens: 
 def _time_batch(setup: Setup, runner: ModelRunner, b: int, n_tokens: int, reps: int) -> dict:
     from blend_engine.executor.decode import pooled_kernel
 
-    pool, runs = _runs(runner, b, n_tokens)
+    pool, runs = pool_runs(runner, b, n_tokens)
     tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
 
     views = [pool.view(run, n_tokens) for run in runs]  # made once, as the engine loop holds them
@@ -163,7 +163,7 @@ def profile_step(setup: Setup, runner: ModelRunner, b: int, n_tokens: int) -> st
     same kernels a graph replays, so where a replayed step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    pool, runs = _runs(runner, b, n_tokens)
+    pool, runs = pool_runs(runner, b, n_tokens)
     tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
 
     def step() -> None:

@@ -14,7 +14,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.decode_attention import _runs
+from benchmarks.decode_attention import pool_runs
 from blend_engine.executor.decode import decode_batch
 from blend_engine.model import ModelRunner
 
@@ -22,7 +22,7 @@ GEMM = ("aten::mm", "aten::addmm")
 
 
 def profile_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> list[str]:
-    pool, runs = _runs(runner, batch, n_tokens)
+    pool, runs = pool_runs(runner, batch, n_tokens)
     tokens, pos = [7 + b for b in range(batch)], [n_tokens] * batch
 
     def step() -> None:

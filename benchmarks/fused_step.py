@@ -18,18 +18,15 @@ decode rows cost riding on the prefill's pass.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from benchmarks.data import load_examples
-from benchmarks.decode_attention import _runs, _sync
+from benchmarks.decode_attention import pool_runs, step_parser, sync, with_machine, write_json
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.decode import decode_batch, eager_rows, written
 from blend_engine.executor.layers import layer_pass
@@ -52,7 +49,7 @@ class Step:
     def __init__(self, eng: BlendEngine, plan: BlendPlan, batch: int, n_tokens: int) -> None:
         self.eng, self.r, self.plan = eng, eng.runner, plan
         self.prep = eng.prepare(plan, 0)
-        self.pool, self.runs = _runs(self.r, batch, n_tokens)
+        self.pool, self.runs = pool_runs(self.r, batch, n_tokens)
         self.tokens, self.pos = [7 + b for b in range(batch)], [n_tokens] * batch
 
     def _caches(self):
@@ -95,22 +92,18 @@ def medians_ms(r: ModelRunner, step: Step, repeat: int) -> dict[str, float]:
     for i in range(repeat + 1):
         for way in WAYS:
             fn: Callable[[], object] = getattr(step, way)
-            _sync(r)
+            sync(r)
             t0 = time.perf_counter()
             fn()
-            _sync(r)
+            sync(r)
             if i:  # the first round is a warm-up
                 times[way].append((time.perf_counter() - t0) * 1e3)
     return {w: round(statistics.median(t), 1) for w, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", default="1,8,16")
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap = step_parser(__doc__, repeat=9)
     ap.add_argument("--passages", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runner = ModelRunner.load()
@@ -130,16 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("B=%d: %s", b, rows[-1])
     finally:
         eng.close()
-    result = {"device": str(runner.device), "dtype": str(runner.dtype), "model": runner.name,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
     print("| B | prompt tokens | prefill | decode step | apart | fused | saved | decode rows riding |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['batch']} | {row['prompt_tokens']} | {row['prefill']} | {row['decode']} | {row['apart']} | "
               f"{row['fused']} | {row['saved_ms']} | {row['decode_riding_ms']} |")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, with_machine(runner, rows))
     return 0
 
 
