@@ -418,7 +418,8 @@ class EngineLoop:
         A prefill joins at its next layer and leaves when out of budget or done; a prefill's
         failure ends it alone, a failed pass ends everyone in it."""
         r = self.engine.runner
-        rows = self._decode_rows(decoding) if decoding else None
+        caches, tokens, pos = self._inputs(decoding)
+        rows = self._decode_rows(decoding, caches, tokens, pos) if decoding else None
         if rows is None:
             decoding = []
         for req in prefilling:  # oldest first
@@ -448,34 +449,38 @@ class EngineLoop:
             if req.rid in self._requests and req.run is not None and req.run.done and req.state is None:
                 self._guard(req, self._prefilled)
         if rows is not None:
-            self._decoded(decoding, lambda: self._finish_rows(decoding, rows))
+            self._decoded(decoding, lambda: self._finish_rows(rows, caches, pos))
 
-    def _decode_rows(self, reqs: list[_Request]) -> DecodeRows | None:
-        """The decode rows of a fused step (None: building them failed, its members dropped)."""
+    @staticmethod
+    def _inputs(reqs: list[_Request]) -> tuple[list[KVCache], list[int], list[int]]:
+        """A decode step's caches, token ids and positions (each next token at its cache's length)."""
         caches = [r.cache for r in reqs]
+        return caches, [r.next_token for r in reqs], [c.length for c in caches]
+
+    def _decode_rows(self, reqs: list[_Request], caches: list[KVCache], tokens: list[int],
+                     pos: list[int]) -> DecodeRows | None:
+        """The decode rows of a fused step (None: building them failed, its members dropped)."""
         try:
-            check_rows(caches, [r.next_token for r in reqs], [c.length for c in caches])
-            return eager_rows(self.engine.runner, caches, [r.next_token for r in reqs], [c.length for c in caches],
-                              self.engine.config.decode_attention)
+            check_rows(caches, tokens, pos)
+            return eager_rows(self.engine.runner, caches, tokens, pos, self.engine.config.decode_attention)
         except BaseException as exc:  # noqa: BLE001 - the step failed for all its members
             for r in reqs:
                 self._drop(r, exc)
             return None
 
     @staticmethod
-    def _finish_rows(reqs: list[_Request], rows: DecodeRows) -> torch.Tensor:
-        caches = [r.cache for r in reqs]
+    def _finish_rows(rows: DecodeRows, caches: list[KVCache], pos: list[int]) -> torch.Tensor:
+        """After the pass: the decode rows' logits [B, V]; their caches now hold the new tokens."""
         logits = rows.logits()  # [B, V]
-        written(caches, [c.length for c in caches])
+        written(caches, pos)
         return logits
 
     # ------------------------------------------------------------------ decode
     def _decode(self, reqs: list[_Request]) -> None:
         """A step with nothing prefilling: the decode rows alone (as a CUDA graph where captured)."""
-        caches = [r.cache for r in reqs]
-        self._decoded(reqs, lambda: decode_batch(
-            self.engine.runner, caches, [r.next_token for r in reqs], [c.length for c in caches],
-            self.engine.config.decode_attention, self._decode_graphs()))  # [B, V]
+        caches, tokens, pos = self._inputs(reqs)
+        self._decoded(reqs, lambda: decode_batch(self.engine.runner, caches, tokens, pos,
+                                                 self.engine.config.decode_attention, self._decode_graphs()))  # [B, V]
 
     def _decoded(self, reqs: list[_Request], logits: Callable[[], torch.Tensor]) -> None:
         """The step's logits [B, V] (from `logits()`) read once; each request takes its token."""

@@ -335,13 +335,16 @@ def layer_pass(r: ModelRunner, layer: int, groups: Sequence[RowGroup]) -> None:
         g.hidden = r.finish_layer(layer, g.hidden, out)  # [T', E]
         return
     ropes = [g.rope(layer) for g in groups]
-    sizes = [g.hidden.shape[0] for g in groups]
-    hidden = torch.cat([g.hidden for g in groups])  # [sum T, E]
+    inputs = [g.hidden for g in groups]  # [T_i, E] each
+    sizes = [h.shape[0] for h in inputs]
+    hidden = torch.cat(inputs)  # [sum T, E]
     cos, sin = torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes])  # [sum T, D] each
     q, k, v = r.qkv(layer, hidden, cos, sin)  # [Hq, sum T, D], [H, sum T, D], [H, sum T, D]
     outs = [g.attend(layer, qi, ki, vi) for g, qi, ki, vi in
             zip(groups, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))]  # [T_i', Hq*D] each
     kept = [o.shape[0] for o in outs]
-    hidden = r.finish_layer(layer, torch.cat([g.hidden for g in groups]), torch.cat(outs))  # [sum T', E]
+    if any(g.hidden is not h for g, h in zip(groups, inputs)):  # a group kept fewer rows: concatenate again
+        hidden = torch.cat([g.hidden for g in groups])  # [sum T', E]
+    hidden = r.finish_layer(layer, hidden, torch.cat(outs))  # [sum T', E]
     for g, h in zip(groups, hidden.split(kept)):
         g.hidden = h  # [T_i', E]
