@@ -32,7 +32,7 @@ from benchmarks.throughput import REPO, app_process, free_port
 logger = logging.getLogger(__name__)
 OUT = REPO / "benchmarks" / "results" / "serving"
 MIN_REQUESTS = 8  # the fewest requests a level makes (its medians need a few)
-WARMUP = 4  # warm-up requests, on questions of their own
+WARMUP = 4  # questions of the warm-up's own (its level makes MIN_REQUESTS requests over them)
 
 
 @dataclass(frozen=True)
@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     qs = questions(args.questions)
+    levels = [(int(mt), int(c)) for mt in args.max_tokens.split(",") for c in args.clients.split(",")]
+    asked = sum(level_size(c, args.rounds) for _, c in levels)
+    if asked > len(qs) - WARMUP:
+        logger.warning("%d requests over %d questions: later levels will repeat earlier questions (prefix hits); "
+                       "pass --questions %d", asked, len(qs) - WARMUP, asked + WARMUP)
     rows: list[ServingRow] = []
     with tempfile.TemporaryDirectory(prefix="blendserve-serving-") as tmp:
         data_dir = args.data_dir or Path(tmp)
@@ -262,13 +267,9 @@ def main(argv: list[str] | None = None) -> None:
         with service(data_dir, dict(kv.split("=", 1) for kv in args.set)) as url:
             measure(url, qs[-WARMUP:], 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
             offset = 0
-            for mt in (int(x) for x in args.max_tokens.split(",")):
-                for clients in (int(x) for x in args.clients.split(",")):
-                    rows.append(measure(url, qs[:-WARMUP], clients, mt, args.rounds, args.natural, offset))
-                    offset += level_size(clients, args.rounds)
-            if offset > len(qs) - WARMUP:
-                logger.warning("%d requests over %d questions: later levels repeated earlier questions "
-                               "(prefix hits); pass --questions %d", offset, len(qs) - WARMUP, offset + WARMUP)
+            for mt, clients in levels:
+                rows.append(measure(url, qs[:-WARMUP], clients, mt, args.rounds, args.natural, offset))
+                offset += level_size(clients, args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (args.out / "serving.md").write_text(table(rows))
