@@ -47,6 +47,15 @@ KV_LAYOUT_VERSION = 1
 # excluded (benchmarks/gpu_decode_profile.py, results/gpu/sdpa_ab). None: whatever torch picks.
 CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
+# The fp32 row counts at which a CPU linear layer runs as (W @ x^T)^T instead of x @ W^T (`rows_linear`).
+# torch's CPU sgemm for x @ W^T at a few rows costs up to 2.5x the weights' read, and one row goes to
+# a matrix-vector kernel that reads them at one core's bandwidth. Measured on the dev host (AMD EPYC,
+# AVX2, 2 threads), SmolLM2-135M's 211 projections (30 layers + lm_head), three runs: 1 row 45-52 ms
+# as x @ W^T, 32-33 ms as W @ [x; x]^T (the row twice, the first kept); 2 rows 81-85 against 32 ms;
+# 8 rows 73-76 against 52-53; 64 rows 164-197 against 153-157; 96 rows 217-261 against 201-230; at
+# 128 rows the two are even and from 192 x @ W^T wins. Decode steps are in this range, prefills not.
+SMALL_ROWS = range(1, 97)
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -208,12 +217,12 @@ class ModelRunner:
         x = self._layers[layer].input_layernorm(hidden)  # [T, E]
         T = x.shape[0]
         D = self.shape.head_dim
-        q = attn.q_proj(x).view(T, -1, D)  # [T, Hq, D]
-        k = attn.k_proj(x).view(T, -1, D)  # [T, H, D]
+        q = rows_linear(attn.q_proj, x).view(T, -1, D)  # [T, Hq, D]
+        k = rows_linear(attn.k_proj, x).view(T, -1, D)  # [T, H, D]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head over D, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)  # [T, Hq, D], [T, H, D]
         q, k = q.transpose(0, 1), k.transpose(0, 1)  # [Hq, T, D], [H, T, D]
-        v = attn.v_proj(x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
+        v = rows_linear(attn.v_proj, x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
         q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
         k = k * cos + rotate_half(k) * sin  # [H, T, D]
         return q, k, v
@@ -251,8 +260,14 @@ class ModelRunner:
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]."""
         blk = self._layers[layer]
-        h = hidden + blk.self_attn.o_proj(attn_out)  # [S, E]
-        return h + blk.mlp(blk.post_attention_layernorm(h))  # [S, E]
+        h = hidden + rows_linear(blk.self_attn.o_proj, attn_out)  # [S, E]
+        return h + self._mlp(blk.mlp, blk.post_attention_layernorm(h))  # [S, E]
+
+    @staticmethod
+    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of every supported family, down(act(gate(x)) * up(x)): x, result [S, E]."""
+        gate = rows_linear(mlp.gate_proj, x)  # [S, I]
+        return rows_linear(mlp.down_proj, mlp.act_fn(gate) * rows_linear(mlp.up_proj, x))  # [S, E]
 
     def prefill_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A batch of right-padded sequences [B, T] (mask [B, T], 1 = real) through the model's own
@@ -263,7 +278,7 @@ class ModelRunner:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(self._norm(hidden)).float()  # [S, V]
+        return rows_linear(self._lm_head, self._norm(hidden)).float()  # [S, V]
 
 
 def _sdpa_backends(names: tuple | None) -> list | None:
@@ -275,3 +290,18 @@ def _sdpa_kernels(backends: list | None):
     """A context that restricts SDPA to `backends` (torch's own order among them), or a no-op for None.
     Not `set_priority`: its exit left the priority order changed for later calls (torch 2.11)."""
     return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
+
+
+def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows (`SMALL_ROWS`)
+    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight; one row
+    goes in twice (one row alone takes the single-core matrix-vector kernel)."""
+    if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
+            or x.dim() != 2 or x.shape[0] not in SMALL_ROWS:
+        return layer(x)
+    rows = x.shape[0]
+    xs = x.repeat(2, 1) if rows == 1 else x  # [T or 2, in]
+    out = (layer.weight @ xs.t()).t()[:rows]  # [T, out], a transposed view
+    if layer.bias is not None:
+        out = out + layer.bias  # [T, out]
+    return out.contiguous()  # [T, out]

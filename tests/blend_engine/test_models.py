@@ -249,6 +249,25 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before == (True, True)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias):
+    """`rows_linear`: 1..96 fp32 rows on the CPU run as W @ x^T (one row twice), faster there
+    (`SMALL_ROWS`); every row count gives nn.Linear's result, and what is not an fp32 nn.Linear on
+    2-D rows is handed to the module itself."""
+    from blend_engine.model import SMALL_ROWS, rows_linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias)
+    for rows in (1, 2, 17, SMALL_ROWS[-1], SMALL_ROWS[-1] + 1, 300):
+        x = torch.randn(rows, 48)  # [T, in]
+        got = rows_linear(layer, x)  # [T, out]
+        assert got.shape == (rows, 80) and got.is_contiguous()
+        torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 48)
+    assert torch.equal(rows_linear(layer.to(torch.bfloat16), x.bfloat16()), layer(x.bfloat16()))  # not fp32
+    assert torch.equal(rows_linear(layer.float(), x[None]), layer(x[None]))  # not [T, in]
+
+
 def _triton_on_cuda() -> bool:
     from blend_engine.executor import paged_decode
 
