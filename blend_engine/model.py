@@ -48,13 +48,14 @@ KV_LAYOUT_VERSION = 1
 CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 # The fp32 row counts at which a CPU linear layer runs as (W @ x^T)^T instead of x @ W^T (`rows_linear`).
-# torch's CPU sgemm for x @ W^T at a few rows costs up to 2.5x the weights' read, and one row goes to
-# a matrix-vector kernel that reads them at one core's bandwidth. Measured on the dev host (AMD EPYC,
-# AVX2, 2 threads), SmolLM2-135M's 211 projections (30 layers + lm_head), three runs: 1 row 45-52 ms
-# as x @ W^T, 32-33 ms as W @ [x; x]^T (the row twice, the first kept); 2 rows 81-85 against 32 ms;
-# 8 rows 73-76 against 52-53; 64 rows 164-197 against 153-157; 96 rows 217-261 against 201-230; at
-# 128 rows the two are even and from 192 x @ W^T wins. Decode steps are in this range, prefills not.
-SMALL_ROWS = range(1, 97)
+# torch's CPU sgemm for x @ W^T at a few rows costs up to 2.5x the weights' read. Measured on the dev
+# host (AMD EPYC, AVX2, 2 threads), SmolLM2-135M's 211 projections (30 layers + lm_head), three runs:
+# 2 rows 81-85 ms as x @ W^T against 32 ms as W @ x^T; 8 rows 73-76 against 52-53; 64 rows 164-197
+# against 153-157; 96 rows 217-261 against 201-230; at 128 rows the two are even and from 192 x @ W^T
+# wins. One row stays on x @ W^T (a matrix-vector kernel on one core): W @ [x; x]^T on both cores
+# took 32 ms against 45-52 alone, but in the service (HTTP threads on the same cores) one client's
+# inter-token latency went from 49 to 55 ms. Decode steps of 2-96 rows are in this range, prefills not.
+SMALL_ROWS = range(2, 97)
 
 
 @dataclass(frozen=True)
@@ -294,14 +295,11 @@ def _sdpa_kernels(backends: list | None):
 
 def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows (`SMALL_ROWS`)
-    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight; one row
-    goes in twice (one row alone takes the single-core matrix-vector kernel)."""
+    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight."""
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
             or x.dim() != 2 or x.shape[0] not in SMALL_ROWS:
         return layer(x)
-    rows = x.shape[0]
-    xs = x.repeat(2, 1) if rows == 1 else x  # [T or 2, in]
-    out = (layer.weight @ xs.t()).t()[:rows]  # [T, out], a transposed view
+    out = (layer.weight @ x.t()).t()  # [T, out], a transposed view
     if layer.bias is not None:
         out = out + layer.bias  # [T, out]
     return out.contiguous()  # [T, out]

@@ -105,6 +105,21 @@ def test_decoding_matches_transformers_past_the_window(family_engine):
         assert (ours - _hf_last_logits(family_engine, ids)).abs().max().item() < 1e-4
 
 
+def test_a_batched_decode_step_matches_transformers_per_row(family_engine):
+    """Two sequences of different lengths decoded in one step (its projections and MLP over 2 rows:
+    `rows_linear`'s transposed product on the CPU): each row's logits equal transformers'."""
+    from blend_engine.executor.decode import decode_batch
+
+    plans = [BlendPlan(PASSAGES, QUESTION, mode="full_prefill"), BlendPlan(PASSAGES[:1], QUESTION, mode="full_prefill")]
+    states = [family_engine.prefill(p, max_new_tokens=2) for p in plans]
+    tokens = family_engine.runner.encode(" Spree")[:1] * 2
+    got = decode_batch(family_engine.runner, [s.cache for s in states], tokens,
+                       [s.cache.length for s in states])  # [2, V]
+    for row, (state, tok) in enumerate(zip(states, tokens)):
+        want = _hf_last_logits(family_engine, state.layout.token_ids() + [tok])  # [V]
+        assert (got[row] - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window-mixed"])
 def test_window_applies_in_full_reuse_and_precompute(family, tokenizer):
     """full_reuse over an exact cached system prefix (precomputed alone, longer than the window) and
@@ -251,9 +266,9 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias):
-    """`rows_linear`: 1..96 fp32 rows on the CPU run as W @ x^T (one row twice), faster there
-    (`SMALL_ROWS`); every row count gives nn.Linear's result, and what is not an fp32 nn.Linear on
-    2-D rows is handed to the module itself."""
+    """`rows_linear`: 2..96 fp32 rows on the CPU run as W @ x^T, faster there (`SMALL_ROWS`); every
+    row count gives nn.Linear's result, and what is not an fp32 nn.Linear on 2-D rows is handed to
+    the module itself."""
     from blend_engine.model import SMALL_ROWS, rows_linear
 
     torch.manual_seed(0)
