@@ -1,22 +1,27 @@
 """Where a decode step's time goes: `torch.profiler` over `decode_batch` at batch sizes B on the
 default model (real weights), over runs of one paged pool holding T tokens each (random K/V).
 
-    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5]
+    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall]
 
 Prints per B the step's CPU time (sum of the operators' self times, per step), the GEMMs'
-(aten::mm / addmm) and the attention calls' (SDPA) share, and the top operators.
+(aten::mm / addmm) and the attention calls' (SDPA) share, and the top operators. The profiler
+inflates small calls; `--wall` instead times the step by the clock (median of `--steps` after a
+warm-up) beside the same B rows through the model's projections alone (`rows_linear`, as the step
+runs them), so the rest (attention, norms, RoPE, Python) is the difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode_attention import pool_runs
 from blend_engine.executor.decode import decode_batch
-from blend_engine.model import ModelRunner
+from blend_engine.model import ModelRunner, rows_linear
 
 GEMM = ("aten::mm", "aten::addmm")
 
@@ -48,15 +53,47 @@ def profile_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> 
     return lines
 
 
+def _median_ms(fn, steps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def wall_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> str:
+    """The step's wall time and its projections' alone, at `batch` rows."""
+    pool, runs = pool_runs(runner, batch, n_tokens)
+    tokens, pos = [7 + b for b in range(batch)], [n_tokens] * batch
+    linears = [m for m in runner.model.modules() if type(m) is torch.nn.Linear]
+    xs = {n: torch.randn(batch, n, dtype=runner.dtype, device=runner.device) for n in {m.in_features for m in linears}}
+
+    def step() -> None:
+        decode_batch(runner, [pool.view(run, n_tokens) for run in runs], tokens, pos)
+
+    def projections() -> None:
+        for m in linears:
+            rows_linear(m, xs[m.in_features])  # [B, out]
+
+    with torch.inference_mode():
+        total, gemm = _median_ms(step, steps), _median_ms(projections, steps)
+    return (f"B={batch} T={n_tokens}: step {total:.1f} ms wall; its {len(linears)} projections alone "
+            f"{gemm:.1f} ms; the rest {total - gemm:.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--wall", action="store_true", help="clock the step against its projections alone")
     args = ap.parse_args(argv)
     runner = ModelRunner.load()
     for b in (int(x) for x in args.batch.split(",")):
-        print("\n".join(profile_step(runner, b, args.tokens, args.steps)))
+        print(wall_step(runner, b, args.tokens, args.steps) if args.wall
+              else "\n".join(profile_step(runner, b, args.tokens, args.steps)))
     return 0
 
 
