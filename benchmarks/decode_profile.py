@@ -1,7 +1,7 @@
 """Where a decode step's time goes: `torch.profiler` over `decode_batch` at batch sizes B on the
 default model (real weights), over runs of one paged pool holding T tokens each (random K/V).
 
-    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall]
+    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype bfloat16]
 
 Prints per B the step's CPU time (sum of the operators' self times, per step), the GEMMs'
 (aten::mm / addmm) and the attention calls' (SDPA) share, and the top operators. The profiler
@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--wall", action="store_true", help="clock the step against its projections alone")
+    ap.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                    help="the model's dtype (default: the device's, float32 on the CPU)")
     args = ap.parse_args(argv)
-    runner = ModelRunner.load()
+    runner = ModelRunner.load(dtype=args.dtype)
     for b in (int(x) for x in args.batch.split(",")):
         print(wall_step(runner, b, args.tokens, args.steps) if args.wall
               else "\n".join(profile_step(runner, b, args.tokens, args.steps)))
