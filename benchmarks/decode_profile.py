@@ -1,12 +1,12 @@
 """Where a decode step's time goes: `torch.profiler` over `decode_batch` at batch sizes B on the
 default model (real weights), over runs of one paged pool holding T tokens each (random K/V).
 
-    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype bfloat16]
+    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype D] [--linear-dtype bfloat16]
 
 Prints per B the step's CPU time (sum of the operators' self times, per step), the GEMMs'
 (aten::mm / addmm) and the attention calls' (SDPA) share, and the top operators. The profiler
 inflates small calls; `--wall` instead times the step by the clock (median of `--steps` after a
-warm-up) beside the same B rows through the model's projections alone (`rows_linear`, as the step
+warm-up) beside the same B rows through the model's projections alone (`ModelRunner.linear`, as the step
 runs them), so the rest (attention, norms, RoPE, Python) is the difference.
 """
 
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode_attention import pool_runs
 from blend_engine.executor.decode import decode_batch
-from blend_engine.model import ModelRunner, rows_linear
+from blend_engine.model import ModelRunner
 
 GEMM = ("aten::mm", "aten::addmm")
 
@@ -67,7 +67,7 @@ def wall_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> str
     """The step's wall time and its projections' alone, at `batch` rows."""
     pool, runs = pool_runs(runner, batch, n_tokens)
     tokens, pos = [7 + b for b in range(batch)], [n_tokens] * batch
-    linears = [m for m in runner.model.modules() if type(m) is torch.nn.Linear]
+    linears = [m for m in runner.model.modules() if type(m) is torch.nn.Linear]  # the step's, through runner.linear
     xs = {n: torch.randn(batch, n, dtype=runner.dtype, device=runner.device) for n in {m.in_features for m in linears}}
 
     def step() -> None:
@@ -75,7 +75,7 @@ def wall_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> str
 
     def projections() -> None:
         for m in linears:
-            rows_linear(m, xs[m.in_features])  # [B, out]
+            runner.linear(m, xs[m.in_features])  # [B, out]
 
     with torch.inference_mode():
         total, gemm = _median_ms(step, steps), _median_ms(projections, steps)
@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wall", action="store_true", help="clock the step against its projections alone")
     ap.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                     help="the model's dtype (default: the device's, float32 on the CPU)")
+    ap.add_argument("--linear-dtype", default=None, choices=("bfloat16",),
+                    help="the projections' weight copies (BLENDSERVE_MODEL_LINEAR_DTYPE)")
     args = ap.parse_args(argv)
-    runner = ModelRunner.load(dtype=args.dtype)
+    runner = ModelRunner.load(dtype=args.dtype, linear_dtype=args.linear_dtype)
     for b in (int(x) for x in args.batch.split(",")):
         print(wall_step(runner, b, args.tokens, args.steps) if args.wall
               else "\n".join(profile_step(runner, b, args.tokens, args.steps)))

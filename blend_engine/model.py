@@ -33,7 +33,15 @@ from blend_engine.families import (
     rope_parameters,
     rotate_half,
 )
-from blend_engine.model_files import DEFAULT_MODEL, _gguf_cache_dir, _load_hf, default_gguf_path, pick_device, pick_dtype
+from blend_engine.model_files import (
+    DEFAULT_MODEL,
+    _gguf_cache_dir,
+    _load_hf,
+    default_gguf_path,
+    pick_device,
+    pick_dtype,
+    pick_linear_dtype,
+)
 
 __all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_MODEL_TYPES", "ModelRunner",
            "ModelShape", "UnsupportedModel", "_gguf_cache_dir", "_load_hf", "check_blendable", "default_gguf_path",
@@ -72,7 +80,11 @@ class ModelShape:
 class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
 
-    def __init__(self, model, tokenizer, name: str = "custom") -> None:
+    def __init__(self, model, tokenizer, name: str = "custom", linear_dtype: torch.dtype | None = None) -> None:
+        """`linear_dtype` (`model_files.pick_linear_dtype`): the projections and lm_head run on copies of
+        their weights in this dtype (inputs cast to it, outputs back); norms, RoPE, K/V and attention
+        keep the model's dtype. The model's own weights stay: transformers' forward runs them to precompute
+        every stored passage, so stored K/V and the fingerprint do not depend on this setting."""
         check_blendable(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -99,6 +111,10 @@ class ModelRunner:
         self._inv_freq, self._rope_scale = rope_frequencies(cfg, inner.rotary_emb, self.device)  # [D/2], float
         self.windows = layer_windows(cfg)  # per layer: sliding window or None
         self.dtype = next(model.parameters()).dtype
+        self.linear_dtype = linear_dtype
+        self._weights = {} if linear_dtype is None else {  # id(module) -> its weight in linear_dtype
+            id(m): m.weight.detach().to(linear_dtype) for m in [*inner.layers.modules(), self._lm_head]
+            if type(m) is torch.nn.Linear}
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
@@ -106,13 +122,14 @@ class ModelRunner:
     # ----------------------------------------------------------------- construction
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
-             cache_dir: Path | None = None) -> ModelRunner:
+             cache_dir: Path | None = None, linear_dtype: str | None = None) -> ModelRunner:
         """The model `spec` on `device` in `dtype`; a GGUF file is prepared once into `cache_dir`
-        (default `model_files.DEFAULT_CACHE_ROOT`)."""
+        (default `model_files.DEFAULT_CACHE_ROOT`). `linear_dtype`: see `__init__`."""
         dev = pick_device(device)
         dt = pick_dtype(dev, dtype)
+        low = pick_linear_dtype(dev, dt, linear_dtype)  # before the load: a refused setting costs nothing
         model, tok = _load_hf(spec, dt, cache_dir)
-        return cls(model.to(dev), tok, name=spec or DEFAULT_MODEL)
+        return cls(model.to(dev), tok, name=spec or DEFAULT_MODEL, linear_dtype=low)
 
     def _fingerprint(self) -> str:
         """Weights identity: config plus a digest of sampled weights (cheap, content-based)."""
@@ -218,12 +235,12 @@ class ModelRunner:
         x = self._layers[layer].input_layernorm(hidden)  # [T, E]
         T = x.shape[0]
         D = self.shape.head_dim
-        q = rows_linear(attn.q_proj, x).view(T, -1, D)  # [T, Hq, D]
-        k = rows_linear(attn.k_proj, x).view(T, -1, D)  # [T, H, D]
+        q = self.linear(attn.q_proj, x).view(T, -1, D)  # [T, Hq, D]
+        k = self.linear(attn.k_proj, x).view(T, -1, D)  # [T, H, D]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head over D, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)  # [T, Hq, D], [T, H, D]
         q, k = q.transpose(0, 1), k.transpose(0, 1)  # [Hq, T, D], [H, T, D]
-        v = rows_linear(attn.v_proj, x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
+        v = self.linear(attn.v_proj, x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
         q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
         k = k * cos + rotate_half(k) * sin  # [H, T, D]
         return q, k, v
@@ -261,14 +278,22 @@ class ModelRunner:
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]."""
         blk = self._layers[layer]
-        h = hidden + rows_linear(blk.self_attn.o_proj, attn_out)  # [S, E]
+        h = hidden + self.linear(blk.self_attn.o_proj, attn_out)  # [S, E]
         return h + self._mlp(blk.mlp, blk.post_attention_layernorm(h))  # [S, E]
 
-    @staticmethod
-    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of every supported family, down(act(gate(x)) * up(x)): x, result [S, E]."""
-        gate = rows_linear(mlp.gate_proj, x)  # [S, I]
-        return rows_linear(mlp.down_proj, mlp.act_fn(gate) * rows_linear(mlp.up_proj, x))  # [S, E]
+        gate = self.linear(mlp.gate_proj, x)  # [S, I]
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * self.linear(mlp.up_proj, x))  # [S, E]
+
+    def linear(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """layer(x) for x [T, in]: [T, out], through the weight's `linear_dtype` copy when there is one
+        (x cast to it, the product cast back), else `rows_linear`."""
+        w = self._weights.get(id(layer))
+        if w is None:
+            return rows_linear(layer, x)
+        out = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)  # [T, out]
+        return out if layer.bias is None else out + layer.bias  # [T, out]
 
     def prefill_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A batch of right-padded sequences [B, T] (mask [B, T], 1 = real) through the model's own
@@ -279,7 +304,7 @@ class ModelRunner:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rows_linear(self._lm_head, self._norm(hidden)).float()  # [S, V]
+        return self.linear(self._lm_head, self._norm(hidden)).float()  # [S, V]
 
 
 def _sdpa_backends(names: tuple | None) -> list | None:

@@ -158,3 +158,25 @@ def pick_dtype(device: torch.device, dtype: str | None = None) -> torch.dtype:
     if dtype and dtype != "auto":
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def pick_linear_dtype(device: torch.device, dtype: torch.dtype, linear_dtype: str | None = None) -> torch.dtype | None:
+    """The dtype of the linear layers' weight copies (`ModelRunner.linear`), None for the model's own.
+    "bfloat16" is for a float32 model on a CPU with native bf16 matmuls (AVX-512-bf16 or AMX):
+    elsewhere it is refused, never quietly ignored."""
+    if not linear_dtype or linear_dtype == "auto":
+        return None
+    if linear_dtype != "bfloat16":
+        raise ValueError(f"linear_dtype must be auto or bfloat16, not {linear_dtype!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"linear_dtype bfloat16 is for a float32 model on the CPU, not {dtype} on {device.type}: "
+                         "set the model dtype instead")
+    if not cpu_has_bf16():
+        raise ValueError("linear_dtype bfloat16 needs a CPU with native bf16 matmuls (AVX-512-bf16 or AMX); "
+                         "this one would emulate them, slower than float32")
+    return torch.bfloat16
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (oneDNN's own check)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
