@@ -13,13 +13,12 @@ runs them), so the rest (attention, norms, RoPE, Python) is the difference.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode_attention import pool_runs
+from benchmarks.gpu_common import Setup, median_ms
 from blend_engine.executor.decode import decode_batch
 from blend_engine.model import ModelRunner
 
@@ -53,16 +52,6 @@ def profile_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> 
     return lines
 
 
-def _median_ms(fn, steps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def wall_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> str:
     """The step's wall time and its projections' alone, at `batch` rows."""
     pool, runs = pool_runs(runner, batch, n_tokens)
@@ -78,7 +67,8 @@ def wall_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> str
             runner.linear(m, xs[m.in_features])  # [B, out]
 
     with torch.inference_mode():
-        total, gemm = _median_ms(step, steps), _median_ms(projections, steps)
+        setup = Setup(runner.device, runner.dtype, smoke=False)
+        total, gemm = median_ms(step, setup, steps), median_ms(projections, setup, steps)
     return (f"B={batch} T={n_tokens}: step {total:.1f} ms wall; its {len(linears)} projections alone "
             f"{gemm:.1f} ms; the rest {total - gemm:.1f} ms")
 

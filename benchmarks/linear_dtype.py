@@ -15,20 +15,13 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from benchmarks.data import load_examples, passages_of
+from benchmarks.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
 from blend_engine.model_files import pick_linear_dtype
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
-
-
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) of two next-token logit vectors [V]."""
-    p, q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)  # [V] each
-    return float((p.exp() * (p - q)).sum())
 
 
 def ttft_ms(engine: BlendEngine, plan: BlendPlan) -> float:
