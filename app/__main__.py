@@ -29,6 +29,9 @@ def main() -> int:
     import uvicorn
 
     from app.main import create_app
+    from blend_engine.cpu_threads import single_core_default
+
+    single_core_default()  # before any thread starts: only the engine loop computes on every core
 
     app = create_app(settings)
     svc = settings.service

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from blend_engine.cpu_threads import use_cores
 from blend_engine.selfcheck import GateDecision, decide
 from blendserve_config.stack import sample_to_ingest
 from corpus_tools.jobs import JobFile, JobRunner
@@ -98,6 +99,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
     """Runs on the start-up thread. Never raises: failures are logged and shown by /readyz."""
     settings = svc.settings
     t0 = time.perf_counter()
+    use_cores()  # a short-lived thread: its OpenMP team goes with it (`cpu_threads`)
     try:
         logger.info("loading model %s, index and KV store (data dir %s)", settings.model.name, settings.data_dir)
         stack = factory(settings)
@@ -105,6 +107,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             stack.close()
             return
         stack.gate_checking = settings.engine.fidelity_gate != "off"  # blend: full prefill until the gate decides
+        stack.engine.loop.start()  # ingestion's precompute runs there too, on every core (`cpu_threads`)
         svc.stack = stack
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set, busy=lambda: _serving(stack))

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never, stop_if
+from blend_engine.cpu_threads import use_cores
 from blend_engine.errors import InputError
 from blend_engine.executor.decode import DecodeRows, check_rows, decode_batch, eager_rows, written
 from blend_engine.executor.decode_graphs import DecodeGraphs
@@ -234,6 +235,14 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def start(self) -> None:
+        """Start the loop thread now rather than at the first request: from then on every task runs on
+        it, the one thread that computes on every core (`cpu_threads`; the service calls this)."""
+        with self._cond:
+            if self._closed:
+                raise Cancelled("the engine is shutting down")
+            self._start()
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -241,6 +250,7 @@ class EngineLoop:
 
     # ================================================================== the loop
     def _loop(self) -> None:
+        use_cores()  # the one thread that computes on every core (`cpu_threads`)
         while True:
             with self._cond:
                 while (not self._closed and not self._incoming and not self._tasks and not self._storing

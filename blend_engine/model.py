@@ -60,10 +60,11 @@ CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # host (AMD EPYC, AVX2, 2 threads), SmolLM2-135M's 211 projections (30 layers + lm_head), three runs:
 # 2 rows 81-85 ms as x @ W^T against 32 ms as W @ x^T; 8 rows 73-76 against 52-53; 64 rows 164-197
 # against 153-157; 96 rows 217-261 against 201-230; at 128 rows the two are even and from 192 x @ W^T
-# wins. One row stays on x @ W^T (a matrix-vector kernel on one core): W @ [x; x]^T on both cores
-# took 32 ms against 45-52 alone, but in the service (HTTP threads on the same cores) one client's
-# inter-token latency went from 49 to 55 ms. Decode steps of 2-96 rows are in this range, prefills not.
-SMALL_ROWS = range(2, 97)
+# wins. One row goes in twice, W @ [x; x]^T: x @ W^T takes a matrix-vector kernel on one core (48 ms
+# for the 211 projections on the fresh EPYC host, AVX-512) against 19 ms on both. (It once looked worse
+# in the service: that was libgomp's throttled spinning, `cpu_threads`.) Decode steps are in this range,
+# prefills not.
+SMALL_ROWS = range(1, 97)
 
 
 @dataclass(frozen=True)
@@ -320,11 +321,14 @@ def _sdpa_kernels(backends: list | None):
 
 def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows (`SMALL_ROWS`)
-    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight."""
+    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight (one row
+    twice: a matrix-vector product would run on one core)."""
+    n = x.shape[0] if x.dim() == 2 else 0
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
-            or x.dim() != 2 or x.shape[0] not in SMALL_ROWS:
+            or n not in SMALL_ROWS:
         return layer(x)
-    out = (layer.weight @ x.t()).t()  # [T, out], a transposed view
+    rows = torch.cat([x, x]) if n == 1 else x  # [max(T, 2), in]
+    out = (layer.weight @ rows.t()).t()[:n]  # [T, out], a transposed view
     if layer.bias is not None:
         out = out + layer.bias  # [T, out]
     return out.contiguous()  # [T, out]

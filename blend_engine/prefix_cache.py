@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 
+from blend_engine.cpu_threads import one_core
 from blend_engine.executor.layers import KVCache
 from blend_engine.executor.offload import HostCopy, copy_to_host
 from blend_engine.keys import chain_key
@@ -106,7 +107,8 @@ class PrefixCache:
 
     def _start(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._saver is None:
-            self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-save")
+            self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-save",
+                                                               initializer=one_core)  # `cpu_threads`
         return self._saver
 
     def _store(self, ck: str, copy: HostCopy) -> None:

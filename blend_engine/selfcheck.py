@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from blend_engine.cpu_threads import cores_here
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.model import ModelRunner
@@ -375,15 +376,9 @@ def _write_cached(path: Path, result: GateResult) -> None:
         tmp.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def _threads(n: int | None, device: torch.device):
-    before = torch.get_num_threads()
-    if n and device.type == "cpu":
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _threads(n: int | None, device: torch.device) -> contextlib.AbstractContextManager:
+    """`n` cores for this thread alone while measuring (the engine loop keeps its own)."""
+    return cores_here(n) if n and device.type == "cpu" else contextlib.nullcontext()
 
 
 def run_gate(runner: ModelRunner, config: EngineConfig, data_dir: Path | None, refresh: bool = False,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blend_engine.cpu_threads import one_core
 from blend_engine.kv_store.base import ChunkKV, KVStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
 from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
@@ -52,8 +53,9 @@ def default_prefetch_depth() -> int:
 
 @functools.cache
 def reader_pool() -> ThreadPoolExecutor:
-    """The process's chunk readers, shared by every stream (threads start on first use)."""
-    return ThreadPoolExecutor(READERS, thread_name_prefix="kv-read")
+    """The process's chunk readers, shared by every stream (threads start on first use), on one core
+    each: the engine loop is the thread that computes on every core (`cpu_threads`)."""
+    return ThreadPoolExecutor(READERS, thread_name_prefix="kv-read", initializer=one_core)
 
 
 @dataclass
@@ -242,6 +244,7 @@ class PrefetchStream(LayerStream):
         self._thread.start()
 
     def _produce(self) -> None:
+        one_core()  # not a compute thread (`cpu_threads`)
         try:
             if self._files is not None:
                 self._store.prefetch(self._keys, self._files)  # opens each file once, for the stream

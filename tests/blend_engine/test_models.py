@@ -266,7 +266,7 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias):
-    """`rows_linear`: 2..96 fp32 rows on the CPU run as W @ x^T, faster there (`SMALL_ROWS`); every
+    """`rows_linear`: 1..96 fp32 rows on the CPU run as W @ x^T, faster there (`SMALL_ROWS`); every
     row count gives nn.Linear's result, and what is not an fp32 nn.Linear on 2-D rows is handed to
     the module itself."""
     from blend_engine.model import SMALL_ROWS, rows_linear
