@@ -23,6 +23,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -49,6 +50,7 @@ from blend_engine.types import BlendPlan, BlendResult, GenerationConfig, Mode, S
 
 __all__ = ["BlendEngine", "EngineConfig", "Generation", "KVCache", "PrefillState", "RatioController"]
 
+T = TypeVar("T")
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -110,6 +112,11 @@ class BlendEngine:
 
     def key_of(self, token_ids: Sequence[int], salt: str | None = None) -> str:
         return self.chunks.key_of(token_ids, salt)
+
+    def run_compute(self, fn: Callable[[], T], should_stop: StopCheck | None = None) -> T:
+        """`fn()` on the engine loop between its steps (once the loop started): the thread that computes
+        on every core (`cpu_threads`); ingestion's embedding batches go there too."""
+        return self.loop.run_task(fn, should_stop)
 
     def precompute(self, token_ids: Sequence[int], should_stop: StopCheck | None = None) -> ChunkKV:
         """A chunk's alone-KV, computed on the engine loop between its steps (so ingestion never

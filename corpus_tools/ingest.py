@@ -271,7 +271,8 @@ class Ingestion:
             fresh = [r for r in rows if r.vec_id not in c.index]
             t = time.perf_counter()
             if fresh:
-                vecs = c.embedder.encode([embed_text(r.title, r.text) for r in fresh])  # [N, dim]
+                texts = [embed_text(r.title, r.text) for r in fresh]
+                vecs = c.engine.run_compute(lambda: c.embedder.encode(texts), run.should_stop)  # [N, dim]
                 run.vecs.update(zip((r.vec_id for r in fresh), vecs))
             tally.embed_s += time.perf_counter() - t
             stop_if(run.should_stop, "before staging a batch")
