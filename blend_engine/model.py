@@ -62,8 +62,10 @@ CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # against 153-157; 96 rows 217-261 against 201-230; at 128 rows the two are even and from 192 x @ W^T
 # wins. One row goes in twice, W @ [x; x]^T: x @ W^T takes a matrix-vector kernel on one core (48 ms
 # for the 211 projections on the fresh EPYC host, AVX-512) against 19 ms on both. (It once looked worse
-# in the service: that was libgomp's throttled spinning, `cpu_threads`.) Decode steps are in this range,
-# prefills not.
+# in the service: that was libgomp's throttled spinning, `cpu_threads`.) Past 8 rows, a count that is not
+# a multiple of 8 takes a much slower path in MKL: 15 rows 115 ms against 63 as 16, 31 rows 133 against
+# 81 as 32 (9 rows 55 against 59, the one loss; benchmarks/results/cpu_threads/rows.txt), so those are
+# padded with zero rows (`padded_rows`). Decode steps are in this range, prefills not.
 SMALL_ROWS = range(1, 97)
 
 
@@ -319,15 +321,21 @@ def _sdpa_kernels(backends: list | None):
     return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
 
 
+def padded_rows(n: int) -> int:
+    """The rows `rows_linear` multiplies for n of `SMALL_ROWS`: 2 for one (a matrix-vector product would
+    run on one core), n up to 8, else the next multiple of 8 (MKL's fast path)."""
+    return 2 if n == 1 else n if n <= 8 else -(-n // 8) * 8
+
+
 def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows (`SMALL_ROWS`)
-    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight (one row
-    twice: a matrix-vector product would run on one core)."""
+    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
+    `padded_rows(T)` rows (zeros after x's)."""
     n = x.shape[0] if x.dim() == 2 else 0
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
             or n not in SMALL_ROWS:
         return layer(x)
-    rows = torch.cat([x, x]) if n == 1 else x  # [max(T, 2), in]
+    rows = torch.nn.functional.pad(x, (0, 0, 0, padded_rows(n) - n))  # [T', in]: zero rows after the T
     out = (layer.weight @ rows.t()).t()[:n]  # [T, out], a transposed view
     if layer.bias is not None:
         out = out + layer.bias  # [T, out]

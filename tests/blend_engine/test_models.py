@@ -266,14 +266,15 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias):
-    """`rows_linear`: 1..96 fp32 rows on the CPU run as W @ x^T, faster there (`SMALL_ROWS`); every
+    """`rows_linear`: 1..96 fp32 rows on the CPU run as W @ x^T on `padded_rows` rows, faster there; every
     row count gives nn.Linear's result, and what is not an fp32 nn.Linear on 2-D rows is handed to
     the module itself."""
-    from blend_engine.model import SMALL_ROWS, rows_linear
+    from blend_engine.model import SMALL_ROWS, padded_rows, rows_linear
 
+    assert [padded_rows(n) for n in (1, 2, 7, 8, 9, 15, 16, 17, 96)] == [2, 2, 7, 8, 16, 16, 16, 24, 96]
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80, bias=bias)
-    for rows in (1, 2, 17, SMALL_ROWS[-1], SMALL_ROWS[-1] + 1, 300):
+    for rows in (1, 2, 9, 15, 17, SMALL_ROWS[-1], SMALL_ROWS[-1] + 1, 300):
         x = torch.randn(rows, 48)  # [T, in]
         got = rows_linear(layer, x)  # [T, out]
         assert got.shape == (rows, 80) and got.is_contiguous()
