@@ -335,7 +335,8 @@ def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
             or n not in SMALL_ROWS:
         return layer(x)
-    rows = torch.nn.functional.pad(x, (0, 0, 0, padded_rows(n) - n))  # [T', in]: zero rows after the T
+    m = padded_rows(n)
+    rows = x if m == n else torch.nn.functional.pad(x, (0, 0, 0, m - n))  # [T', in]: zero rows after the T
     out = (layer.weight @ rows.t()).t()[:n]  # [T, out], a transposed view
     if layer.bias is not None:
         out = out + layer.bias  # [T, out]
