@@ -81,6 +81,17 @@ class _BatchCollector(Collector):
         st = loop.stats()
         for family, name, doc, key in _LOOP_SERIES:
             yield family(name, doc, value=st[key])
+        steps = CounterMetricFamily("blendserve_engine_steps", "Engine steps by kind: decode (decode rows only), "
+                                    "prefill (carrying prefill rows)", labels=["kind"])
+        seconds = CounterMetricFamily("blendserve_engine_step_seconds", "Wall time of engine steps by kind",
+                                      labels=["kind"])
+        for kind, n in sorted(st["steps_by_kind"].items()):
+            steps.add_metric([kind], n)
+            seconds.add_metric([kind], st["step_seconds_by_kind"][kind])
+        yield steps
+        yield seconds
+        yield CounterMetricFamily("blendserve_engine_step_cpu_seconds", "The process's CPU time while engine steps "
+                                  "ran; over their wall time, the cores kept busy", value=st["step_cpu_seconds"])
         decisions = CounterMetricFamily("blendserve_admission", "Admission decisions by reason: admitted, refused "
                                         "(queue full, too slow, shutting down), dropped too late, waited (batch "
                                         "full, KV blocks); `blend_engine.scheduler.admission`", labels=["decision"])

@@ -55,6 +55,9 @@ class ServingRow:
     pool_blocks: int = 0
     preemptions: int = 0  # during this level
     prefix_hit_tokens: int = 0  # prompt tokens taken from the pool's prefix cache during this level
+    decode_step_ms: float = float("nan")  # mean engine step with decode rows only, during this level
+    prefill_step_ms: float = float("nan")  # mean engine step carrying prefill rows
+    step_cores: float = float("nan")  # the service's CPU time over its engine steps' wall time
 
 
 @dataclass
@@ -119,10 +122,28 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict) -> _Sample | int:
     return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens)
 
 
+STEP_SERIES = tuple(f'blendserve_engine_{name}_total{{kind="{kind}"}}' for name in ("steps", "step_seconds")
+                    for kind in ("decode", "prefill")) + ("blendserve_engine_step_cpu_seconds_total",)
+
+
+def _steps(first: dict[str, float], last: dict[str, float]) -> tuple[float, float, float]:
+    """Over a level, from two scrapes: mean decode-only and prefill step (ms), and the cores busy meanwhile."""
+    def grew(name: str) -> float:
+        return last.get(name, 0.0) - first.get(name, 0.0)
+
+    def mean_ms(kind: str) -> float:
+        n = grew(f'blendserve_engine_steps_total{{kind="{kind}"}}')
+        return grew(f'blendserve_engine_step_seconds_total{{kind="{kind}"}}') / n * 1e3 if n else float("nan")
+
+    wall = sum(grew(f'blendserve_engine_step_seconds_total{{kind="{k}"}}') for k in ("decode", "prefill"))
+    cores = grew("blendserve_engine_step_cpu_seconds_total") / wall if wall else float("nan")
+    return mean_ms("decode"), mean_ms("prefill"), cores
+
+
 def _gauges(text: str) -> dict[str, float]:
     """The engine's pool and batch series from a /metrics scrape."""
     names = ("blendserve_batch_running", "blendserve_kv_pool_blocks", "blendserve_kv_pool_blocks_in_use",
-             "blendserve_preemptions_total", "blendserve_prefix_hit_tokens_total")
+             "blendserve_preemptions_total", "blendserve_prefix_hit_tokens_total", *STEP_SERIES)
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -197,7 +218,7 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
                      sum(s.tokens for s in samples) / seconds, _pct(ttft, 50), _pct(ttft, 99), _pct(gaps, 50),
                      _pct(gaps, 99), peak("blendserve_batch_running"), peak("blendserve_kv_pool_blocks_in_use"),
                      int(last.get("blendserve_kv_pool_blocks", 0)), grew("blendserve_preemptions_total"),
-                     grew("blendserve_prefix_hit_tokens_total"))
+                     grew("blendserve_prefix_hit_tokens_total"), *_steps(first, last))
     logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s, TTFT p50 %.0f ms, ITL p50 %.0f ms, "
                 "503s %d, peak batch %d, peak pool %d/%d blocks, %d preemptions", max_tokens, clients,
                 row.answers_per_s, row.tokens_per_s, row.ttft_p50_ms, row.itl_p50_ms, row.rejected_503,
@@ -207,13 +228,15 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
 
 def table(rows: list[ServingRow]) -> str:
     head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | 503s "
-            "| peak batch | peak pool blocks | preemptions | prefix-hit tokens |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| peak batch | peak pool blocks | preemptions | prefix-hit tokens | engine step ms: decode / prefill "
+            "| cores busy |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.max_tokens} | {r.clients} | {r.answers_per_s:.3f} | {r.tokens_per_s:.1f} | "
         f"{r.ttft_p50_ms:,.0f} / {r.ttft_p99_ms:,.0f} | {r.itl_p50_ms:,.0f} / {r.itl_p99_ms:,.0f} | "
         f"{r.rejected_503} | {r.peak_running} | {r.peak_pool_blocks} / {r.pool_blocks} | {r.preemptions} | "
-        f"{r.prefix_hit_tokens:,} |\n" for r in rows)
+        f"{r.prefix_hit_tokens:,} | {r.decode_step_ms:,.0f} / {r.prefill_step_ms:,.0f} | {r.step_cores:.2f} |\n"
+        for r in rows)
 
 
 def plot(rows: list[ServingRow], path: Path) -> None:

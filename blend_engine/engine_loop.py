@@ -55,6 +55,7 @@ from blend_engine.scheduler.plans import ModePlan, continue_prefix
 from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
 
 logger = logging.getLogger(__name__)
+STEP_DECODE, STEP_PREFILL = "decode", "prefill"  # a step's kind: decode rows only, or carrying prefill rows
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,9 @@ class EngineLoop:
         self.max_batch_seen = 0
         self.fused_steps = 0  # steps whose decode rows shared their layers with prefill rows
         self.max_prefills_seen = 0  # the most prefills that advanced in one step
+        self.step_seconds = {STEP_DECODE: 0.0, STEP_PREFILL: 0.0}  # wall time of steps, by kind
+        self.step_counts = {STEP_DECODE: 0, STEP_PREFILL: 0}
+        self.step_cpu_seconds = 0.0  # the process's CPU time while steps ran (/ their wall time: cores kept busy)
 
     # ================================================================== caller side
     def check_fits(self, n_tokens: int, max_new_tokens: int) -> None:
@@ -225,7 +229,9 @@ class EngineLoop:
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
                 "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
                 "prefix_hit_tokens": s.prefix_hit_tokens,
-                "decode_graphs": 0 if self._graphs is None else len(self._graphs.graphs)}
+                "decode_graphs": 0 if self._graphs is None else len(self._graphs.graphs),
+                "steps_by_kind": dict(self.step_counts), "step_seconds_by_kind": dict(self.step_seconds),
+                "step_cpu_seconds": self.step_cpu_seconds}
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.admission.close()
@@ -264,18 +270,22 @@ class EngineLoop:
                     self.scheduler.add(req.prep.seq(req.rid))
                 task = self._tasks.popleft() if self._tasks else None
             with torch.inference_mode():  # no autograd graph: the weights of a loaded model require grad
-                batch, t0 = self._batch_groups(), time.perf_counter()
+                batch, t0, c0 = self._batch_groups(), time.perf_counter(), time.process_time()
+                kind = None
                 try:
-                    self._step()
+                    kind = self._step()
                 except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
                     logger.exception("engine step failed")
                 self._share(batch | self._batch_groups(), time.perf_counter() - t0)
+                self._timed(kind, time.perf_counter() - t0, time.process_time() - c0)
                 if task is not None:
                     self._run_task(*task)
                 self._store_one()
         self._fail_all(Cancelled("the engine is shutting down"))
 
-    def _step(self) -> None:
+    def _step(self) -> str | None:
+        """One step; its kind (`STEP_PREFILL`: it carried prefill rows, `STEP_DECODE`: decode rows only), or
+        None when it ran no rows."""
         for req in [r for r in self._requests.values() if r.stopped]:
             self._drop(req, req.stop_error())
         for req in [r for r in self._requests.values() if self._too_late(r)]:
@@ -294,8 +304,18 @@ class EngineLoop:
         decoding = [self._requests[rid] for rid in plan.decode if rid in self._requests]
         if prefilling:
             self._fused(decoding, prefilling, PrefillBudget(plan.prefill_tokens))
-        elif decoding:
+            return STEP_PREFILL
+        if decoding:
             self._decode(decoding)
+            return STEP_DECODE
+        return None
+
+    def _timed(self, kind: str | None, seconds: float, cpu_seconds: float) -> None:
+        """A step's wall and process CPU time, by kind (`stats`, the service's /metrics)."""
+        if kind is not None:
+            self.step_counts[kind] += 1
+            self.step_seconds[kind] += seconds
+            self.step_cpu_seconds += cpu_seconds
 
     def _guard(self, req: _Request, fn: Callable[[_Request], Any]) -> Any:
         """Run one request's share of a step; its failure (or cancellation) ends it alone."""

@@ -749,6 +749,20 @@ def test_metrics_after_queries(client):
         assert needle in text, needle
 
 
+def test_metrics_time_the_engine_steps_by_kind(client):
+    """A query's prefill and decode steps are counted and timed by kind, with the CPU time they kept busy."""
+    client.post("/v1/query", json={"question": "Highest mountain?", "top_k": 2, "max_tokens": 3, "mode": "blend"})
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("blendserve_engine_step"):
+            values[name] = float(value)
+    for kind in ("decode", "prefill"):
+        assert values[f'blendserve_engine_steps_total{{kind="{kind}"}}'] >= 1, kind
+        assert values[f'blendserve_engine_step_seconds_total{{kind="{kind}"}}'] > 0, kind
+    assert values["blendserve_engine_step_cpu_seconds_total"] > 0
+
+
 def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_factory, caplog):
     sample = tmp_path / "sample.jsonl"
     sample.write_text("\n".join(json.dumps({"title": f"T{i}", "text": f"Sample fact number {i}."})

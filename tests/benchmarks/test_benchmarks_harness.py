@@ -200,3 +200,17 @@ def test_engine_bench_refuses_bad_ratios_before_loading_the_model(spec, monkeypa
     monkeypatch.setattr(bench.ModelRunner, "load", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(SystemExit, match="--ratios"):
         bench.main(["--ratios", spec, "--skip", "speed,ablation"])
+
+
+def test_serving_reads_engine_step_times_from_two_scrapes():
+    """`benchmarks.serving`: a level's mean step by kind and the cores busy, from /metrics counters."""
+    from benchmarks.serving import STEP_SERIES, _gauges, _steps
+
+    def scrape(decode_n, decode_s, prefill_n, prefill_s, cpu_s):
+        values = dict(zip(STEP_SERIES, (decode_n, prefill_n, decode_s, prefill_s, cpu_s)))
+        return _gauges("\n".join(f"{k} {v}" for k, v in values.items()) + "\nother_total 1.0")
+
+    first, last = scrape(10, 1.0, 2, 1.0, 3.0), scrape(30, 3.0, 4, 2.0, 9.0)
+    decode_ms, prefill_ms, cores = _steps(first, last)
+    assert (decode_ms, prefill_ms, cores) == pytest.approx((100.0, 500.0, 2.0))
+    assert all(v != v for v in _steps(first, first))  # nothing ran: NaN, not a division error
