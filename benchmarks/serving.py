@@ -126,10 +126,15 @@ STEP_SERIES = tuple(f'blendserve_engine_{name}_total{{kind="{kind}"}}' for name 
                     for kind in ("decode", "prefill")) + ("blendserve_engine_step_cpu_seconds_total",)
 
 
+def _grew(first: dict[str, float], last: dict[str, float], name: str) -> float:
+    """How much a counter grew between two scrapes (0 where it is absent)."""
+    return last.get(name, 0.0) - first.get(name, 0.0)
+
+
 def _steps(first: dict[str, float], last: dict[str, float]) -> tuple[float, float, float]:
     """Over a level, from two scrapes: mean decode-only and prefill step (ms), and the cores busy meanwhile."""
     def grew(name: str) -> float:
-        return last.get(name, 0.0) - first.get(name, 0.0)
+        return _grew(first, last, name)
 
     def mean_ms(kind: str) -> float:
         n = grew(f'blendserve_engine_steps_total{{kind="{kind}"}}')
@@ -208,7 +213,7 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
         return int(max(g.get(name, 0) for g in gauges))
 
     def grew(name: str) -> int:
-        return int(last.get(name, 0) - first.get(name, 0))
+        return int(_grew(first, last, name))
 
     samples = [r for r in results if isinstance(r, _Sample)]
     gaps = [g for s in samples for g in s.gaps_ms]

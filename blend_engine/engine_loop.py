@@ -276,8 +276,9 @@ class EngineLoop:
                     kind = self._step()
                 except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
                     logger.exception("engine step failed")
-                self._share(batch | self._batch_groups(), time.perf_counter() - t0)
-                self._timed(kind, time.perf_counter() - t0, time.process_time() - c0)
+                seconds = time.perf_counter() - t0
+                self._share(batch | self._batch_groups(), seconds)
+                self._timed(kind, seconds, time.process_time() - c0)
                 if task is not None:
                     self._run_task(*task)
                 self._store_one()
