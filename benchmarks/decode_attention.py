@@ -1,12 +1,14 @@
-"""The decode step's two attention paths side by side (`executor.decode`): one SDPA call per
-sequence (per_sequence) against one call a layer over keys gathered from the paged pool (pooled),
-at batch sizes B over contexts of T tokens, on the default model (SmolLM2-135M, its real shape
-and weights; on a GPU when there is one).
+"""The decode step's attention paths side by side (`executor.decode`): one SDPA call per sequence
+(per_sequence) against one call a layer over the paged pool (pooled), with the kernel
+`pooled_kernel` picks here (in place: "cpu" or "triton") and with keys gathered for one SDPA call
+("gather"), at batch sizes B over contexts of T tokens, on the default model (SmolLM2-135M, its
+real shape and weights; on a GPU when there is one).
 
     python -m benchmarks.decode_attention [--batch 1,8,16] [--tokens 1024] [--repeat 5]
 
-Prints per B: the median step time of each path, and the ratio; the runs are a pool's views filled
-with random K/V (timing does not depend on the values). Writes JSON to --out when given.
+Prints per B: the median step time of each path, and the pooled one's ratio to per_sequence; the
+runs are a pool's views filled with random K/V (timing does not depend on the values). Writes JSON
+to --out when given.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from blend_engine.executor.decode import decode_batch
+from blend_engine.executor.decode import decode_batch, pooled_kernel
 from blend_engine.executor.kv_pool import KVPool
 from blend_engine.model import ModelRunner
 from blend_engine.scheduler.kv_blocks import Run, blocks_for
@@ -43,7 +45,8 @@ def pool_runs(runner: ModelRunner, batch: int, n_tokens: int, block_tokens: int 
     return pool, [Run(i * per, per) for i in range(batch)]
 
 
-def step_ms(runner: ModelRunner, batch: int, n_tokens: int, attention: str, repeat: int) -> float:
+def step_ms(runner: ModelRunner, batch: int, n_tokens: int, attention: str, repeat: int,
+            kernel: str | None = None) -> float:
     pool, runs = pool_runs(runner, batch, n_tokens)
     tokens, starts = [7 + b for b in range(batch)], [n_tokens] * batch
     times = []
@@ -51,7 +54,7 @@ def step_ms(runner: ModelRunner, batch: int, n_tokens: int, attention: str, repe
         caches = [pool.view(run, n_tokens) for run in runs]
         sync(runner)
         t0 = time.perf_counter()
-        decode_batch(runner, caches, tokens, starts, attention=attention)
+        decode_batch(runner, caches, tokens, starts, attention=attention, kernel=kernel)
         sync(runner)
         if i:  # the first is a warm-up
             times.append((time.perf_counter() - t0) * 1e3)
@@ -63,14 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runner = ModelRunner.load()
     rows = []
+    kernel = pooled_kernel(runner.device, runner.dtype)
     with torch.inference_mode():
         for b in (int(x) for x in args.batch.split(",")):
             per_seq = step_ms(runner, b, args.tokens, "per_sequence", args.repeat)
-            pooled = step_ms(runner, b, args.tokens, "pooled", args.repeat)
-            rows.append({"batch": b, "tokens": args.tokens, "per_sequence_ms": round(per_seq, 2),
-                         "pooled_ms": round(pooled, 2), "pooled_over_per_sequence": round(pooled / per_seq, 3)})
-            logger.info("B=%d T=%d: per_sequence %.1f ms, pooled %.1f ms (%.2fx)", b, args.tokens, per_seq, pooled,
-                        pooled / per_seq)
+            pooled = step_ms(runner, b, args.tokens, "pooled", args.repeat, kernel)
+            row = {"batch": b, "tokens": args.tokens, "per_sequence_ms": round(per_seq, 2), "pooled_kernel": kernel,
+                   "pooled_ms": round(pooled, 2), "pooled_over_per_sequence": round(pooled / per_seq, 3)}
+            line = f"B={b} T={args.tokens}: per_sequence {per_seq:.1f} ms, pooled ({kernel}) {pooled:.1f} ms " \
+                   f"({pooled / per_seq:.2f}x)"
+            if kernel != "gather":
+                row["gather_ms"] = round(step_ms(runner, b, args.tokens, "pooled", args.repeat, "gather"), 2)
+                line += f", gather {row['gather_ms']:.1f} ms"
+            rows.append(row)
+            logger.info("%s", line)
     result = with_machine(runner, rows)
     print(json.dumps(result, indent=2))
     write_json(args.out, result)

@@ -58,10 +58,11 @@ class EngineSettings(Group):
         "auto", description="how a blend's recomputed rows attend: auto = 4 blocks on the CPU, one boolean-mask "
                             "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
     decode_attention: Literal["auto", "pooled", "per_sequence"] = Field(
-        "auto", description="how a decode step attends: pooled = one call a layer over the KV pool (on CUDA a "
-                            "Triton kernel reading the pool in place, else keys gathered for one SDPA); "
-                            "per_sequence = one call per sequence; auto = pooled on a GPU, per_sequence on the "
-                            "CPU (measured faster there)")
+        "auto", description="how a decode step attends: pooled = one call a layer over the KV pool (a kernel "
+                            "reading the pool in place: Triton on CUDA, C++ on the CPU, built once per machine; "
+                            "else keys gathered for one SDPA); per_sequence = one call per sequence; auto = "
+                            "pooled, except on a CPU where the C++ kernel cannot be built (a warning says why): "
+                            "per_sequence")
     decode_graphs: Literal["auto", "off"] = Field(
         "auto", description="auto = on CUDA, replay pooled decode steps as CUDA graphs (captured per batch size "
                             "and key-length bucket on first use); off = always run them eagerly. No effect on "

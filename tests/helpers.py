@@ -214,3 +214,17 @@ def ragged_pool(runner):
 def pool_kv(pool, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies of every layer's K and V over the pool's first `slots` slots."""
     return [(k[:, :slots].clone(), v[:, :slots].clone()) for k, v in zip(*pool.kv)]  # L x ([H, slots, D] x 2)
+
+
+def dense_decode_reference(q, k, v, start, n, pos, window, scale):
+    """Pooled decode attention row by row (the kernels' oracle): dense SDPA of q [B, H, G, D] over each
+    row's pool slots start[b] .. start[b] + n[b] - 1 of k, v [H, slots, D], causal / windowed by position."""
+    outs = []
+    for b in range(q.shape[0]):
+        s, m = int(start[b]), int(n[b])
+        j = torch.arange(m)
+        allowed = (j <= int(pos[b])) if window is None else (j <= int(pos[b])) & (j > int(pos[b]) - window)  # [m]
+        kb, vb = k[:, s:s + m], v[:, s:s + m]  # [H, m, D]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[b], kb, vb, attn_mask=allowed[None, None, :].expand(q.shape[1], q.shape[2], m), scale=scale))  # [H, G, D]
+    return torch.stack(outs)  # [B, H, G, D]

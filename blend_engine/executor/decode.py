@@ -9,13 +9,15 @@ its own position, so rows never mix). Attention is ragged, two ways with the sam
   call per sequence on a view of that cache (no padding, no copy: O(sum of lengths) work, but
   B calls per layer). The oracle, and the only way for caches that are not runs of one pool.
 - `pooled`: every cache is a run of the same paged pool (`kv_pool.KVPool`): per layer ONE write of
-  the B new K/V rows into the pool and ONE SDPA call for all rows, over keys gathered from the
-  pool into [B, H, Lmax, D] (padding masked). A row's Hq/H query heads of one KV head ride as
-  that head's query rows ([B, H, G, D]), so grouped K/V are never expanded. O(B x Lmax) work and
-  a gather, in a handful of kernels a layer instead of ~5 x B.
+  the B new K/V rows into the pool and ONE attention call for all rows. A row's Hq/H query heads
+  of one KV head ride as that head's query rows ([B, H, G, D]), so grouped K/V are never
+  expanded. The call (`pooled_kernel`) reads the pool in place (Triton on CUDA, `cpu_decode`'s
+  C++ kernel on the CPU), or else gathers the keys into [B, H, Lmax, D] for one SDPA call
+  (padding masked: O(B x Lmax) work and a copy).
 
-`decode_attention("auto", ...)` picks pooled on a device (kernel launches dominate there) and
-per_sequence on the CPU, where the gather costs more than B calls (measured, docs/results.md).
+`decode_attention("auto", ...)` picks pooled wherever a kernel reads the pool in place (CUDA, or a
+float32 pool on a CPU where `cpu_decode` builds), else per_sequence: on the CPU the gather costs
+more than B calls (measured, docs/results.md).
 A lone sequence is the same step with B = 1. On CUDA a pooled step may instead be replayed as a
 CUDA graph at padded shapes (`decode_graphs.DecodeGraphs`): the same `forward` and `Pooled`.
 """
@@ -29,11 +31,12 @@ import torch
 
 from blend_engine.model import ModelRunner
 
-from . import paged_decode
+from . import cpu_decode, paged_decode
 from .layers import KVCache, layer_pass
 from .uploads import upload_ints
 
 DECODE_ATTENTION = ("auto", "pooled", "per_sequence")
+POOLED_KERNELS = ("gather", "triton", "cpu")
 
 
 def check_decode_attention(name: str) -> None:
@@ -42,14 +45,16 @@ def check_decode_attention(name: str) -> None:
 
 
 def decode_attention(name: str, device: torch.device, caches: Sequence[KVCache]) -> str:
-    """The way this step attends: `name` as asked ("auto": pooled on a device, per_sequence on the
-    CPU); per_sequence whenever the caches are not all runs of one pool."""
+    """The way this step attends: `name` as asked ("auto": pooled on a device, and on the CPU where
+    `pooled_kernel` reads the pool in place, else per_sequence); per_sequence whenever the caches
+    are not all runs of one pool."""
     check_decode_attention(name)
     pool = caches[0].pool if caches else None
     if pool is None or any(c.pool is not pool for c in caches):
         return "per_sequence"
     if name == "auto":
-        return "per_sequence" if device.type == "cpu" else "pooled"
+        on_cpu = device.type == "cpu"
+        return "per_sequence" if on_cpu and pooled_kernel(device, pool[0][0].dtype) == "gather" else "pooled"
     return name
 
 
@@ -95,7 +100,8 @@ def eager_rows(r: ModelRunner, caches: Sequence[KVCache], token_ids: Sequence[in
     pos = upload_ints(rows[1], r.device)  # [B]
     if decode_attention(attention, r.device, caches) == "pooled":
         start, n = (upload_ints(x, r.device) for x in rows[2:])  # [B] each
-        attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1, kernel or pooled_kernel(r.device))
+        attend: Attend = Pooled(r, caches[0].pool, start, n, pos, max(input_pos) + 1,
+                                kernel or pooled_kernel(r.device, r.dtype))
     else:
         attend = _PerSequence(r, caches, input_pos, pos)
     return DecodeRows(r, ids, pos, attend)
@@ -166,10 +172,15 @@ class _PerSequence:
         return torch.cat(outs)  # [B, Hq*D]
 
 
-def pooled_kernel(device: torch.device) -> str:
-    """How a pooled step reads the pool: "triton" (`paged_decode`, the pool read in place) on CUDA
-    where Triton is installed, else "gather" (the rows' keys copied out, one SDPA call)."""
-    return "triton" if device.type == "cuda" and paged_decode.available(device) else "gather"
+def pooled_kernel(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """How a pooled step reads the pool: in place with "triton" (`paged_decode`) on CUDA where Triton
+    is installed, or "cpu" (`cpu_decode`) for a float32 pool on the CPU once its kernel builds; else
+    "gather" (the rows' keys copied out, one SDPA call)."""
+    if device.type == "cuda" and paged_decode.available(device):
+        return "triton"
+    if device.type == "cpu" and dtype == torch.float32 and cpu_decode.ensure():
+        return "cpu"
+    return "gather"
 
 
 class Pooled:
@@ -182,8 +193,8 @@ class Pooled:
 
     def __init__(self, r: ModelRunner, kv: tuple[list[torch.Tensor], list[torch.Tensor]], start: torch.Tensor,
                  n: torch.Tensor, pos: torch.Tensor, n_keys: int, kernel: str = "gather") -> None:
-        if kernel not in ("gather", "triton"):
-            raise ValueError(f"pooled decode kernel must be gather or triton, not {kernel!r}")
+        if kernel not in POOLED_KERNELS:
+            raise ValueError(f"pooled decode kernel must be one of {', '.join(POOLED_KERNELS)}, not {kernel!r}")
         self.r, self.kernel = r, kernel
         self.k_pool, self.v_pool = kv  # L x [H, slots, D] each
         self.start, self.n, self.pos = start, n, pos  # [B] each
@@ -213,6 +224,9 @@ class Pooled:
         if self.kernel == "triton":
             out = paged_decode.paged_decode(qb, K, V, self.start, self.n, self.pos, self.r.windows[layer],
                                             self.r.scaling)  # [B, H, G, D]
+        elif self.kernel == "cpu":
+            out = cpu_decode.paged_decode(qb, K, V, self.start, self.n, self.pos, self.r.windows[layer],
+                                          self.r.scaling)  # [B, H, G, D]
         else:
             n_keys = self.keys.shape[0] // b
             Kb = K.index_select(1, self.keys).view(h, b, n_keys, d).transpose(0, 1)  # [B, H, Lmax, D]

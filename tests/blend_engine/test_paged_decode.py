@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from blend_engine.executor import paged_decode as pd
+from tests.helpers import dense_decode_reference
 
 
 def _runs_here() -> bool:
@@ -18,19 +19,6 @@ def _runs_here() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _runs_here(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on the CPU)")
-
-
-def _reference(q, k, v, start, n, pos, window, scale):
-    """Row by row: dense SDPA over the row's slots with the causal / window rule by position."""
-    outs = []
-    for b in range(q.shape[0]):
-        s, m = int(start[b]), int(n[b])
-        j = torch.arange(m)
-        allowed = (j <= int(pos[b])) if window is None else (j <= int(pos[b])) & (j > int(pos[b]) - window)  # [m]
-        kb, vb = k[:, s:s + m], v[:, s:s + m]  # [H, m, D]
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[b], kb, vb, attn_mask=allowed[None, None, :].expand(q.shape[1], q.shape[2], m), scale=scale))  # [H, G, D]
-    return torch.stack(outs)  # [B, H, G, D]
 
 
 @pytest.mark.parametrize("n_splits", [1, 3, None])
@@ -47,7 +35,7 @@ def test_the_kernel_equals_dense_attention_over_each_rows_slots(n_splits, window
     q = torch.randn(len(lengths), h, grp, d, generator=g)  # [B, H, G, D]
     start, n = torch.tensor(starts), torch.tensor(lengths)
     pos = n - 1
-    want = _reference(q, k, v, start, n, pos, window, d ** -0.5)
+    want = dense_decode_reference(q, k, v, start, n, pos, window, d ** -0.5)
     got = pd.paged_decode(*(t.to(device) for t in (q, k, v, start, n, pos)), window, d ** -0.5, block=32,
                           n_splits=n_splits)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
