@@ -4,12 +4,15 @@
 //   pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
 //   row b:      G query heads of KV head h  x  keys lo(b) .. n[b]-1   (lo: the sliding window's first)
 //
-// One work item per (row b, KV head h), spread over torch's intra-op threads: its G query rows'
-// scores over the row's keys (each key row read once for all G), a softmax, then the weighted sum
-// of the value rows (each read once). Nothing is copied out of the pool and nothing is written but
-// the [B, H, G, D] output. float32 only (the CPU's dtype); accumulation in float32.
+// One work item per (row b, KV head h), spread over the calling thread's OpenMP team: its G query
+// rows' scores over the row's keys (each key row read once for all G), a softmax, then the weighted
+// sum of the value rows (each read once). Nothing is copied out of the pool and nothing is written
+// but the [B, H, G, D] output. float32 only (the CPU's dtype); accumulation in float32.
+//
+// A plain `omp parallel for`, not at::parallel_for: that one's per-thread set-up is a thread_local
+// compiled into this library, so its first call on a thread re-ran torch's init_num_threads and put
+// the engine loop back on the process default (one core in the service; blend_engine/cpu_threads.py).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -51,11 +54,13 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
   const int64_t vsh = v_pool.stride(0), vss = v_pool.stride(1);
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score;    // [G, m]: one row's scores, then its softmax numerators
+#pragma omp parallel
+  {
+    std::vector<float> score;       // [G, m]: one row's scores, then its softmax numerators
     std::vector<float> acc(G * D);  // [G, D]
     std::vector<float> total(G);
-    for (int64_t i = begin; i < end; ++i) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < B * H; ++i) {
       const int64_t b = i / H, h = i % H;
       const int64_t lo = window > 0 ? std::max<int64_t>(pp[b] - window + 1, 0) : 0;
       const int64_t m = np[b] - lo;  // >= 1: the row's own key is always visible
@@ -99,7 +104,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
         for (int64_t d = 0; d < D; ++d) ob[g * D + d] = acc[g * D + d] * inv;
       }
     }
-  });
+  }
   return out;
 }
 
