@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from blend_engine import cpu_kernels
 from blend_engine.families import (
     EXACT_ROPE_TYPES,
     SUPPORTED_MODEL_TYPES,
@@ -327,13 +328,23 @@ def padded_rows(n: int) -> int:
     return 2 if n == 1 else n if n <= 8 else -(-n // 8) * 8
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Autograd will differentiate through this op (research runs: `benchmarks.oracle`'s gradients)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows (`SMALL_ROWS`)
-    runs as (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
+    """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows runs on
+    `cpu_kernels.rows_linear` (`cpu_kernels.ROWS`, where it is built), else for `SMALL_ROWS` as
+    (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
     `padded_rows(T)` rows (zeros after x's)."""
     n = x.shape[0] if x.dim() == 2 else 0
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
-            or n not in SMALL_ROWS:
+            or layer.weight.dtype != torch.float32:
+        return layer(x)
+    if n in cpu_kernels.ROWS and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
+        return cpu_kernels.rows_linear(x, layer.weight, layer.bias)  # [T, out] (the kernel has no backward)
+    if n not in SMALL_ROWS:
         return layer(x)
     m = padded_rows(n)
     rows = x if m == n else torch.nn.functional.pad(x, (0, 0, 0, m - n))  # [T', in]: zero rows after the T

@@ -11,12 +11,12 @@ its own position, so rows never mix). Attention is ragged, two ways with the sam
 - `pooled`: every cache is a run of the same paged pool (`kv_pool.KVPool`): per layer ONE write of
   the B new K/V rows into the pool and ONE attention call for all rows. A row's Hq/H query heads
   of one KV head ride as that head's query rows ([B, H, G, D]), so grouped K/V are never
-  expanded. The call (`pooled_kernel`) reads the pool in place (Triton on CUDA, `cpu_decode`'s
+  expanded. The call (`pooled_kernel`) reads the pool in place (Triton on CUDA, `cpu_kernels`'s
   C++ kernel on the CPU), or else gathers the keys into [B, H, Lmax, D] for one SDPA call
   (padding masked: O(B x Lmax) work and a copy).
 
 `decode_attention("auto", ...)` picks pooled wherever a kernel reads the pool in place (CUDA, or a
-float32 pool on a CPU where `cpu_decode` builds), else per_sequence: on the CPU the gather costs
+float32 pool on a CPU where `cpu_kernels` builds), else per_sequence: on the CPU the gather costs
 more than B calls (measured, docs/results.md).
 A lone sequence is the same step with B = 1. On CUDA a pooled step may instead be replayed as a
 CUDA graph at padded shapes (`decode_graphs.DecodeGraphs`): the same `forward` and `Pooled`.
@@ -29,9 +29,10 @@ from typing import Protocol
 
 import torch
 
+from blend_engine import cpu_kernels
 from blend_engine.model import ModelRunner
 
-from . import cpu_decode, paged_decode
+from . import paged_decode
 from .layers import KVCache, layer_pass
 from .uploads import upload_ints
 
@@ -174,11 +175,11 @@ class _PerSequence:
 
 def pooled_kernel(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """How a pooled step reads the pool: in place with "triton" (`paged_decode`) on CUDA where Triton
-    is installed, or "cpu" (`cpu_decode`) for a float32 pool on the CPU once its kernel builds; else
+    is installed, or "cpu" (`cpu_kernels`) for a float32 pool on the CPU once its kernel builds; else
     "gather" (the rows' keys copied out, one SDPA call)."""
     if device.type == "cuda" and paged_decode.available(device):
         return "triton"
-    if device.type == "cpu" and dtype == torch.float32 and cpu_decode.ensure():
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.ensure():
         return "cpu"
     return "gather"
 
@@ -225,7 +226,7 @@ class Pooled:
             out = paged_decode.paged_decode(qb, K, V, self.start, self.n, self.pos, self.r.windows[layer],
                                             self.r.scaling)  # [B, H, G, D]
         elif self.kernel == "cpu":
-            out = cpu_decode.paged_decode(qb, K, V, self.start, self.n, self.pos, self.r.windows[layer],
+            out = cpu_kernels.paged_decode(qb, K, V, self.start, self.n, self.pos, self.r.windows[layer],
                                           self.r.scaling)  # [B, H, G, D]
         else:
             n_keys = self.keys.shape[0] // b

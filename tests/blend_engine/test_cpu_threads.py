@@ -52,15 +52,15 @@ def test_new_threads_default_to_one_core_and_a_compute_thread_takes_all(single_c
 def test_the_cpu_decode_kernel_keeps_a_compute_threads_cores(single_core_default):
     """The C++ decode kernel runs on the calling thread's team and leaves its count alone (built on
     at::parallel_for, its first call on a thread put the engine loop back on one core)."""
-    from blend_engine.executor import cpu_decode
+    from blend_engine import cpu_kernels
 
-    assert cpu_decode.ensure(), cpu_decode.why_not()
+    assert cpu_kernels.ensure(), cpu_kernels.why_not()
 
     def compute() -> int:
         cpu_threads.use_cores()
         q, k = torch.randn(4, 2, 3, 16), torch.randn(2, 64, 16)  # [B, H, G, D], [H, slots, D]
         start, n = torch.tensor([0, 16, 32, 48]), torch.tensor([16, 16, 16, 16])
-        cpu_decode.paged_decode(q, k, k, start, n, n - 1, None, 0.25)
+        cpu_kernels.paged_decode(q, k, k, start, n, n - 1, None, 0.25)
         return torch.get_num_threads()
 
     assert on_new_thread(compute) == single_core_default

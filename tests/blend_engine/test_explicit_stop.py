@@ -46,7 +46,8 @@ def test_precompute_stops_before_the_layer_where_should_stop_turns_true(engine):
     with pytest.raises(Cancelled, match="at layer 2 of a precompute"):
         engine.chunks.precompute(ids, stop)
     assert len(calls) == 3  # checked once per layer, before it runs
-    ref = run_layers(engine.runner, LayerJob(torch.tensor(ids))).cache.segment(0, len(ids))  # k, v: [L, H, T, D]
+    with torch.inference_mode():  # as the engine runs it (with a gradient to take, projections skip cpu_kernels)
+        ref = run_layers(engine.runner, LayerJob(torch.tensor(ids))).cache.segment(0, len(ids))  # k, v: [L, H, T, D]
     calls, stop = _counting_stop(10 ** 6)
     kv = engine.chunks.precompute(ids, stop)  # never true: the same KV as the plain layer loop
     assert len(calls) == engine.runner.shape.n_layers

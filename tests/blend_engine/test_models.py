@@ -292,7 +292,7 @@ def _triton_on_cuda() -> bool:
 
 PATHS = ["pooled", "padded_static",  # the kernel per family on a GPU; under the interpreter: test_paged_decode.py
          pytest.param("triton", marks=pytest.mark.skipif(not _triton_on_cuda(), reason="needs Triton on CUDA")),
-         "cpu"]  # `cpu_decode` (built here: a failed build fails the test)
+         "cpu"]  # `cpu_kernels` (built here: a failed build fails the test)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -301,7 +301,7 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, p
     path's logits and writes the same K/V, for ragged lengths past a sliding window (every family);
     so does the same step at the padded shapes a CUDA graph replays (`decode_graphs`, run eagerly:
     3 rows padded to 4, keys to a bucket of 256), whose padding row writes only the scratch block,
-    and the kernels that read the pool in place (Triton, `paged_decode`; C++ on the CPU, `cpu_decode`)."""
+    and the kernels that read the pool in place (Triton, `paged_decode`; C++ on the CPU, `cpu_kernels`)."""
     from blend_engine.executor.decode import decode_attention, decode_batch
     from blend_engine.executor.decode_graphs import DecodeGraphs
 
@@ -319,11 +319,11 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, p
     caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
     assert decode_attention("pooled", runner.device, caches) == "pooled"
     if path == "cpu":
-        from blend_engine.executor import cpu_decode
+        from blend_engine import cpu_kernels
 
         if runner.device.type != "cpu":
             pytest.skip("the CPU kernel reads a CPU pool")
-        assert cpu_decode.ensure(), cpu_decode.why_not()
+        assert cpu_kernels.ensure(), cpu_kernels.why_not()
     graphs = DecodeGraphs(runner, pool, capture=False) if path == "padded_static" else None
     kernel = path if path in ("triton", "cpu") else "gather"
     got = decode_batch(runner, caches, tokens, lengths, attention="pooled", graphs=graphs, kernel=kernel)  # [B, V]

@@ -400,8 +400,11 @@ def test_batched_precompute_stores_the_kv_of_one_at_a_time(tmp_path, runner, emb
     for k in keys:
         a, b = kv1[k], kv4[k]
         assert a.k.dtype == torch.float16 and a.k.shape == b.k.shape
-        for x, y in ((a.k, b.k), (a.v, b.v)):  # identical here; elsewhere at most a rare fp16 ulp apart
-            assert (x == y).float().mean() > 0.999
+        # one at a time runs the layer loop (passages of <= 128 tokens project through cpu_kernels.rows_linear),
+        # batched runs transformers' forward (MKL): the sums' order differs, so ~0.2% of values land one fp16
+        # ulp apart (identical before the kernel; rtol 2 ** -10 is one ulp)
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            assert (x == y).float().mean() > 0.99
             torch.testing.assert_close(y, x, atol=1e-6, rtol=2 ** -10)
 
 

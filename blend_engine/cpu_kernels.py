@@ -1,0 +1,104 @@
+"""Blendserve's CPU kernels (`csrc/cpu_kernels.cpp`), built once per machine and loaded into torch.ops.
+
+Two float32 ops where torch's own CPU kernels are slow at the engine's shapes (measured,
+benchmarks/results/cpu_kernels/):
+- `paged_decode`: decode attention read straight from the paged pool, one call a layer for all rows,
+  the CPU twin of `executor.paged_decode` (Triton), same arguments. Against one SDPA call per
+  sequence it reads each key and value row once for all G query heads of its KV head and leaves
+  ~10 Python-side ops per sequence and layer out of the step.
+
+      pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
+
+- `rows_linear`: x W^T (+ bias) for a few rows (`ROWS`) against an nn.Linear's weight as stored:
+  register-tiled dot products that read each weight row once per 8 rows of x, where MKL's sgemm
+  takes its slow small-M path (the 211 projections of a SmolLM2 decode step at 8 rows: 35 vs 47 ms).
+
+The source is compiled with torch's extension builder (a C++ compiler is needed: ~10 s on 2 cores,
+then loaded from torch's extension cache in ~0.1 s). `ensure()` builds or loads it once per process
+and says whether it is usable; where it cannot be built, a warning says why and callers keep torch's
+kernels (decode attends one sequence at a time, projections go to MKL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # built on the machine that runs it
+ROWS = range(3, 129)  # rows where `rows_linear` beat MKL here (1-2 rows: MKL's W @ [x; x]^T is as fast)
+
+_lock = threading.Lock()
+_state: dict[str, str | bool] = {}  # "ready": bool, "why": the build's error once tried
+
+
+def _name() -> str:
+    """The extension's name: a hash of its source, the flags, torch's version and this CPU's features,
+    so a cache shared by different machines or versions never loads a build made for another."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
+    return f"blendserve_cpu_kernels_{h.hexdigest()[:12]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def ensure() -> bool:
+    """Build (first time on this machine) or load the kernels, once per process; True when usable."""
+    ready = _state.get("ready")
+    if ready is not None:
+        return bool(ready)
+    with _lock:
+        if "ready" not in _state:
+            ok, why = _load()
+            _state["why"], _state["ready"] = why, ok
+            if not ok:
+                logger.warning("Blendserve's CPU kernels are unavailable (%s); CPU decode steps attend one "
+                               "sequence at a time and projections run on MKL alone", why)
+        return bool(_state["ready"])
+
+
+def why_not() -> str:
+    """Why `ensure()` failed ("" when it did not, or was not called)."""
+    return str(_state.get("why", ""))
+
+
+def _load() -> tuple[bool, str]:
+    from torch.utils import cpp_extension
+
+    name = _name()
+    try:
+        logger.info("loading Blendserve's CPU kernels %s (built once per machine, ~10 s)", name)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, a failed build: everything keeps working on torch's kernels
+        text = str(exc).strip()
+        return False, f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+    return True, ""
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, start: torch.Tensor,
+                 n: torch.Tensor, pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """q [B, H, G, D] over the pool's k, v [H, slots, D] (float32, on the CPU): row b sees slots
+    start[b] .. start[b] + n[b] - 1 (on a sliding-window layer only positions > pos[b] - window).
+    Returns [B, H, G, D]. Call `ensure()` first."""
+    return torch.ops.blendserve_cpu.paged_decode(q, k_pool, v_pool, start, n, pos, window or 0, scale)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]), float32 on the CPU: [T, out]. Call `ensure()` first."""
+    return torch.ops.blendserve_cpu.rows_linear(x, weight, bias)

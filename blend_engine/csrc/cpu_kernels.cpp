@@ -1,0 +1,220 @@
+// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), two ops:
+//
+// paged_decode: decode attention read straight from the paged pool, one call a layer for every row
+// (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
+//
+//   pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
+//   row b:      G query heads of KV head h  x  keys lo(b) .. n[b]-1   (lo: the sliding window's first)
+//
+// One work item per (row b, KV head h), spread over the calling thread's OpenMP team: its G query
+// rows' scores over the row's keys (each key row read once for all G), a softmax, then the weighted
+// sum of the value rows (each read once). Nothing is copied out of the pool and nothing is written
+// but the [B, H, G, D] output.
+//
+// rows_linear: y = x W^T (+ bias) for a few rows x [T, in] against an nn.Linear weight W [out, in]
+// as stored (no repacking): each thread takes blocks of NT weight rows and runs MT x NT register
+// tiles of 16-wide dot products over them, so a weight row is read from memory once for every
+// 8 rows of x. MKL's sgemm takes a slow path at these shapes (benchmarks/results/cpu_kernels/).
+//
+// Both: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
+// at::parallel_for: that one's per-thread set-up is a thread_local compiled into this library, so
+// its first call on a thread re-ran torch's init_num_threads and put the engine loop back on the
+// process default (one core in the service; blend_engine/cpu_threads.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& start, const at::Tensor& n, const at::Tensor& pos,
+                        int64_t window, double scale) {
+  TORCH_CHECK(q_in.dim() == 4, "q must be [B, H, G, D]");
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.dim() == 3, "the pool's K and V must be [H, slots, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
+                  v_pool.scalar_type() == at::kFloat,
+              "cpu paged decode takes float32 only");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1, "the pool's head dim must be contiguous");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK(k_pool.size(0) == H && v_pool.size(0) == H && k_pool.size(2) == D && v_pool.size(2) == D,
+              "q and the pool disagree on KV heads or head dim");
+  const at::Tensor st = start.to(at::kLong).contiguous();
+  const at::Tensor nk = n.to(at::kLong).contiguous();
+  const at::Tensor ps = pos.to(at::kLong).contiguous();
+  TORCH_CHECK(st.numel() == B && nk.numel() == B && ps.numel() == B, "start, n and pos need one value per row");
+  const int64_t slots = k_pool.size(1);
+  const int64_t* sp = st.data_ptr<int64_t>();
+  const int64_t* np = nk.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(np[b] >= 1 && sp[b] >= 0 && sp[b] + np[b] <= slots, "row ", b, "'s keys lie outside the pool");
+  }
+  at::Tensor out = at::empty_like(q);  // [B, H, G, D]
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ksh = k_pool.stride(0), kss = k_pool.stride(1);
+  const int64_t vsh = v_pool.stride(0), vss = v_pool.stride(1);
+  const float sc = static_cast<float>(scale);
+
+#pragma omp parallel
+  {
+    std::vector<float> score;       // [G, m]: one row's scores, then its softmax numerators
+    std::vector<float> acc(G * D);  // [G, D]
+    std::vector<float> total(G);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < B * H; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const int64_t lo = window > 0 ? std::max<int64_t>(pp[b] - window + 1, 0) : 0;
+      const int64_t m = np[b] - lo;  // >= 1: the row's own key is always visible
+      score.resize(G * m);
+      const float* qb = qp + i * G * D;
+      const float* kb = kp + h * ksh + (sp[b] + lo) * kss;
+      const float* vb = vp + h * vsh + (sp[b] + lo) * vss;
+      for (int64_t j = 0; j < m; ++j) {
+        const float* kr = kb + j * kss;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = qb + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          score[g * m + j] = dot * sc;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = score.data() + g * m;
+        const float top = *std::max_element(sg, sg + m);
+        float sum = 0.f;
+        for (int64_t j = 0; j < m; ++j) {
+          sg[j] = std::exp(sg[j] - top);
+          sum += sg[j];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < m; ++j) {
+        const float* vr = vb + j * vss;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = score[g * m + j];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        }
+      }
+      float* ob = op + i * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / total[g];
+        for (int64_t d = 0; d < D; ++d) ob[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  }
+  return out;
+}
+
+typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register (two AVX2 ones)
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float lanes_sum(v16 v) {
+  v8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const v8 s8 = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &s8, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
+  const v4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Y[m0 .. m0+MT, n0 .. n0+NT] = X[m0 .., :] . W[n0 .., :] (+ bias): MT x NT accumulators in registers.
+template <int MT, int NT>
+inline void tile(const float* X, const float* W, const float* bias, float* Y, int64_t K, int64_t N,
+                 int64_t m0, int64_t n0) {
+  v16 acc[MT][NT];
+#pragma GCC unroll 8
+  for (int a = 0; a < MT; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < NT; ++b) acc[a][b] = v16{};
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    v16 w[NT];
+#pragma GCC unroll 4
+    for (int b = 0; b < NT; ++b) w[b] = load16(W + (n0 + b) * K + k);
+#pragma GCC unroll 8
+    for (int a = 0; a < MT; ++a) {
+      v16 x = load16(X + (m0 + a) * K + k);
+      __asm__("" : "+v"(x));  // keep x in a register: loaded once for its NT products, not folded into each
+#pragma GCC unroll 4
+      for (int b = 0; b < NT; ++b) acc[a][b] += x * w[b];
+    }
+  }
+  for (int a = 0; a < MT; ++a) {
+    for (int b = 0; b < NT; ++b) {
+      float s = lanes_sum(acc[a][b]);
+      for (int64_t k = K16; k < K; ++k) s += X[(m0 + a) * K + k] * W[(n0 + b) * K + k];
+      Y[(m0 + a) * N + n0 + b] = bias ? s + bias[n0 + b] : s;
+    }
+  }
+}
+
+// Every row of X against weight rows n0 .. n0+NT: tiles of 8, 4, 2 and 1 rows.
+template <int NT>
+inline void column_block(const float* X, const float* W, const float* bias, float* Y, int64_t M, int64_t K,
+                         int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tile<8, NT>(X, W, bias, Y, K, N, m, n0);
+  if (M - m >= 4) { tile<4, NT>(X, W, bias, Y, K, N, m, n0); m += 4; }
+  if (M - m >= 2) { tile<2, NT>(X, W, bias, Y, K, N, m, n0); m += 2; }
+  if (M - m >= 1) tile<1, NT>(X, W, bias, Y, K, N, m, n0);
+}
+
+constexpr int NT = 3;  // weight rows per block: 8 x 3 accumulators + 3 weights + x in 32 registers
+
+at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2, "rows_linear takes x [T, in] and a weight [out, in]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rows_linear takes float32 only");
+  TORCH_CHECK(x_in.size(1) == weight.size(1), "x and the weight disagree on in_features");
+  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "the bias must be float32 [out]");
+  }
+  at::Tensor y = at::empty({M, N}, x.options());  // [T, out]
+  const float* X = x.data_ptr<float>();
+  const float* W = w.data_ptr<float>();
+  const float* B = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  const int64_t blocks = N / NT;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < blocks; ++i) column_block<NT>(X, W, B, Y, M, K, N, i * NT);
+  for (int64_t n = blocks * NT; n < N; ++n) column_block<1>(X, W, B, Y, M, K, N, n);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(blendserve_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor start, Tensor n, Tensor pos, "
+        "int window, float scale) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("rows_linear", &rows_linear);
+}

@@ -1,0 +1,134 @@
+"""Blendserve's CPU kernels (`blend_engine.cpu_kernels`): pooled decode attention against dense SDPA,
+the few-rows projection against nn.Linear, and the rules that pick them. The kernels are built here
+(a C++ compiler is part of the CI image): a build failure fails these tests rather than skipping
+them. test_models.py also runs the decode kernel inside every model family's decode step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from blend_engine import cpu_kernels
+from blend_engine.executor.decode import decode_attention, pooled_kernel
+from blend_engine.model import rows_linear
+from tests.helpers import dense_decode_reference, ragged_pool, tiny_runner
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert cpu_kernels.ensure(), cpu_kernels.why_not()
+
+
+def _case(lengths: list[int], h: int, grp: int, d: int, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    starts = [sum(lengths[:i]) + 7 * i for i in range(len(lengths))]  # runs apart, not at slot 0
+    slots = starts[-1] + lengths[-1] + 5
+    k = torch.randn(h, slots, d, generator=g)  # [H, slots, D]
+    v = torch.randn(h, slots, d, generator=g)
+    q = torch.randn(len(lengths), h, grp, d, generator=g)  # [B, H, G, D]
+    n = torch.tensor(lengths)
+    return q, k, v, torch.tensor(starts), n, n - 1
+
+
+@pytest.mark.parametrize("window", [None, 1, 24])
+@pytest.mark.parametrize(("h", "grp", "d"), [(2, 3, 16), (3, 3, 64), (1, 1, 24), (4, 2, 80)])
+def test_the_kernel_equals_dense_attention_over_each_rows_slots(kernel, window, h, grp, d):
+    """Ragged rows (one key, shorter than the window, past it), grouped and plain heads, head dims
+    that are and are not a multiple of the vector width."""
+    q, k, v, start, n, pos = _case([1, 5, 130, 77], h, grp, d)
+    want = dense_decode_reference(q, k, v, start, n, pos, window, d ** -0.5)
+    got = cpu_kernels.paged_decode(q, k, v, start, n, pos, window, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_and_a_non_contiguous_query(kernel):
+    q, k, v, start, n, pos = _case([300], 3, 3, 64)
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # [B, H, G, D] with another memory order
+    want = dense_decode_reference(q, k, v, start, n, pos, None, 0.125)
+    torch.testing.assert_close(cpu_kernels.paged_decode(qt, k, v, start, n, pos, None, 0.125), want, rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_it_cannot_take_are_refused(kernel):
+    q, k, v, start, n, pos = _case([5, 9], 2, 3, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.paged_decode(q.double(), k.double(), v.double(), start, n, pos, None, 0.25)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.paged_decode(q, k, v, start + k.shape[1], n, pos, None, 0.25)
+    with pytest.raises(RuntimeError, match="one value per row"):
+        cpu_kernels.paged_decode(q, k, v, start[:1], n, pos, None, 0.25)
+
+
+def test_auto_reads_a_float32_pool_in_place_on_the_cpu(kernel):
+    runner = tiny_runner()
+    pool, runs, lengths = ragged_pool(runner)
+    caches = [pool.view(run, m) for run, m in zip(runs, lengths)]
+    cpu = torch.device("cpu")
+    assert pooled_kernel(cpu) == "cpu" and pooled_kernel(cpu, torch.bfloat16) == "gather"
+    assert decode_attention("auto", cpu, caches) == "pooled"
+    assert decode_attention("per_sequence", cpu, caches) == "per_sequence"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("n_in", "n_out"), [(48, 7), (50, 192), (576, 1536)])
+def test_rows_linear_equals_nn_linear(kernel, bias, n_in, n_out):
+    """Row counts across the 8 / 4 / 2 / 1-row tiles, in_features with and without a tail past the
+    16-wide vectors, out_features not a multiple of the 3-row weight blocks."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(n_in, n_out, bias=bias)
+    for rows in (1, 3, 5, 8, 9, 15, 17, 64, 128):
+        x = torch.randn(rows, n_in)
+        torch.testing.assert_close(cpu_kernels.rows_linear(x, layer.weight, layer.bias), layer(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2 * n_in, 9)[::2].t()  # [9, in], a transposed, strided view
+    torch.testing.assert_close(cpu_kernels.rows_linear(x, layer.weight, layer.bias), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_projects_few_rows_through_it(kernel, monkeypatch):
+    calls = []
+    real = cpu_kernels.rows_linear
+    monkeypatch.setattr(cpu_kernels, "rows_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    layer = torch.nn.Linear(64, 32)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 128, 129):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(rows_linear(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+        assert calls == [3, 128]  # 1-2 rows: MKL's W @ [x; x]^T; past 128: MKL's sgemm
+        rows_linear(layer.double(), torch.randn(5, 64, dtype=torch.float64))  # not float32: nn.Linear
+        assert calls == [3, 128]
+    x = torch.randn(5, 64, requires_grad=True)
+    rows_linear(layer.float(), x).sum().backward()  # a gradient to take: nn.Linear (the kernel has no backward)
+    assert calls == [3, 128] and x.grad is not None
+    with torch.no_grad():
+        rows_linear(layer.float(), x)
+    assert calls == [3, 128, 5]
+
+
+def test_rows_linear_refuses_what_it_cannot_take(kernel):
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.rows_linear(torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64), None)
+    with pytest.raises(RuntimeError, match="in_features"):
+        cpu_kernels.rows_linear(torch.randn(4, 8), torch.randn(3, 9), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.rows_linear(torch.randn(4, 8), torch.randn(3, 8), torch.randn(4))
+
+
+def test_where_they_cannot_be_built_the_engine_says_why_and_keeps_torchs(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_kwargs):
+        raise RuntimeError("Error building extension: c++: not found")
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # not tried yet in this process (restored afterwards)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    runner = tiny_runner()
+    pool, runs, lengths = ragged_pool(runner)
+    caches = [pool.view(run, m) for run, m in zip(runs, lengths)]
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert decode_attention("auto", torch.device("cpu"), caches) == "per_sequence"
+        assert pooled_kernel(torch.device("cpu")) == "gather"
+        layer, x = torch.nn.Linear(16, 8), torch.randn(5, 16)
+        torch.testing.assert_close(rows_linear(layer, x), layer(x), rtol=1e-5, atol=1e-5)  # MKL's
+    assert "c++: not found" in cpu_kernels.why_not()
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1  # said once
+    assert "unavailable" in caplog.records[0].getMessage()
