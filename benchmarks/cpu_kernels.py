@@ -9,7 +9,8 @@
 - decode attention: see `python -m benchmarks.decode_attention` (per-sequence SDPA, the pool read in
   place, the gather).
 
-Medians of --repeat after a warm-up, the two taking turns; both on the calling thread's cores.
+Per path, the mean of two medians of --repeat (each after a warm-up), the two paths taking turns; both on
+the calling thread's cores.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import argparse
 import contextlib
 import json
 import statistics
-import time
 
 import torch
 
+from benchmarks.decode_profile import step_linears
+from benchmarks.gpu_common import Setup, median_ms
 from blend_engine import cpu_kernels
 from blend_engine.model import ModelRunner, rows_linear
 
@@ -37,25 +39,6 @@ def without_kernel():
         cpu_kernels.ROWS = rows
 
 
-def projections(runner: ModelRunner) -> list[torch.nn.Linear]:
-    """The 211 nn.Linear layers of a SmolLM2 decode step, in order (q, k, v, o, gate, up, down; lm_head)."""
-    out = []
-    for block in runner.model.model.layers:
-        a, m = block.self_attn, block.mlp
-        out += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-    return out + [runner.model.lm_head]
-
-
-def time_ms(fn, repeat: int) -> list[float]:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
@@ -64,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_kernels.ensure():
         raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels.why_not()}")
     runner = ModelRunner.load()
-    layers = projections(runner)
+    layers = step_linears(runner)
+    setup = Setup(runner.device, runner.dtype, smoke=False)
     rows_out = []
     with torch.inference_mode():
         for t in (int(r) for r in args.rows.split(",")):
@@ -81,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
             a, b = [], []
             for _ in range(2):  # taking turns
-                a += time_ms(mkl, args.repeat)
-                b += time_ms(kernel, args.repeat)
-            row = {"rows": t, "mkl_ms": round(statistics.median(a), 1), "kernel_ms": round(statistics.median(b), 1),
+                a.append(median_ms(mkl, setup, args.repeat))
+                b.append(median_ms(kernel, setup, args.repeat))
+            row = {"rows": t, "mkl_ms": round(statistics.mean(a), 1), "kernel_ms": round(statistics.mean(b), 1),
                    "kernel_used": t in cpu_kernels.ROWS}
             rows_out.append(row)
             print(f"{len(layers)} projections at {t} rows: MKL {row['mkl_ms']} ms, kernel {row['kernel_ms']} ms "

@@ -52,11 +52,16 @@ def profile_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> 
     return lines
 
 
+def step_linears(runner: ModelRunner) -> list[torch.nn.Linear]:
+    """A decode step's projections (every layer's and the lm_head), each through `runner.linear`."""
+    return [m for m in runner.model.modules() if type(m) is torch.nn.Linear]
+
+
 def wall_step(runner: ModelRunner, batch: int, n_tokens: int, steps: int) -> str:
     """The step's wall time and its projections' alone, at `batch` rows."""
     pool, runs = pool_runs(runner, batch, n_tokens)
     tokens, pos = [7 + b for b in range(batch)], [n_tokens] * batch
-    linears = [m for m in runner.model.modules() if type(m) is torch.nn.Linear]  # the step's, through runner.linear
+    linears = step_linears(runner)
     xs = {n: torch.randn(batch, n, dtype=runner.dtype, device=runner.device) for n in {m.in_features for m in linears}}
 
     def step() -> None:

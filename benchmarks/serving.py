@@ -122,7 +122,12 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict) -> _Sample | int:
     return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens)
 
 
-STEP_SERIES = tuple(f'blendserve_engine_{name}_total{{kind="{kind}"}}' for name in ("steps", "step_seconds")
+def _step_series(name: str, kind: str) -> str:
+    """A /metrics series of the engine's steps by kind: name "steps" or "step_seconds", kind decode / prefill."""
+    return f'blendserve_engine_{name}_total{{kind="{kind}"}}'
+
+
+STEP_SERIES = tuple(_step_series(name, kind) for name in ("steps", "step_seconds")
                     for kind in ("decode", "prefill")) + ("blendserve_engine_step_cpu_seconds_total",)
 
 
@@ -137,10 +142,10 @@ def _steps(first: dict[str, float], last: dict[str, float]) -> tuple[float, floa
         return _grew(first, last, name)
 
     def mean_ms(kind: str) -> float:
-        n = grew(f'blendserve_engine_steps_total{{kind="{kind}"}}')
-        return grew(f'blendserve_engine_step_seconds_total{{kind="{kind}"}}') / n * 1e3 if n else float("nan")
+        n = grew(_step_series("steps", kind))
+        return grew(_step_series("step_seconds", kind)) / n * 1e3 if n else float("nan")
 
-    wall = sum(grew(f'blendserve_engine_step_seconds_total{{kind="{k}"}}') for k in ("decode", "prefill"))
+    wall = sum(grew(_step_series("step_seconds", k)) for k in ("decode", "prefill"))
     cores = grew("blendserve_engine_step_cpu_seconds_total") / wall if wall else float("nan")
     return mean_ms("decode"), mean_ms("prefill"), cores
 

@@ -265,11 +265,15 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias):
-    """`rows_linear`: 1..96 fp32 rows on the CPU run as W @ x^T on `padded_rows` rows, faster there; every
-    row count gives nn.Linear's result, and what is not an fp32 nn.Linear on 2-D rows is handed to
-    the module itself."""
+def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias, monkeypatch):
+    """`rows_linear` where the CPU kernels are not built (3-128 rows go to `cpu_kernels.rows_linear`
+    otherwise; 1-2 rows always come here): 1..96 fp32 rows on the CPU run as W @ x^T on `padded_rows`
+    rows, faster there; every row count gives nn.Linear's result, and what is not an fp32 nn.Linear
+    on 2-D rows is handed to the module itself."""
+    from blend_engine import cpu_kernels
     from blend_engine.model import SMALL_ROWS, padded_rows, rows_linear
+
+    monkeypatch.setattr(cpu_kernels, "ROWS", range(0))
 
     assert [padded_rows(n) for n in (1, 2, 7, 8, 9, 15, 16, 17, 96)] == [2, 2, 7, 8, 16, 16, 16, 24, 96]
     torch.manual_seed(0)
