@@ -158,7 +158,7 @@ class EngineLoop:
         per_block = block_bytes(engine.runner, limits.block_tokens)
         n_blocks = max(1, limits.kv_budget_bytes // per_block)
         self.scheduler = BatchScheduler(limits, n_blocks, per_block)
-        self.admission = AdmissionControl(AdmissionLimits(limits.max_queue))
+        self.admission = AdmissionControl(AdmissionLimits(limits.max_queue, limits.max_batch))
         self.pool = KVPool(engine.runner, n_blocks, limits.block_tokens)
         self._graphs: DecodeGraphs | None = None  # CUDA graphs of the decode step over the pool (first use)
         self._cond = threading.Condition()

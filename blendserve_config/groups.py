@@ -191,8 +191,9 @@ class ServiceGroup(Group):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    max_queue: int = Field(16, ge=1, description="requests waiting for the engine's batch before 503 (and "
-                                                  "blocking jobs waiting for a worker thread)")
+    max_queue: int = Field(16, ge=1, description="requests waiting for the engine's batch beyond its free "
+                                                  "places before 503 (and blocking jobs waiting for a worker "
+                                                  "thread)")
     workers: int | None = Field(None, ge=1, le=256, description="threads for blocking jobs (document "
                                 "ingestion, store verification; queries await the engine loop); unset = 2")
     request_timeout_s: float = Field(120.0, gt=0)

@@ -2,9 +2,9 @@
 
 A request meets admission twice, both here:
 
-    submit   (the caller's side) refused at once when the queue is full (`queue_full`) or when
-             the work ahead of it plus its own cannot end before its deadline (`too_slow`): a
-             503 with Retry-After, never a 504 later
+    submit   (the caller's side) refused at once when the queue is full beyond the batch's free
+             places (`queue_full`) or when the work ahead of it plus its own cannot end before
+             its deadline (`too_slow`): a 503 with Retry-After, never a 504 later
     start    (the engine loop, each step) a waiting request is dropped unstarted when its time
              left is shorter than a request takes (`too_late`); the head of the queue waits
              while the batch is full (`batch_has_room`) or the KV pool has no run of free
@@ -35,9 +35,16 @@ DECISIONS = ("admitted", "refused_queue_full", "refused_too_slow", "refused_shut
 
 
 # ---------------------------------------------------------------------- the rules
-def queue_full(waiting: int, max_queue: int | None) -> bool:
-    """No room to wait: `max_queue` requests are already queued for the batch (None: no bound)."""
-    return max_queue is not None and waiting >= max_queue
+def queue_full(waiting: int, max_queue: int | None, free_places: int = 0) -> bool:
+    """No room to wait: `max_queue` requests already wait beyond the batch's `free_places` (those
+    the next step admits: a request that ended frees its place a step before the queue's head
+    takes it, and a client asking again at once must not find the queue full; None: no bound)."""
+    return max_queue is not None and waiting - free_places >= max_queue
+
+
+def free_places(running: int, max_batch: int | None) -> int:
+    """Places in the batch that no running request holds (0 where the batch's size is not known)."""
+    return 0 if max_batch is None else max(0, max_batch - running)
 
 
 def predictable(took_s: float | None, timeout_s: float | None) -> bool:
@@ -66,7 +73,7 @@ def too_late(took_s: float | None, time_left_s: float | None, timeout_s: float |
 
 
 def batch_has_room(running: int, max_batch: int) -> bool:
-    return running < max_batch
+    return free_places(running, max_batch) > 0
 
 
 def moving_average(old: float | None, seconds: float) -> float:
@@ -100,11 +107,14 @@ class Ticket:
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    max_queue: int | None = None  # requests waiting for the batch before 503 (None: no bound)
+    max_queue: int | None = None  # requests waiting beyond the batch's free places before 503 (None: no bound)
+    max_batch: int | None = None  # the batch's places (`BatchLimits.max_batch`; None: free places not counted)
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
 
 
 class AdmissionControl:
@@ -137,7 +147,7 @@ class AdmissionControl:
         lim = self.limits
         if self._closed:
             return "refused_shutting_down", "the engine is shutting down"
-        if queue_full(self._queued, lim.max_queue):
+        if queue_full(self._queued, lim.max_queue, free_places(self._running, lim.max_batch)):
             return "refused_queue_full", f"engine queue is full ({lim.max_queue} waiting)"
         if too_slow(self._took_s, self._queued, self._running, 1, timeout_s):
             wait = expected_wait_s(self._took_s, self._queued, self._running, 1)

@@ -16,7 +16,7 @@ from app.main import create_app
 from app.settings import ServiceSettings
 from blend_engine.types import SelectionPolicy
 from blendserve_config.settings import Settings
-from tests.helpers import held_loop, make_settings, poll, serving, svc, wait_ready
+from tests.helpers import FIXED_RATIO, held_loop, make_settings, poll, serving, svc, wait_ready
 
 MODES = ["blend", "full_prefill", "prefix_cache", "full_reuse"]
 FIXTURE_DOCS = [
@@ -679,15 +679,18 @@ def _engine_held(c) -> Iterator[object]:
 
 
 def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_path, tiny_stack_factory):
-    with serving(make_settings(tmp_path / "data", max_queue=2), tiny_stack_factory) as c:
+    """A batch of one, empty, and a queue of two: the first queued request has the batch's free
+    place, the next two fill the queue, and the rest are refused."""
+    settings = make_settings(tmp_path / "data", max_queue=2, engine={"recompute_ratio": FIXED_RATIO, "max_batch": 1})
+    with serving(settings, tiny_stack_factory) as c:
         doc = {"documents": [{"text": "Queue text."}]}
         queued: list[int] = []
         with _engine_held(c) as loop:
             waiting = [threading.Thread(target=lambda: queued.append(c.post("/v1/query", json={
-                "question": "q?", "max_tokens": 2, **doc}).status_code)) for _ in range(2)]
+                "question": "q?", "max_tokens": 2, **doc}).status_code)) for _ in range(3)]
             for t in waiting:
                 t.start()
-            poll(lambda: loop.admission.queued == 2, 10.0)
+            poll(lambda: loop.admission.queued == 3, 10.0)
             for path, body in [("/v1/query", {"question": "q?", **doc}), ("/v1/query", {"question": "q?",
                                                                                         "stream": True, **doc}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q?"}], **doc})]:
@@ -703,11 +706,11 @@ def test_full_queue_is_503_with_retry_after_from_the_one_admission_point(tmp_pat
             finally:
                 del retriever.search
             metrics = c.get("/metrics").text
-            assert "blendserve_queue_depth 2.0" in metrics and "blendserve_rejected_total 4.0" in metrics
+            assert "blendserve_queue_depth 3.0" in metrics and "blendserve_rejected_total 4.0" in metrics
             assert 'blendserve_admission_total{decision="refused_queue_full"} 4.0' in metrics
         for t in waiting:
             t.join(30)
-        assert queued == [200, 200]  # the queued ones were answered once the loop was free
+        assert queued == [200, 200, 200]  # the queued ones were answered once the loop was free
         poll(lambda: loop.admission.queued == 0 and loop.admission.running == 0, 10.0)
         r = c.post("/v1/query", json={"question": "q?", "documents": [{"text": "After the storm."}], "max_tokens": 2})
         assert r.status_code == 200

@@ -27,6 +27,8 @@ PLAN = BlendPlan(("The Arno flows past old mills.",), "Which river?", mode=Mode.
 
 def test_the_rules_as_numbers():
     assert rules.queue_full(2, 2) and not rules.queue_full(1, 2) and not rules.queue_full(10**6, None)
+    assert not rules.queue_full(2, 2, free_places=1) and rules.queue_full(3, 2, free_places=1)
+    assert (rules.free_places(3, 4), rules.free_places(5, 4), rules.free_places(5, None)) == (1, 0, 0)
     assert rules.expected_wait_s(0.3, waiting=1, running=1, parallel=2) == pytest.approx(0.6)
     assert rules.expected_wait_s(0.3, waiting=1, running=1, parallel=1) == pytest.approx(0.9)
     assert not rules.too_slow(0.3, 0, 0, 1, timeout_s=0.1)  # nothing ahead: never refused on estimates
@@ -75,21 +77,39 @@ def _drained(eng: BlendEngine) -> None:
 
 
 def test_a_full_queue_is_refused_at_submit_and_a_full_batch_waits(tiny_runner):
+    """The queue's bound counts the requests waiting beyond the batch's free places: with the
+    batch of one empty, the first queued request takes that place at the next step."""
     eng = _engine(tiny_runner, max_queue=2, max_batch=1)
     try:
         with held_loop(eng.loop):
-            first, second = _submit(eng), _submit(eng)
-            assert eng.loop.admission.queued == 2
+            sinks = [_submit(eng) for _ in range(3)]  # one for the free place, two waiting beyond it
+            assert eng.loop.admission.queued == 3
             with pytest.raises(Overloaded, match="queue is full") as refused:
                 _submit(eng)
             assert refused.value.reason == "refused_queue_full"
-        assert isinstance(first.outcome, Ended) and isinstance(second.outcome, Ended)
+        assert all(isinstance(s.outcome, Ended) for s in sinks)
         d = eng.loop.admission.decisions
-        assert (d["admitted"], d["refused_queue_full"]) == (3, 1)  # the warm-up, first, second
-        assert d["waited_batch_full"] == 1  # second, behind first in a batch of one: counted once
+        assert (d["admitted"], d["refused_queue_full"]) == (4, 1)  # the warm-up and the three
+        assert d["waited_batch_full"] == 2  # the second and third, behind the first: each counted once
         _drained(eng)
     finally:
         eng.close()
+
+
+def test_a_request_ended_frees_its_place_for_the_next_before_the_queue_moves(tiny_runner):
+    """A full batch and a full queue: one running request ends, and a client asking again at once
+    (before the loop's next step admits the queue's head) is queued, not refused."""
+    control = AdmissionControl(AdmissionLimits(max_queue=1, max_batch=1))
+    control.admit(None).use()
+    control.started()  # the batch of one is full
+    control.admit(None).use()  # the queue of one is full
+    with pytest.raises(Overloaded, match="queue is full"):
+        control.admit(None)
+    control.finished(0.1)  # the running one ended; the queue's head starts only at the next step
+    control.admit(None).use()
+    assert (control.queued, control.running) == (2, 0)
+    with pytest.raises(Overloaded, match="queue is full"):
+        control.admit(None)
 
 
 def test_work_past_its_deadline_is_refused_or_dropped_unstarted(tiny_runner):
