@@ -2,9 +2,12 @@
 sample-corpus questions (top_k 5), at max_tokens 32 and 128, against `python -m app` with its
 default settings (continuous batching: BLENDSERVE_ENGINE_MAX_BATCH, BLENDSERVE_ENGINE_BATCH_KV_MB).
 
-Per level: answers/s, output tokens/s, p50/p99 time to first token, p50/p99 inter-token latency
-(gaps between streamed deltas), and 503s. Answers decode to max_tokens (`ignore_eos`, as vLLM's
-benchmarks do), so the token counts are the ones asked for.
+Per level: answers/s, output tokens/s, p50/p95/p99 time to first token, p50/p99 inter-token latency
+(gaps between streamed deltas), and 503s; from the service's /metrics, the engine's share of the
+level spent in steps, its mean batch, its decode-only and prefill-carrying steps; and the tokens/s
+while every client had a request (until a client first found none left: the level's drain after it
+runs without new prefills). Answers decode to max_tokens (`ignore_eos`, as vLLM's benchmarks do),
+so the token counts are the ones asked for, unless `--natural` (they end at EOS).
 
     python -m benchmarks.serving [--clients 1,2,4,8,16] [--max-tokens 32,128] [--rounds 2]
 """
@@ -32,6 +35,7 @@ from benchmarks.throughput import REPO, app_process, free_port
 logger = logging.getLogger(__name__)
 OUT = REPO / "benchmarks" / "results" / "serving"
 MIN_REQUESTS = 8  # the fewest requests a level makes (its medians need a few)
+MAX_RETRIES = 30  # 503s one query takes before the client gives it up
 WARMUP = 4  # questions of the warm-up's own (its level makes MIN_REQUESTS requests over them)
 
 
@@ -41,7 +45,7 @@ class ServingRow:
     clients: int
     requests: int
     answered: int
-    rejected_503: int
+    rejected_503: int  # 503s answered (a refused query is asked again after its Retry-After)
     errors: int
     seconds: float
     answers_per_s: float
@@ -58,6 +62,13 @@ class ServingRow:
     decode_step_ms: float = float("nan")  # mean engine step with decode rows only, during this level
     prefill_step_ms: float = float("nan")  # mean engine step carrying prefill rows
     step_cores: float = float("nan")  # the service's CPU time over its engine steps' wall time
+    engine_busy: float = float("nan")  # the engine's step time over the level's wall time
+    mean_running: float = float("nan")  # requests in the engine's batch, mean of the /metrics samples
+    full_s: float = float("nan")  # seconds until a client first found no request left (the drain starts)
+    full_tokens_per_s: float = float("nan")  # output tokens/s streamed while every client had a request
+    ttft_p95_ms: float = float("nan")
+    decode_steps: int = 0  # engine steps with decode rows only, during this level
+    prefill_steps: int = 0  # engine steps carrying prefill rows
 
 
 @dataclass
@@ -65,6 +76,7 @@ class _Sample:
     ttft_ms: float
     gaps_ms: list[float]
     tokens: int
+    stamps: tuple[float, ...] = ()  # perf_counter() of each streamed delta
 
 
 @contextmanager
@@ -98,11 +110,21 @@ def questions(n: int) -> list[str]:
     return [ex.question for ex in load_examples("hotpotqa", n)]
 
 
-async def _one(http: httpx.AsyncClient, url: str, body: dict) -> _Sample | int:
-    """One streamed query: its sample, or the HTTP status it was refused with."""
-    t0 = time.perf_counter()
+@dataclass(frozen=True)
+class _Refused:
+    """A 503: the service's queue was full; the client waits `retry_after_s` and asks again."""
+    retry_after_s: float
+    message: str
+
+
+async def _one(http: httpx.AsyncClient, url: str, body: dict, t0: float) -> _Sample | _Refused | int:
+    """One streamed query asked first at `t0` (its TTFT counts from there, retries included): its
+    sample, a 503 to retry, or the HTTP status it failed with."""
     stamps: list[float] = []
     async with http.stream("POST", f"{url}/v1/query", json=body) as r:
+        if r.status_code == 503:
+            text = (await r.aread()).decode(errors="replace")
+            return _Refused(float(r.headers.get("retry-after", "1")), text[:200])
         if r.status_code != 200:
             await r.aread()
             return r.status_code
@@ -119,7 +141,21 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict) -> _Sample | int:
                 return 500
     if not stamps:
         return 500
-    return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens)
+    return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens,
+                   tuple(stamps))
+
+
+async def _asked(http: httpx.AsyncClient, url: str, body: dict, refusals: list[_Refused]) -> _Sample | int:
+    """One query as a well-behaved client asks it: each 503 noted in `refusals`, then asked again
+    after its Retry-After (MAX_RETRIES times at most; then it counts as refused, 503)."""
+    t0 = time.perf_counter()
+    for _ in range(MAX_RETRIES + 1):
+        result = await _one(http, url, body, t0)
+        if not isinstance(result, _Refused):
+            return result
+        refusals.append(result)
+        await asyncio.sleep(result.retry_after_s)
+    return 503
 
 
 def _step_series(name: str, kind: str) -> str:
@@ -145,9 +181,19 @@ def _steps(first: dict[str, float], last: dict[str, float]) -> tuple[float, floa
         n = grew(_step_series("steps", kind))
         return grew(_step_series("step_seconds", kind)) / n * 1e3 if n else float("nan")
 
-    wall = sum(grew(_step_series("step_seconds", k)) for k in ("decode", "prefill"))
+    wall = _step_wall(first, last)
     cores = grew("blendserve_engine_step_cpu_seconds_total") / wall if wall else float("nan")
     return mean_ms("decode"), mean_ms("prefill"), cores
+
+
+def _step_wall(first: dict[str, float], last: dict[str, float]) -> float:
+    """Seconds the engine spent running steps (decode and prefill) between two scrapes."""
+    return sum(_grew(first, last, _step_series("step_seconds", k)) for k in ("decode", "prefill"))
+
+
+def engine_busy(first: dict[str, float], last: dict[str, float], seconds: float) -> float:
+    """The share of a level's `seconds` the engine spent running steps."""
+    return _step_wall(first, last) / seconds
 
 
 def _gauges(text: str) -> dict[str, float]:
@@ -162,17 +208,30 @@ def _gauges(text: str) -> dict[str, float]:
     return out
 
 
-async def _level(url: str, bodies: list[dict], clients: int) -> tuple[float, list, list[dict[str, float]]]:
+@dataclass(frozen=True)
+class _LevelRun:
+    t0: float  # perf_counter() at the level's start
+    seconds: float
+    full_s: float  # until a client first found the queue empty
+    results: list  # _Sample or the failing HTTP status, per request
+    refusals: list[_Refused]  # every 503 (each then retried after its Retry-After)
+    gauges: list[dict[str, float]]  # /metrics samples, the first before any request, the last after all
+
+
+async def _level(url: str, bodies: list[dict], clients: int) -> _LevelRun:
     queue: asyncio.Queue = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
     out: list = []
     samples: list[dict[str, float]] = []
     done = asyncio.Event()
+    drained: list[float] = []
+    refusals: list[_Refused] = []
 
     async def client(http: httpx.AsyncClient) -> None:
         while not queue.empty():
-            out.append(await _one(http, url, queue.get_nowait()))
+            out.append(await _asked(http, url, queue.get_nowait(), refusals))
+        drained.append(time.perf_counter())
 
     async def poll(http: httpx.AsyncClient) -> None:
         while not done.is_set():
@@ -190,7 +249,15 @@ async def _level(url: str, bodies: list[dict], clients: int) -> tuple[float, lis
         seconds = time.perf_counter() - t0
         done.set()
         await poller
-        return seconds, out, samples
+        return _LevelRun(t0, seconds, min(drained) - t0, out, refusals, samples)
+
+
+def full_tokens_per_s(samples: list[_Sample], t0: float, full_s: float) -> float:
+    """Output tokens/s over [t0, t0 + full_s], while every client had a request: each sample's
+    tokens spread evenly over its streamed deltas, those up to the end of that window counted."""
+    end = t0 + full_s
+    tokens = sum(s.tokens * sum(t <= end for t in s.stamps) / len(s.stamps) for s in samples if s.stamps)
+    return tokens / full_s if full_s > 0 else float("nan")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -211,7 +278,8 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
     n = level_size(clients, rounds)
     bodies = [{"question": qs[(offset + i) % len(qs)], "top_k": 5, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "ignore_eos": not natural} for i in range(n)]
-    seconds, results, gauges = asyncio.run(_level(url, bodies, clients))
+    run = asyncio.run(_level(url, bodies, clients))
+    seconds, results, gauges = run.seconds, run.results, run.gauges
     first, last = gauges[0], gauges[-1]
 
     def peak(name: str) -> int:
@@ -223,29 +291,39 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
     samples = [r for r in results if isinstance(r, _Sample)]
     gaps = [g for s in samples for g in s.gaps_ms]
     ttft = [s.ttft_ms for s in samples]
-    row = ServingRow(max_tokens, clients, n, len(samples), sum(r == 503 for r in results),
+    for message in sorted({f.message for f in run.refusals}):
+        logger.info("503 (retried after Retry-After): %s", message)
+    row = ServingRow(max_tokens, clients, n, len(samples), len(run.refusals) + sum(r == 503 for r in results),
                      sum(isinstance(r, int) and r != 503 for r in results), seconds, len(samples) / seconds,
                      sum(s.tokens for s in samples) / seconds, _pct(ttft, 50), _pct(ttft, 99), _pct(gaps, 50),
                      _pct(gaps, 99), peak("blendserve_batch_running"), peak("blendserve_kv_pool_blocks_in_use"),
                      int(last.get("blendserve_kv_pool_blocks", 0)), grew("blendserve_preemptions_total"),
-                     grew("blendserve_prefix_hit_tokens_total"), *_steps(first, last))
-    logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s, TTFT p50 %.0f ms, ITL p50 %.0f ms, "
-                "503s %d, peak batch %d, peak pool %d/%d blocks, %d preemptions", max_tokens, clients,
-                row.answers_per_s, row.tokens_per_s, row.ttft_p50_ms, row.itl_p50_ms, row.rejected_503,
-                row.peak_running, row.peak_pool_blocks, row.pool_blocks, row.preemptions)
+                     grew("blendserve_prefix_hit_tokens_total"), *_steps(first, last),
+                     engine_busy(first, last, seconds),
+                     float(np.mean([g.get("blendserve_batch_running", 0) for g in gauges[1:-1]] or [np.nan])),
+                     run.full_s, full_tokens_per_s(samples, run.t0, run.full_s),
+                     _pct(ttft, 95), grew(_step_series("steps", "decode")), grew(_step_series("steps", "prefill")))
+    logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s (%.1f while all clients had a request, "
+                "%.1f s), TTFT p50 %.0f ms, ITL p50 %.0f ms, 503s %d, peak batch %d, peak pool %d/%d blocks, "
+                "%d preemptions, engine busy %.2f", max_tokens, clients, row.answers_per_s, row.tokens_per_s,
+                row.full_tokens_per_s, row.full_s, row.ttft_p50_ms, row.itl_p50_ms, row.rejected_503,
+                row.peak_running, row.peak_pool_blocks, row.pool_blocks, row.preemptions, row.engine_busy)
     return row
 
 
 def table(rows: list[ServingRow]) -> str:
-    head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | 503s "
+    head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p95 / p99 (ms) | ITL p50 / p99 (ms) | 503s "
             "| peak batch | peak pool blocks | preemptions | prefix-hit tokens | engine step ms: decode / prefill "
-            "| cores busy |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| cores busy | engine busy | mean batch | steps: decode / prefill "
+            "| tokens/s while all clients had a request (s) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.max_tokens} | {r.clients} | {r.answers_per_s:.3f} | {r.tokens_per_s:.1f} | "
-        f"{r.ttft_p50_ms:,.0f} / {r.ttft_p99_ms:,.0f} | {r.itl_p50_ms:,.0f} / {r.itl_p99_ms:,.0f} | "
+        f"{r.ttft_p50_ms:,.0f} / {r.ttft_p95_ms:,.0f} / {r.ttft_p99_ms:,.0f} | {r.itl_p50_ms:,.0f} / {r.itl_p99_ms:,.0f} | "
         f"{r.rejected_503} | {r.peak_running} | {r.peak_pool_blocks} / {r.pool_blocks} | {r.preemptions} | "
-        f"{r.prefix_hit_tokens:,} | {r.decode_step_ms:,.0f} / {r.prefill_step_ms:,.0f} | {r.step_cores:.2f} |\n"
+        f"{r.prefix_hit_tokens:,} | {r.decode_step_ms:,.0f} / {r.prefill_step_ms:,.0f} | {r.step_cores:.2f} | "
+        f"{r.engine_busy:.2f} | {r.mean_running:.1f} | {r.decode_steps} / {r.prefill_steps} | "
+        f"{r.full_tokens_per_s:.1f} ({r.full_s:.1f}) |\n"
         for r in rows)
 
 

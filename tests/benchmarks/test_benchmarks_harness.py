@@ -204,7 +204,7 @@ def test_engine_bench_refuses_bad_ratios_before_loading_the_model(spec, monkeypa
 
 def test_serving_reads_engine_step_times_from_two_scrapes():
     """`benchmarks.serving`: a level's mean step by kind and the cores busy, from /metrics counters."""
-    from benchmarks.serving import STEP_SERIES, _gauges, _steps
+    from benchmarks.serving import STEP_SERIES, _gauges, _steps, engine_busy
 
     def scrape(decode_n, decode_s, prefill_n, prefill_s, cpu_s):
         values = dict(zip(STEP_SERIES, (decode_n, prefill_n, decode_s, prefill_s, cpu_s)))
@@ -214,3 +214,15 @@ def test_serving_reads_engine_step_times_from_two_scrapes():
     decode_ms, prefill_ms, cores = _steps(first, last)
     assert (decode_ms, prefill_ms, cores) == pytest.approx((100.0, 500.0, 2.0))
     assert all(v != v for v in _steps(first, first))  # nothing ran: NaN, not a division error
+    assert engine_busy(first, last, seconds=6.0) == pytest.approx(0.5)  # 3 s of steps in a 6 s level
+
+
+def test_serving_counts_only_the_tokens_streamed_while_every_client_had_a_request():
+    """Each answer's tokens spread over its deltas; those after the window's end are the drain's."""
+    from benchmarks.serving import _Sample, full_tokens_per_s
+
+    t0 = 100.0
+    early = _Sample(1.0, [], 4, (100.5, 101.0, 101.5, 102.0))  # all 4 tokens inside [100, 102]
+    late = _Sample(1.0, [], 6, (101.0, 103.0, 104.0))  # 2 of 6 tokens inside (one delta of three)
+    assert full_tokens_per_s([early, late], t0, 2.0) == pytest.approx((4 + 2) / 2.0)
+    assert full_tokens_per_s([early], t0, 0.0) != full_tokens_per_s([early], t0, 0.0)  # an empty window: NaN
