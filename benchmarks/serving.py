@@ -69,6 +69,8 @@ class ServingRow:
     ttft_p95_ms: float = float("nan")
     decode_steps: int = 0  # engine steps with decode rows only, during this level
     prefill_steps: int = 0  # engine steps carrying prefill rows
+    prompt_tokens: float = float("nan")  # mean prompt of the level's answers (levels ask different questions)
+    answer_tokens: float = float("nan")  # mean answer
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Sample:
     gaps_ms: list[float]
     tokens: int
     stamps: tuple[float, ...] = ()  # perf_counter() of each streamed delta
+    prompt_tokens: int = 0  # the prompt's tokens (the answer's stats: context_tokens)
 
 
 @contextmanager
@@ -129,20 +132,21 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict, t0: float) -> _Sam
             await r.aread()
             return r.status_code
         event = None
-        tokens = 0
+        tokens = prompt = 0
         async for line in r.aiter_lines():
             if line.startswith("event: "):
                 event = line[7:]
             elif line.startswith("data: ") and event == "delta":
                 stamps.append(time.perf_counter())
             elif line.startswith("data: ") and event == "done":
-                tokens = json.loads(line[6:])["stats"]["completion_tokens"]
+                stats = json.loads(line[6:])["stats"]
+                tokens, prompt = stats["completion_tokens"], stats.get("context_tokens", 0)
             elif line.startswith("data: ") and event == "error":
                 return 500
     if not stamps:
         return 500
     return _Sample((stamps[0] - t0) * 1e3, [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], tokens,
-                   tuple(stamps))
+                   tuple(stamps), prompt)
 
 
 async def _asked(http: httpx.AsyncClient, url: str, body: dict, refusals: list[_Refused]) -> _Sample | int:
@@ -260,6 +264,10 @@ def full_tokens_per_s(samples: list[_Sample], t0: float, full_s: float) -> float
     return tokens / full_s if full_s > 0 else float("nan")
 
 
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -302,7 +310,8 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
                      engine_busy(first, last, seconds),
                      float(np.mean([g.get("blendserve_batch_running", 0) for g in gauges[1:-1]] or [np.nan])),
                      run.full_s, full_tokens_per_s(samples, run.t0, run.full_s),
-                     _pct(ttft, 95), grew(_step_series("steps", "decode")), grew(_step_series("steps", "prefill")))
+                     _pct(ttft, 95), grew(_step_series("steps", "decode")), grew(_step_series("steps", "prefill")),
+                     _mean([s.prompt_tokens for s in samples]), _mean([s.tokens for s in samples]))
     logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s (%.1f while all clients had a request, "
                 "%.1f s), TTFT p50 %.0f ms, ITL p50 %.0f ms, 503s %d, peak batch %d, peak pool %d/%d blocks, "
                 "%d preemptions, engine busy %.2f", max_tokens, clients, row.answers_per_s, row.tokens_per_s,
@@ -312,13 +321,15 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
 
 
 def table(rows: list[ServingRow]) -> str:
-    head = ("| max_tokens | clients | answers/s | tokens/s | TTFT p50 / p95 / p99 (ms) | ITL p50 / p99 (ms) | 503s "
+    head = ("| max_tokens | clients | prompt / answer tokens (mean) | answers/s | tokens/s | TTFT p50 / p95 / p99 (ms) "
+            "| ITL p50 / p99 (ms) | 503s "
             "| peak batch | peak pool blocks | preemptions | prefix-hit tokens | engine step ms: decode / prefill "
             "| cores busy | engine busy | mean batch | steps: decode / prefill "
             "| tokens/s while all clients had a request (s) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r.max_tokens} | {r.clients} | {r.answers_per_s:.3f} | {r.tokens_per_s:.1f} | "
+        f"| {r.max_tokens} | {r.clients} | {r.prompt_tokens:,.0f} / {r.answer_tokens:.1f} | {r.answers_per_s:.3f} | "
+        f"{r.tokens_per_s:.1f} | "
         f"{r.ttft_p50_ms:,.0f} / {r.ttft_p95_ms:,.0f} / {r.ttft_p99_ms:,.0f} | {r.itl_p50_ms:,.0f} / {r.itl_p99_ms:,.0f} | "
         f"{r.rejected_503} | {r.peak_running} | {r.peak_pool_blocks} / {r.pool_blocks} | {r.preemptions} | "
         f"{r.prefix_hit_tokens:,} | {r.decode_step_ms:,.0f} / {r.prefill_step_ms:,.0f} | {r.step_cores:.2f} | "
