@@ -113,8 +113,9 @@ def _mkl_local():
 
 def _loaded(name: str) -> str | None:
     """The path of a shared library torch loaded (torch/lib or torch.libs) whose file name starts with
-    `name`; None when there is none or no /proc to ask (not Linux)."""
-    torch_dir = os.path.dirname(torch.__file__ or "")
+    `name`; None when there is none or no /proc to ask (not Linux). /proc lists resolved paths, so
+    torch's own is resolved too (a virtual environment reached through a symbolic link)."""
+    torch_dir = os.path.realpath(os.path.dirname(torch.__file__ or ""))
     roots = (os.path.join(torch_dir, ""), torch_dir + ".libs" + os.sep)
     try:
         with open("/proc/self/maps") as maps:

@@ -83,6 +83,18 @@ def test_counts_are_per_thread_and_restored():
         cpu_threads.use_cores(0)
 
 
+def test_torchs_libraries_are_found_when_it_is_reached_through_a_symbolic_link(tmp_path, monkeypatch):
+    """/proc/self/maps lists resolved paths: a virtual environment reached through a link (a work
+    tree's .venv, /opt/venv) must still find torch's libgomp, or the engine loop runs on one core."""
+    import os
+
+    real_dir = os.path.dirname(torch.__file__)
+    (tmp_path / "torch").symlink_to(real_dir, target_is_directory=True)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    found = cpu_threads._loaded("libgomp")
+    assert found is not None and found.startswith(os.path.realpath(real_dir))
+
+
 @pytest.mark.skipif(cpu_threads._mkl_local() is None, reason="torch without MKL")
 def test_mkl_gets_the_threads_count_too():
     """MKL's thread-local count (its GEMMs) follows: setting it again returns what use_cores set."""
