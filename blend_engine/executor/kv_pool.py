@@ -80,9 +80,11 @@ class KVPool:
         n = cache.length
         k, v = self._tensors()
         a = new.start * self.block_tokens
+        overlap = a < cache.offset + n and cache.offset < a + n  # compaction: copy through a clone
         for layer in range(len(k)):
-            k[layer][:, a:a + n] = cache.k[layer][:, :n].clone()  # [H, n, D]; a clone: the ranges may overlap
-            v[layer][:, a:a + n] = cache.v[layer][:, :n].clone()  # [H, n, D]
+            src_k, src_v = cache.k[layer][:, :n], cache.v[layer][:, :n]  # [H, n, D] each
+            k[layer][:, a:a + n] = src_k.clone() if overlap else src_k  # [H, n, D]
+            v[layer][:, a:a + n] = src_v.clone() if overlap else src_v  # [H, n, D]
         self.rebind(cache, new)
 
     def copy_prefix(self, src_blocks: Sequence[int], dst: Run) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from blend_engine.scheduler.admission import batch_has_room
 from blend_engine.scheduler.kv_blocks import NO_PREFIX, BlockPool, Run, blocks_for
 
+GROWTH_ROOM_TOKENS = 128  # decoded tokens a new run is placed to grow by in place, where the pool has room
+
 
 @dataclass(frozen=True)
 class BatchLimits:
@@ -157,7 +159,7 @@ class BatchScheduler:
     def __init__(self, limits: BatchLimits, n_blocks: int, block_bytes: int = 0) -> None:
         self.limits = limits
         self.block_bytes = block_bytes  # one block's K/V over every layer (for the byte gauges)
-        self.pool = BlockPool(n_blocks, limits.block_tokens)
+        self.pool = BlockPool(n_blocks, limits.block_tokens, room=blocks_for(GROWTH_ROOM_TOKENS, limits.block_tokens))
         self._waiting: deque[SeqSpec] = deque()
         self._running: dict[int, _Seq] = {}
         self._pinned: list[list[int]] = []  # copy sources held until `applied`

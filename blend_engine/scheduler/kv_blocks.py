@@ -5,7 +5,9 @@ The pool is `n_blocks` blocks of `block_tokens` token slots (every layer's K and
 sequence holds a **run**: consecutive blocks, so that its KV is one strided view of the pool and
 the CPU's attention reads it with no gather (measured: gathering scattered blocks made a batch-16
 decode step 7x slower). Blocks are taken as tokens arrive: a run grows in place by one block when
-its next block is not in use, else moves to a larger window (`BlockPool.grow`).
+its next block is not in use, else moves to a larger window (`BlockPool.grow`): a copy of the
+sequence's whole KV. New windows are placed, where the pool has space, with free room after them
+(`BlockPool.allocate`, `batch.GROWTH_ROOM_TOKENS`), so that moves stay rare.
 
 Automatic prefix caching (vLLM's, over runs): after a prefill the full blocks of the prompt are
 registered under a hash chain of their tokens,
@@ -68,10 +70,13 @@ class BlockPool:
     """Block states: in use (reference count > 0), cached (count 0, registered under a hash) or free.
     Changed by the engine loop's thread only; the counters are plain ints (read by metrics)."""
 
-    def __init__(self, n_blocks: int, block_tokens: int) -> None:
+    def __init__(self, n_blocks: int, block_tokens: int, room: int = 0) -> None:
         if n_blocks < 1 or block_tokens < 1:
             raise ValueError("a KV pool needs at least one block of at least one token")
+        if room < 0:
+            raise ValueError("a run's growth room cannot be negative")
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
+        self.room = room  # free blocks a new window is placed to keep after it (`allocate`); none are taken
         self._ref = [0] * n_blocks
         self._hash: list[str | None] = [None] * n_blocks
         self._by_hash: dict[str, int] = {}
@@ -117,9 +122,21 @@ class BlockPool:
     # ------------------------------------------------------------------ runs
     def allocate(self, n: int) -> Run | None:
         """A run of `n` consecutive blocks none of which is in use, evicting cached blocks (the
-        window with the fewest, least recently used first). None: no such window."""
-        start = self._best_window(n)
-        return None if start is None else self._take(Run(start, n))
+        window with the fewest, least recently used first). None: no such window.
+
+        Where the pool has space, the window keeps `room` blocks not in use after it, and does not
+        start within `room` blocks after another run (that run's room), so that decoding grows
+        runs in place instead of moving them; only the `n` blocks are taken, and when no such
+        window is left the room shrinks to after it alone, then to none:
+
+            | run a | room of a | new run | room of new | ... | run b |
+        """
+        paddings = ((self.room, self.room), (0, self.room), (0, 0)) if self.room else ((0, 0),)
+        for before, after in paddings:
+            start = self._best_window(n, before, after)
+            if start is not None:
+                return self._take(Run(start, n))
+        return None
 
     def allocate_at(self, start: int, n: int, keep: int) -> Run | None:
         """The run [start, start + n) when none of it is in use: a cached prefix of `keep` blocks
@@ -192,33 +209,35 @@ class BlockPool:
             self._hash[b] = None
             self.evictions += 1
 
-    def _best_window(self, n: int) -> int | None:
-        """The window of n not-in-use blocks that evicts the fewest cached blocks, then the least
-        recently used ones (sliding sums over the blocks)."""
-        if n > self.n_blocks:
+    def _best_window(self, n: int, before: int = 0, after: int = 0) -> int | None:
+        """The start of n blocks, none in use and none in use `before` blocks ahead of them or
+        `after` blocks past them (blocks before the pool's start count as free, past its end as
+        taken), that evicts the fewest cached blocks, then the least recently used ones. Sliding
+        sums: in-use blocks over the padded window, cached ones and their last uses over the run."""
+        if n + after > self.n_blocks:
             return None
         best, best_cost = None, None
-        count = ticks = 0  # cached blocks in the window and the sum of their last-use times
-        blocked = 0  # in-use blocks in the window
-        for end in range(self.n_blocks):
-            count, ticks, blocked = self._slide(end, 1, count, ticks, blocked)
-            start = end - n + 1
-            if start < 0:
-                continue
-            if start > 0:
-                count, ticks, blocked = self._slide(start - 1, -1, count, ticks, blocked)
-            if blocked == 0 and (best_cost is None or (count, ticks) < best_cost):
+        held = sum(self._held(b) for b in range(min(n + after, self.n_blocks)))
+        count = sum(self._named(b) for b in range(n))
+        ticks = sum(self._used_at[b] * self._named(b) for b in range(n))
+        for start in range(self.n_blocks - n - after + 1):
+            if start:  # slide by one: the blocks entering at the right, leaving at the left
+                held += self._held(start + n + after - 1) - (self._held(start - before - 1) if start > before else 0)
+                count += self._named(start + n - 1) - self._named(start - 1)
+                ticks += (self._used_at[start + n - 1] * self._named(start + n - 1)
+                          - self._used_at[start - 1] * self._named(start - 1))
+            if held == 0 and (best_cost is None or (count, ticks) < best_cost):
                 best, best_cost = start, (count, ticks)
                 if count == 0:
                     break  # a window of free blocks: nothing better
         return best
 
-    def _slide(self, b: int, sign: int, count: int, ticks: int, blocked: int) -> tuple[int, int, int]:
-        if self._ref[b] > 0:
-            return count, ticks, blocked + sign
-        if self._hash[b] is not None:
-            return count + sign, ticks + sign * self._used_at[b], blocked
-        return count, ticks, blocked
+    def _held(self, b: int) -> int:
+        return int(self._ref[b] > 0)
+
+    def _named(self, b: int) -> int:
+        """1 for a cached block (registered, not in use): one an allocation over it evicts."""
+        return int(self._hash[b] is not None and self._ref[b] == 0)
 
 
 def recipes(mode: Mode) -> tuple[tuple[str, ...], str]:

@@ -119,3 +119,62 @@ def test_prefix_rules_per_mode():
 def test_pool_validates(bad):
     with pytest.raises(ValueError):
         BlockPool(*bad)
+
+
+def test_a_new_run_is_placed_with_room_to_grow_in_place_and_the_room_shrinks_when_the_pool_is_tight():
+    pool = BlockPool(12, 4, room=2)
+    a = pool.allocate(2)
+    b = pool.allocate(2)  # not in a's room (blocks 2-3), and with room of its own after it
+    assert (a, b) == (Run(0, 2), Run(4, 2)) and pool.in_use == 4  # the room is not taken
+    for n in (3, 4):
+        a, moved, _ = pool.grow(a)
+        assert (a, moved) == (Run(0, n), False)  # in place, twice: no copy
+    c = pool.allocate(2)  # blocks 6-7 are b's room and 8-11 hold no window padded on both sides
+    assert c == Run(8, 2)  # room after it, none before: it sits right after b's room
+    d = pool.allocate(2)  # no room left anywhere: packed tight
+    assert d == Run(6, 2)
+    assert pool.allocate(1) == Run(10, 1) and pool.allocate(1) == Run(11, 1) and pool.allocate(1) is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_sliding_window_search_equals_its_definition(seed):
+    """`_best_window` against the rule written out: every start whose padded window has no block
+    in use, the fewest cached blocks in the run, then the least recently used."""
+    import random
+
+    rng = random.Random(seed)
+    pool = BlockPool(rng.randint(4, 30), 4)
+    for b in range(pool.n_blocks):
+        state = rng.random()
+        if state < 0.3:
+            pool._ref[b] = 1
+        elif state < 0.6:
+            pool._hash[b], pool._used_at[b] = f"h{b}", rng.randint(1, 50)
+    for _ in range(10):
+        n, before, after = rng.randint(1, 6), rng.randint(0, 3), rng.randint(0, 3)
+        ok = [s for s in range(pool.n_blocks - n - after + 1)
+              if all(pool._ref[b] == 0 for b in range(max(0, s - before), s + n + after))]
+
+        def cost(s, n=n):
+            named = [b for b in range(s, s + n) if pool._hash[b] is not None]
+            return len(named), sum(pool._used_at[b] for b in named), s
+
+        want = min(ok, key=cost) if ok else None
+        got = pool._best_window(n, before, after)
+        assert got == want, (n, before, after)
+
+
+def test_decoding_sequences_grow_in_place_while_the_pool_has_room():
+    """Eight sequences admitted together and decoding 100 tokens each (blocks of 4: 25 new
+    blocks each) in a pool with space: every growth is in place, none copies its KV."""
+    s = BatchScheduler(BatchLimits(max_batch=8, prefill_step_tokens=100, block_tokens=4), 600, 1)
+    for rid in range(8):
+        s.add(SeqSpec(rid, 30))
+    s.schedule()
+    for rid in range(8):
+        s.prefilled(rid)
+    moved = 0
+    for _ in range(100):
+        moved += sum(m.moved for m in s.schedule().moves)
+        s.applied()
+    assert moved == 0 and s.running == 8
