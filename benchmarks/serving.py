@@ -307,11 +307,13 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
                      _pct(gaps, 99), peak("blendserve_batch_running"), peak("blendserve_kv_pool_blocks_in_use"),
                      int(last.get("blendserve_kv_pool_blocks", 0)), grew("blendserve_preemptions_total"),
                      grew("blendserve_prefix_hit_tokens_total"), *_steps(first, last),
-                     engine_busy(first, last, seconds),
-                     float(np.mean([g.get("blendserve_batch_running", 0) for g in gauges[1:-1]] or [np.nan])),
-                     run.full_s, full_tokens_per_s(samples, run.t0, run.full_s),
-                     _pct(ttft, 95), grew(_step_series("steps", "decode")), grew(_step_series("steps", "prefill")),
-                     _mean([s.prompt_tokens for s in samples]), _mean([s.tokens for s in samples]))
+                     engine_busy=engine_busy(first, last, seconds),
+                     mean_running=_mean([g.get("blendserve_batch_running", 0) for g in gauges[1:-1]]),
+                     full_s=run.full_s, full_tokens_per_s=full_tokens_per_s(samples, run.t0, run.full_s),
+                     ttft_p95_ms=_pct(ttft, 95), decode_steps=grew(_step_series("steps", "decode")),
+                     prefill_steps=grew(_step_series("steps", "prefill")),
+                     prompt_tokens=_mean([s.prompt_tokens for s in samples]),
+                     answer_tokens=_mean([s.tokens for s in samples]))
     logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s (%.1f while all clients had a request, "
                 "%.1f s), TTFT p50 %.0f ms, ITL p50 %.0f ms, 503s %d, peak batch %d, peak pool %d/%d blocks, "
                 "%d preemptions, engine busy %.2f", max_tokens, clients, row.answers_per_s, row.tokens_per_s,
