@@ -71,6 +71,9 @@ class ServingRow:
     prefill_steps: int = 0  # engine steps carrying prefill rows
     prompt_tokens: float = float("nan")  # mean prompt of the level's answers (levels ask different questions)
     answer_tokens: float = float("nan")  # mean answer
+    # prefill steps' seconds per prefill token-layer (`blendserve_engine_prefill_token_layers`; decode rows riding
+    # those steps included): the rate of prefill work, alone (one client) and shared (more)
+    prefill_us_per_token_layer: float = float("nan")
 
 
 @dataclass
@@ -169,6 +172,7 @@ def _step_series(name: str, kind: str) -> str:
 
 STEP_SERIES = tuple(_step_series(name, kind) for name in ("steps", "step_seconds")
                     for kind in ("decode", "prefill")) + ("blendserve_engine_step_cpu_seconds_total",)
+TOKEN_LAYERS = "blendserve_engine_prefill_token_layers_total"
 
 
 def _grew(first: dict[str, float], last: dict[str, float], name: str) -> float:
@@ -190,6 +194,12 @@ def _steps(first: dict[str, float], last: dict[str, float]) -> tuple[float, floa
     return mean_ms("decode"), mean_ms("prefill"), cores
 
 
+def prefill_rate_us(first: dict[str, float], last: dict[str, float]) -> float:
+    """Over a level, from two scrapes: microseconds of prefill steps per prefill token-layer."""
+    n = _grew(first, last, TOKEN_LAYERS)
+    return _grew(first, last, _step_series("step_seconds", "prefill")) / n * 1e6 if n else float("nan")
+
+
 def _step_wall(first: dict[str, float], last: dict[str, float]) -> float:
     """Seconds the engine spent running steps (decode and prefill) between two scrapes."""
     return sum(_grew(first, last, _step_series("step_seconds", k)) for k in ("decode", "prefill"))
@@ -203,7 +213,7 @@ def engine_busy(first: dict[str, float], last: dict[str, float], seconds: float)
 def _gauges(text: str) -> dict[str, float]:
     """The engine's pool and batch series from a /metrics scrape."""
     names = ("blendserve_batch_running", "blendserve_kv_pool_blocks", "blendserve_kv_pool_blocks_in_use",
-             "blendserve_preemptions_total", "blendserve_prefix_hit_tokens_total", *STEP_SERIES)
+             "blendserve_preemptions_total", "blendserve_prefix_hit_tokens_total", TOKEN_LAYERS, *STEP_SERIES)
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -313,7 +323,8 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
                      ttft_p95_ms=_pct(ttft, 95), decode_steps=grew(_step_series("steps", "decode")),
                      prefill_steps=grew(_step_series("steps", "prefill")),
                      prompt_tokens=_mean([s.prompt_tokens for s in samples]),
-                     answer_tokens=_mean([s.tokens for s in samples]))
+                     answer_tokens=_mean([s.tokens for s in samples]),
+                     prefill_us_per_token_layer=prefill_rate_us(first, last))
     logger.info("max_tokens %d, %2d clients: %.3f answers/s, %.1f tokens/s (%.1f while all clients had a request, "
                 "%.1f s), TTFT p50 %.0f ms, ITL p50 %.0f ms, 503s %d, peak batch %d, peak pool %d/%d blocks, "
                 "%d preemptions, engine busy %.2f", max_tokens, clients, row.answers_per_s, row.tokens_per_s,
@@ -327,8 +338,8 @@ def table(rows: list[ServingRow]) -> str:
             "| ITL p50 / p99 (ms) | 503s "
             "| peak batch | peak pool blocks | preemptions | prefix-hit tokens | engine step ms: decode / prefill "
             "| cores busy | engine busy | mean batch | steps: decode / prefill "
-            "| tokens/s while all clients had a request (s) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| tokens/s while all clients had a request (s) | prefill us / token-layer |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.max_tokens} | {r.clients} | {r.prompt_tokens:,.0f} / {r.answer_tokens:.1f} | {r.answers_per_s:.3f} | "
         f"{r.tokens_per_s:.1f} | "
@@ -336,7 +347,7 @@ def table(rows: list[ServingRow]) -> str:
         f"{r.rejected_503} | {r.peak_running} | {r.peak_pool_blocks} / {r.pool_blocks} | {r.preemptions} | "
         f"{r.prefix_hit_tokens:,} | {r.decode_step_ms:,.0f} / {r.prefill_step_ms:,.0f} | {r.step_cores:.2f} | "
         f"{r.engine_busy:.2f} | {r.mean_running:.1f} | {r.decode_steps} / {r.prefill_steps} | "
-        f"{r.full_tokens_per_s:.1f} ({r.full_s:.1f}) |\n"
+        f"{r.full_tokens_per_s:.1f} ({r.full_s:.1f}) | {r.prefill_us_per_token_layer:.0f} |\n"
         for r in rows)
 
 

@@ -174,6 +174,9 @@ class EngineLoop:
         self.max_batch_seen = 0
         self.fused_steps = 0  # steps whose decode rows shared their layers with prefill rows
         self.max_prefills_seen = 0  # the most prefills that advanced in one step
+        # prefill rows summed over the layers they entered (`PrefillBudget`'s unit: a blend's every row below
+        # its check layer, its selected rows after): prefill steps' seconds over it are the prefill work's rate
+        self.prefill_token_layers = 0
         self.step_seconds = {STEP_DECODE: 0.0, STEP_PREFILL: 0.0}  # wall time of steps, by kind
         self.step_counts = {STEP_DECODE: 0, STEP_PREFILL: 0}
         self.step_cpu_seconds = 0.0  # the process's CPU time while steps ran (/ their wall time: cores kept busy)
@@ -226,6 +229,7 @@ class EngineLoop:
                 "queued_requests": self.admission.queued, "running_requests": self.admission.running,
                 "decode_steps": self.steps, "max_batch_seen": self.max_batch_seen,
                 "fused_steps": self.fused_steps, "max_prefills_seen": self.max_prefills_seen,
+                "prefill_token_layers": self.prefill_token_layers,
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
                 "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
                 "prefix_hit_tokens": s.prefix_hit_tokens,
@@ -463,6 +467,7 @@ class EngineLoop:
             if not groups:
                 continue
             advanced.update(req.rid for req, _ in entered)
+            self.prefill_token_layers += sum(req.run.rows for req, _ in entered)
             shared = shared or (rows is not None and bool(entered))
             try:
                 layer_pass(r, layer, groups)

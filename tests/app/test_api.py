@@ -753,17 +753,19 @@ def test_metrics_after_queries(client):
 
 
 def test_metrics_time_the_engine_steps_by_kind(client):
-    """A query's prefill and decode steps are counted and timed by kind, with the CPU time they kept busy."""
+    """A query's prefill and decode steps are counted and timed by kind, with the CPU time they kept busy
+    and the prefill work they carried."""
     client.post("/v1/query", json={"question": "Highest mountain?", "top_k": 2, "max_tokens": 3, "mode": "blend"})
     values = {}
     for line in client.get("/metrics").text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name.startswith("blendserve_engine_step"):
+        if name.startswith(("blendserve_engine_step", "blendserve_engine_prefill")):
             values[name] = float(value)
     for kind in ("decode", "prefill"):
         assert values[f'blendserve_engine_steps_total{{kind="{kind}"}}'] >= 1, kind
         assert values[f'blendserve_engine_step_seconds_total{{kind="{kind}"}}'] > 0, kind
     assert values["blendserve_engine_step_cpu_seconds_total"] > 0
+    assert values["blendserve_engine_prefill_token_layers_total"] > 0  # the prefill's rows, layer by layer
 
 
 def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_factory, caplog):

@@ -217,6 +217,19 @@ def test_serving_reads_engine_step_times_from_two_scrapes():
     assert engine_busy(first, last, seconds=6.0) == pytest.approx(0.5)  # 3 s of steps in a 6 s level
 
 
+def test_serving_rates_the_prefill_work_per_token_layer():
+    """Prefill steps' seconds over the prefill token-layers they ran, between two scrapes (NaN: none ran)."""
+    from benchmarks.serving import TOKEN_LAYERS, _gauges, _step_series, prefill_rate_us
+
+    def scrape(token_layers, prefill_s):
+        return _gauges(f"{TOKEN_LAYERS} {token_layers}\n{_step_series('step_seconds', 'prefill')} {prefill_s}\n"
+                       f"{_step_series('step_seconds', 'decode')} 7.0")
+
+    first, last = scrape(1_000, 0.5), scrape(6_000, 1.0)
+    assert prefill_rate_us(first, last) == pytest.approx(100.0)  # 0.5 s over 5,000 token-layers
+    assert prefill_rate_us(first, first) != prefill_rate_us(first, first)
+
+
 def test_serving_counts_only_the_tokens_streamed_while_every_client_had_a_request():
     """Each answer's tokens spread over its deltas; those after the window's end are the drain's."""
     from benchmarks.serving import _Sample, full_tokens_per_s

@@ -136,3 +136,25 @@ def test_the_prefill_budget_goes_to_the_oldest_first_and_the_rest_to_the_younger
     assert b.take(1, 30) and b.take(2, 20) and b.take(1, 30) and b.take(2, 20)  # 2 crosses its 30 here
     assert not b.take(2, 20) and not b.take(3, 1)
     assert b.take(1, 30) and not b.take(1, 30)  # 1 crosses its 70 on its third layer
+
+
+def test_the_loop_counts_each_prefill_row_at_every_layer_it_enters(runner):
+    """`prefill_token_layers` (the budget's unit, /metrics' prefill work): a full prefill enters every
+    layer with all its rows; a blend all of them up to its check layer, then only the selected ones."""
+    layers = runner.shape.n_layers
+    for mode in (Mode.FULL_PREFILL, Mode.BLEND):
+        eng = BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=BatchLimits(max_batch=8, kv_budget_bytes=64 << 20),
+                                                                      prefix_caching=False))
+        try:
+            plan = _plan(0, mode)
+            _warm(eng, plan)
+            n = eng.layout(plan).n_tokens
+            eng.run(plan, GEN)
+            counted = eng.loop.stats()["prefill_token_layers"]
+            check = eng.config.policy.check_layer
+        finally:
+            eng.close()
+        if mode is Mode.FULL_PREFILL:
+            assert counted == n * layers
+        else:
+            assert n * (check + 1) + (layers - check - 1) <= counted < n * layers
