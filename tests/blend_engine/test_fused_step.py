@@ -22,9 +22,9 @@ from tests.helpers import PASSAGES, QUESTION, held_loop, poll
 GEN = GenerationConfig(max_tokens=10, ignore_eos=True)
 
 
-def _engine(runner, prefill_step_tokens: int = 4096) -> BlendEngine:
+def _engine(runner, prefill_step_tokens: int = 4096, prefix_caching: bool = True) -> BlendEngine:
     limits = BatchLimits(max_batch=8, kv_budget_bytes=64 << 20, prefill_step_tokens=prefill_step_tokens)
-    return BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits))
+    return BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits, prefix_caching=prefix_caching))
 
 
 def _plan(i: int, mode: Mode = Mode.BLEND) -> BlendPlan:
@@ -143,8 +143,7 @@ def test_the_loop_counts_each_prefill_row_at_every_layer_it_enters(runner):
     layer with all its rows; a blend all of them up to its check layer, then only the selected ones."""
     layers = runner.shape.n_layers
     for mode in (Mode.FULL_PREFILL, Mode.BLEND):
-        eng = BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=BatchLimits(max_batch=8, kv_budget_bytes=64 << 20),
-                                                                      prefix_caching=False))
+        eng = _engine(runner, prefix_caching=False)  # no prefix hit: every row is computed
         try:
             plan = _plan(0, mode)
             _warm(eng, plan)
