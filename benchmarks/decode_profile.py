@@ -1,7 +1,7 @@
 """Where a decode step's time goes: `torch.profiler` over `decode_batch` at batch sizes B on the
 default model (real weights), over runs of one paged pool holding T tokens each (random K/V).
 
-    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype D] [--linear-dtype bfloat16]
+    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype D] [--linear-dtype bfloat16] [--no-packed]
 
 Prints per B the step's CPU time (sum of the operators' self times, per step), the GEMMs'
 (aten::mm / addmm) and the attention calls' (SDPA) share, and the top operators. The profiler
@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model's dtype (default: the device's, float32 on the CPU)")
     ap.add_argument("--linear-dtype", default=None, choices=("bfloat16",),
                     help="the projections' weight copies (BLENDSERVE_MODEL_LINEAR_DTYPE)")
+    ap.add_argument("--no-packed", dest="packed", action="store_false",
+                    help="float32 weights only (BLENDSERVE_MODEL_PACKED_WEIGHTS=false)")
     args = ap.parse_args(argv)
-    runner = ModelRunner.load(dtype=args.dtype, linear_dtype=args.linear_dtype)
+    runner = ModelRunner.load(dtype=args.dtype, linear_dtype=args.linear_dtype, packed=args.packed)
     for b in (int(x) for x in args.batch.split(",")):
         print(wall_step(runner, b, args.tokens, args.steps) if args.wall
               else "\n".join(profile_step(runner, b, args.tokens, args.steps)))

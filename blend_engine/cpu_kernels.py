@@ -102,3 +102,11 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, st
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ weight [out, in]^T (+ bias [out]), float32 on the CPU: [T, out]. Call `ensure()` first."""
     return torch.ops.blendserve_cpu.rows_linear(x, weight, bias)
+
+
+def packed_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ W^T (+ bias [out]) for a weight kept as block codes (`packed.PackedWeight`): a4 when
+    `m` is given (codes uint8 [out, in/2]), else s8 (codes int8 [out, in]); d, m [out, in/32]. Equal
+    to `rows_linear` on the de-quantized weight bit for bit. Call `ensure()` first."""
+    return torch.ops.blendserve_cpu.packed_linear(x, codes, d, m, bias)

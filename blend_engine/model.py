@@ -43,6 +43,8 @@ from blend_engine.model_files import (
     pick_dtype,
     pick_linear_dtype,
 )
+from blend_engine.packed import ROWS as PACKED_ROWS
+from blend_engine.packed import pack_linears
 
 __all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_MODEL_TYPES", "ModelRunner",
            "ModelShape", "UnsupportedModel", "_gguf_cache_dir", "_load_hf", "check_blendable", "default_gguf_path",
@@ -84,11 +86,15 @@ class ModelShape:
 class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
 
-    def __init__(self, model, tokenizer, name: str = "custom", linear_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model, tokenizer, name: str = "custom", linear_dtype: torch.dtype | None = None,
+                 packed: bool = True) -> None:
         """`linear_dtype` (`model_files.pick_linear_dtype`): the projections and lm_head run on copies of
         their weights in this dtype (inputs cast to it, outputs back); norms, RoPE, K/V and attention
         keep the model's dtype. The model's own weights stay: transformers' forward runs them to precompute
-        every stored passage, so stored K/V and the fingerprint do not depend on this setting."""
+        every stored passage, so stored K/V and the fingerprint do not depend on this setting.
+        `packed`: a float32 model on the CPU keeps each projection weight that was de-quantized from a
+        block code (a GGUF's Q4_1 / Q8_0) in that code too, for steps of `packed.ROWS` rows (`linear`):
+        the same outputs bit for bit from a fifth of the bytes."""
         check_blendable(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -119,6 +125,9 @@ class ModelRunner:
         self._weights = {} if linear_dtype is None else {  # id(module) -> its weight in linear_dtype
             id(m): m.weight.detach().to(linear_dtype) for m in [*inner.layers.modules(), self._lm_head]
             if type(m) is torch.nn.Linear}
+        self._packed = (pack_linears([*inner.layers.modules(), self._lm_head])
+                        if packed and linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
+                        else {})  # id(module) -> its block code
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
@@ -126,14 +135,14 @@ class ModelRunner:
     # ----------------------------------------------------------------- construction
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
-             cache_dir: Path | None = None, linear_dtype: str | None = None) -> ModelRunner:
+             cache_dir: Path | None = None, linear_dtype: str | None = None, packed: bool = True) -> ModelRunner:
         """The model `spec` on `device` in `dtype`; a GGUF file is prepared once into `cache_dir`
-        (default `model_files.DEFAULT_CACHE_ROOT`). `linear_dtype`: see `__init__`."""
+        (default `model_files.DEFAULT_CACHE_ROOT`). `linear_dtype`, `packed`: see `__init__`."""
         dev = pick_device(device)
         dt = pick_dtype(dev, dtype)
         low = pick_linear_dtype(dev, dt, linear_dtype)  # before the load: a refused setting costs nothing
         model, tok = _load_hf(spec, dt, cache_dir)
-        return cls(model.to(dev), tok, name=spec or DEFAULT_MODEL, linear_dtype=low)
+        return cls(model.to(dev), tok, name=spec or DEFAULT_MODEL, linear_dtype=low, packed=packed)
 
     def _fingerprint(self) -> str:
         """Weights identity: config plus a digest of sampled weights (cheap, content-based)."""
@@ -292,9 +301,14 @@ class ModelRunner:
 
     def linear(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """layer(x) for x [T, in]: [T, out], through the weight's `linear_dtype` copy when there is one
-        (x cast to it, the product cast back), else `rows_linear`."""
+        (x cast to it, the product cast back), its block code for a few rows (`packed`), else
+        `rows_linear`."""
         w = self._weights.get(id(layer))
         if w is None:
+            code = self._packed.get(id(layer))
+            if code is not None and x.dim() == 2 and x.shape[0] in PACKED_ROWS and x.dtype == torch.float32 \
+                    and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
+                return cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias)  # [T, out]
             return rows_linear(layer, x)
         out = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)  # [T, out]
         return out if layer.bias is None else out + layer.bias  # [T, out]

@@ -41,6 +41,10 @@ class ModelSettings(Group):
                             "of their weights (on CPUs with native bf16 matmuls, measured: faster from ~8 rows a step, "
                             "slower for one; K/V, attention and norms stay float32; refused on other CPUs and "
                             "devices); auto = the model's dtype")
+    packed_weights: bool = Field(
+        True, description="a float32 model on the CPU keeps each projection weight de-quantized from a GGUF block code "
+                          "(Q4_1, Q8_0) in that code too, read by steps of 1-128 rows (decode): the same outputs "
+                          "bit for bit from ~1/5 of the bytes; false = float32 only")
     cache_dir: Path | None = Field(None, description="folder where a GGUF model is prepared once (de-quantized into "
                                                      "its run dtype); unset = ~/.cache/blendserve/models")
 

@@ -153,7 +153,8 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     runner = runner or ModelRunner.load(settings.model.name, settings.model.device, settings.model.dtype,
-                                          settings.model.cache_dir, settings.model.linear_dtype)
+                                          settings.model.cache_dir, settings.model.linear_dtype,
+                                          settings.model.packed_weights)
     fmt = resolve_format(settings.store.kv_format, runner.dtype, runner.device.type)
     pool_mb = pool_bytes(runner.device, settings.engine.batch_kv_mb << 20, settings.engine.kv_pool_gpu_fraction) >> 20
     settings = settings.model_copy(update={"store": settings.store.model_copy(update={"kv_format": fmt}),

@@ -1,4 +1,4 @@
-// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), two ops:
+// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), three ops:
 //
 // paged_decode: decode attention read straight from the paged pool, one call a layer for every row
 // (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
@@ -23,8 +23,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -206,15 +209,153 @@ at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight, const c
   return y;
 }
 
+// packed_linear: rows_linear over a weight kept in the block code it was de-quantized from
+// (`blend_engine/packed.py`), expanded to float32 in registers 16 lanes at a time:
+//
+//   "a4": w = d * q + m, q in 0..15: codes [out, in/2] uint8, per 32-block byte j = q[j] | q[j+16] << 4
+//   "s8": w = d * q,     q in -128..127: codes [out, in] int8
+//   d, m: [out, in/32] float32, one per block of 32 inputs
+//
+// d * q is exact in float32 (the packer checks every weight), so the expanded w equals the float32
+// weight bit for bit, and the tiles run rows_linear's products in its order: the same result from
+// 1/6 (a4) or 1/3.5 (s8) of the weight bytes.
+
+// Block codes to float32 lanes: AVX-512 where the build machine has it (one widening load, one
+// convert and one FMA per 16 weights), else the same arithmetic a lane at a time.
+#if defined(__AVX512F__)
+inline v16 nibbles(__m512i x, int shift, float d, float m) {  // lanes (x >> shift) & 15 as d * q + m
+  const __m512i q = _mm512_and_si512(_mm512_srli_epi32(x, shift), _mm512_set1_epi32(15));
+  return (v16)_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d), _mm512_set1_ps(m));
+}
+inline v16 bytes_s8(const int8_t* p, float d) {  // 16 signed bytes as d * q
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d));
+}
+#endif
+
+struct A4 {
+  const uint8_t* codes; const float* d; const float* m; int64_t K;
+  inline void expand(int64_t n, int64_t blk, v16& lo, v16& hi) const {  // inputs blk*32 .. +15, +16 .. +31
+    const uint8_t* p = codes + n * (K / 2) + blk * 16;
+    const float dd = d[n * (K / 32) + blk], mm = m[n * (K / 32) + blk];
+#if defined(__AVX512F__)
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = nibbles(x, 0, dd, mm);
+    hi = nibbles(x, 4, dd, mm);
+#else
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = dd * static_cast<float>(p[j] & 15) + mm;
+      hi[j] = dd * static_cast<float>(p[j] >> 4) + mm;
+    }
+#endif
+  }
+};
+
+struct S8 {
+  const int8_t* codes; const float* d; int64_t K;
+  inline void expand(int64_t n, int64_t blk, v16& lo, v16& hi) const {
+    const int8_t* p = codes + n * K + blk * 32;
+    const float dd = d[n * (K / 32) + blk];
+#if defined(__AVX512F__)
+    lo = bytes_s8(p, dd);
+    hi = bytes_s8(p + 16, dd);
+#else
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = dd * static_cast<float>(p[j]);
+      hi[j] = dd * static_cast<float>(p[j + 16]);
+    }
+#endif
+  }
+};
+
+template <int MT, int NT, class Code>
+inline void packed_tile(const float* X, const Code& code, const float* bias, float* Y, int64_t K, int64_t N,
+                        int64_t m0, int64_t n0) {
+  v16 acc[MT][NT];
+#pragma GCC unroll 8
+  for (int a = 0; a < MT; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < NT; ++b) acc[a][b] = v16{};
+  for (int64_t blk = 0; blk < K / 32; ++blk) {
+    v16 w[2][NT];
+#pragma GCC unroll 4
+    for (int b = 0; b < NT; ++b) code.expand(n0 + b, blk, w[0][b], w[1][b]);
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+#pragma GCC unroll 8
+      for (int a = 0; a < MT; ++a) {
+        v16 x = load16(X + (m0 + a) * K + blk * 32 + c * 16);
+        __asm__("" : "+v"(x));
+#pragma GCC unroll 4
+        for (int b = 0; b < NT; ++b) acc[a][b] += x * w[c][b];
+      }
+    }
+  }
+  for (int a = 0; a < MT; ++a) {
+    for (int b = 0; b < NT; ++b) {
+      const float s = lanes_sum(acc[a][b]);
+      Y[(m0 + a) * N + n0 + b] = bias ? s + bias[n0 + b] : s;
+    }
+  }
+}
+
+template <int NT, class Code>
+inline void packed_block(const float* X, const Code& code, const float* bias, float* Y, int64_t M, int64_t K,
+                         int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) packed_tile<8, NT>(X, code, bias, Y, K, N, m, n0);
+  if (M - m >= 4) { packed_tile<4, NT>(X, code, bias, Y, K, N, m, n0); m += 4; }
+  if (M - m >= 2) { packed_tile<2, NT>(X, code, bias, Y, K, N, m, n0); m += 2; }
+  if (M - m >= 1) packed_tile<1, NT>(X, code, bias, Y, K, N, m, n0);
+}
+
+template <class Code>
+void packed_run(const float* X, const Code& code, const float* bias, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / NT;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < blocks; ++i) packed_block<NT>(X, code, bias, Y, M, K, N, i * NT);
+  for (int64_t n = blocks * NT; n < N; ++n) packed_block<1>(X, code, bias, Y, M, K, N, n);
+}
+
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& d,
+                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "packed_linear takes x [T, in] float32");
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && d.dim() == 2 && d.is_contiguous() &&
+                  d.scalar_type() == at::kFloat, "codes [out, *] and d [out, in/32] float32, contiguous");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && d.size(0) == N && d.size(1) == K / 32, "in must be a multiple of 32, d [out, in/32]");
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "the bias must be float32 [out]");
+  }
+  at::Tensor y = at::empty({M, N}, x.options());  // [T, out]
+  const float* B = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  if (m.has_value() && m->defined()) {  // a4
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == K / 2, "a4 codes must be uint8 [out, in/2]");
+    TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kFloat && m->sizes() == d.sizes(), "m must be like d");
+    const A4 code{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m->data_ptr<float>(), K};
+    packed_run(x.data_ptr<float>(), code, B, y.data_ptr<float>(), M, K, N);
+  } else {  // s8
+    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == K, "s8 codes must be int8 [out, in]");
+    const S8 code{codes.data_ptr<int8_t>(), d.data_ptr<float>(), K};
+    packed_run(x.data_ptr<float>(), code, B, y.data_ptr<float>(), M, K, N);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blendserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor start, Tensor n, Tensor pos, "
         "int window, float scale) -> Tensor");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("rows_linear", &rows_linear);
+  m.impl("packed_linear", &packed_linear);
 }

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from blend_engine import cpu_kernels
+from blend_engine import cpu_kernels, packed
 from blend_engine.executor.decode import decode_attention, pooled_kernel
 from blend_engine.model import rows_linear
 from tests.helpers import dense_decode_reference, ragged_pool, tiny_runner
@@ -132,3 +132,79 @@ def test_where_they_cannot_be_built_the_engine_says_why_and_keeps_torchs(monkeyp
     assert "c++: not found" in cpu_kernels.why_not()
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1  # said once
     assert "unavailable" in caplog.records[0].getMessage()
+
+
+def _coded_weight(n_out: int, n_in: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """A float32 weight de-quantized from a block code, as a GGUF's loader makes it: a4 (Q4_1: every
+    block holds its q = 0 and q = 15) or s8 (Q8_0: every block holds a |q| = 127), float16 d and m."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n_out, n_in // 32, generator=g).half().float().repeat_interleave(32, 1)  # [out, in]
+    if kind == "a4":
+        q = torch.randint(0, 16, (n_out, n_in), generator=g).float()
+        q[:, ::32], q[:, 1::32] = 0, 15
+        m = (torch.randn(n_out, n_in // 32, generator=g) * 0.1).half().float().repeat_interleave(32, 1)
+        return d * q + m
+    q = torch.randint(-127, 128, (n_out, n_in), generator=g).float()
+    q[:, 3::32] = -127
+    return d * q
+
+
+@pytest.mark.parametrize("kind", ["a4", "s8"])
+@pytest.mark.parametrize(("n_in", "n_out"), [(64, 7), (576, 192), (1536, 576)])
+def test_a_coded_weight_is_packed_and_projects_bit_for_bit_like_its_float32(kernel, kind, n_in, n_out):
+    """The code is found from the float32 weight alone, expands to it exactly, and the packed kernel
+    equals `rows_linear` on the float32 weight bit for bit at every tile size (1 to 8 rows and past)."""
+    w = _coded_weight(n_out, n_in, kind)
+    code = packed.pack(w)
+    assert code is not None and (code.m is not None) == (kind == "a4")
+    assert torch.equal(code.expand(), w)
+    assert code.nbytes < w.numel() * 4 / (4.5 if kind == "a4" else 3)
+    bias = torch.randn(n_out)
+    for rows in (1, 2, 3, 5, 8, 13, 64, 128):
+        x = torch.randn(rows, n_in)
+        assert torch.equal(cpu_kernels.packed_linear(x, code.codes, code.d, code.m, bias),
+                           cpu_kernels.rows_linear(x, w, bias))
+
+
+def test_weights_without_a_block_code_are_left_as_they_are():
+    torch.manual_seed(0)
+    assert packed.pack(torch.randn(8, 64)) is None  # a float checkpoint's weight
+    assert packed.pack(_coded_weight(8, 64, "a4")[:, :48].contiguous()) is None  # in not a multiple of 32
+    assert packed.pack(_coded_weight(8, 64, "a4").double()) is None
+    w = _coded_weight(8, 64, "a4")
+    w[3, 5] = w[3, 5] + 1e-3  # one weight off its block's grid
+    assert packed.pack(w) is None
+    w[3, 5] = float("nan")
+    assert packed.pack(w) is None
+
+
+def test_packed_linear_refuses_what_it_cannot_take(kernel):
+    code = packed.pack(_coded_weight(8, 64, "a4"))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.packed_linear(torch.randn(2, 48), code.codes, code.d, code.m, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.packed_linear(torch.randn(2, 64).double(), code.codes, code.d, code.m, None)
+    with pytest.raises(RuntimeError, match="s8 codes"):
+        cpu_kernels.packed_linear(torch.randn(2, 64), code.codes, code.d, None, None)
+
+
+def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, real_runner):
+    """SmolLM2's GGUF is Q4_1 (every projection) and Q8_0 (the tied lm_head): all of them are kept in
+    their code, and few-row projections read it, equal bit for bit to the float32 kernel's."""
+    from blend_engine.model import ModelRunner
+
+    n_proj = sum(type(m) is torch.nn.Linear for m in real_runner._layers.modules())
+    assert len(real_runner._packed) == n_proj + 1
+    assert real_runner._packed[id(real_runner._lm_head)].m is None  # s8
+    plain = ModelRunner(real_runner.model, real_runner.tokenizer, packed=False)
+    assert plain._packed == {}
+    torch.manual_seed(0)
+    blk = real_runner._layers[3]
+    with torch.inference_mode():
+        for rows in (3, 8, 40):
+            x = torch.randn(rows, real_runner.shape.hidden)
+            for mod in (blk.self_attn.q_proj, blk.mlp.up_proj, real_runner._lm_head):
+                assert torch.equal(real_runner.linear(mod, x), plain.linear(mod, x))
+        x = torch.randn(1, real_runner.shape.hidden)  # one row: MKL's product on float32, the code's on packed
+        torch.testing.assert_close(real_runner.linear(blk.mlp.up_proj, x), plain.linear(blk.mlp.up_proj, x),
+                                   rtol=1e-5, atol=1e-5)
