@@ -1,7 +1,8 @@
 """Where a decode step's time goes: `torch.profiler` over `decode_batch` at batch sizes B on the
 default model (real weights), over runs of one paged pool holding T tokens each (random K/V).
 
-    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype D] [--linear-dtype bfloat16] [--no-packed]
+    python -m benchmarks.decode_profile [--batch 1,8] [--tokens 800] [--steps 5] [--wall] [--dtype D] [--linear-dtype bfloat16]
+        [--no-packed]
 
 Prints per B the step's CPU time (sum of the operators' self times, per step), the GEMMs'
 (aten::mm / addmm) and the attention calls' (SDPA) share, and the top operators. The profiler
