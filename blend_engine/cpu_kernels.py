@@ -108,5 +108,5 @@ def packed_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torc
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ W^T (+ bias [out]) for a weight kept as block codes (`packed.PackedWeight`): a4 when
     `m` is given (codes uint8 [out, in/2]), else s8 (codes int8 [out, in]); d, m [out, in/32]. Equal
-    to `rows_linear` on the de-quantized weight bit for bit. Call `ensure()` first."""
+    to `rows_linear` on the de-quantized weight bit for bit, for any number of rows. Call `ensure()` first."""
     return torch.ops.blendserve_cpu.packed_linear(x, codes, d, m, bias)
