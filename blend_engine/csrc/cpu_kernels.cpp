@@ -142,73 +142,6 @@ inline float lanes_sum(v16 v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// Y[m0 .. m0+MT, n0 .. n0+NT] = X[m0 .., :] . W[n0 .., :] (+ bias): MT x NT accumulators in registers.
-template <int MT, int NT>
-inline void tile(const float* X, const float* W, const float* bias, float* Y, int64_t K, int64_t N,
-                 int64_t m0, int64_t n0) {
-  v16 acc[MT][NT];
-#pragma GCC unroll 8
-  for (int a = 0; a < MT; ++a)
-#pragma GCC unroll 4
-    for (int b = 0; b < NT; ++b) acc[a][b] = v16{};
-  const int64_t K16 = K & ~int64_t(15);
-  for (int64_t k = 0; k < K16; k += 16) {
-    v16 w[NT];
-#pragma GCC unroll 4
-    for (int b = 0; b < NT; ++b) w[b] = load16(W + b * K + k);
-#pragma GCC unroll 8
-    for (int a = 0; a < MT; ++a) {
-      v16 x = load16(X + (m0 + a) * K + k);
-      __asm__("" : "+v"(x));  // keep x in a register: loaded once for its NT products, not folded into each
-#pragma GCC unroll 4
-      for (int b = 0; b < NT; ++b) acc[a][b] += x * w[b];
-    }
-  }
-  for (int a = 0; a < MT; ++a) {
-    for (int b = 0; b < NT; ++b) {
-      float s = lanes_sum(acc[a][b]);
-      for (int64_t k = K16; k < K; ++k) s += X[(m0 + a) * K + k] * W[b * K + k];
-      Y[(m0 + a) * N + n0 + b] = bias ? s + bias[n0 + b] : s;
-    }
-  }
-}
-
-// Every row of X against weight rows n0 .. n0+NT: tiles of 8, 4, 2 and 1 rows.
-template <int NT>
-inline void column_block(const float* X, const float* W, const float* bias, float* Y, int64_t M, int64_t K,
-                         int64_t N, int64_t n0) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tile<8, NT>(X, W, bias, Y, K, N, m, n0);
-  if (M - m >= 4) { tile<4, NT>(X, W, bias, Y, K, N, m, n0); m += 4; }
-  if (M - m >= 2) { tile<2, NT>(X, W, bias, Y, K, N, m, n0); m += 2; }
-  if (M - m >= 1) tile<1, NT>(X, W, bias, Y, K, N, m, n0);
-}
-
-constexpr int NT = 3;  // weight rows per block: 8 x 3 accumulators + 3 weights + x in 32 registers
-
-at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2, "rows_linear takes x [T, in] and a weight [out, in]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rows_linear takes float32 only");
-  TORCH_CHECK(x_in.size(1) == weight.size(1), "x and the weight disagree on in_features");
-  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "the bias must be float32 [out]");
-  }
-  at::Tensor y = at::empty({M, N}, x.options());  // [T, out]
-  const float* X = x.data_ptr<float>();
-  const float* W = w.data_ptr<float>();
-  const float* B = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  const int64_t blocks = N / NT;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < blocks; ++i) column_block<NT>(X, W + i * NT * K, B, Y, M, K, N, i * NT);
-  for (int64_t n = blocks * NT; n < N; ++n) column_block<1>(X, W + n * K, B, Y, M, K, N, n);
-  return y;
-}
-
 // packed_linear: rows_linear over a weight kept in the block code it was de-quantized from
 // (`blend_engine/packed.py`), expanded to float32 in registers 16 lanes at a time:
 //
@@ -235,11 +168,27 @@ inline v16 bytes_s8(const int8_t* p, float d) {  // 16 signed bytes as d * q
 }
 #endif
 
+// Weight sources: NT rows from row n0 of a weight, as 16-lane float32 chunks; `expand(b, blk, lo, hi)`
+// gives row n0+b's inputs blk*32 .. +15 and +16 .. +31. Float32 weights take any in_features (`ANY_K`:
+// a last 16-wide chunk and a scalar tail); codes need a multiple of 32 (checked by packed_linear).
+struct F32 {
+  static constexpr bool ANY_K = true;
+  const float* W; int64_t K;  // W: row n0
+  F32 at(int64_t n0) const { return {W + n0 * K, K}; }
+  inline const float* row(int b) const { return W + b * K; }
+  inline void expand(int b, int64_t blk, v16& lo, v16& hi) const {
+    lo = load16(row(b) + blk * 32);
+    hi = load16(row(b) + blk * 32 + 16);
+  }
+};
+
 struct A4 {
+  static constexpr bool ANY_K = false;
   const uint8_t* codes; const float* d; const float* m; int64_t K;
-  inline void expand(int64_t n, int64_t blk, v16& lo, v16& hi) const {  // inputs blk*32 .. +15, +16 .. +31
-    const uint8_t* p = codes + n * (K / 2) + blk * 16;
-    const float dd = d[n * (K / 32) + blk], mm = m[n * (K / 32) + blk];
+  A4 at(int64_t n0) const { return {codes + n0 * (K / 2), d + n0 * (K / 32), m + n0 * (K / 32), K}; }
+  inline void expand(int b, int64_t blk, v16& lo, v16& hi) const {
+    const uint8_t* p = codes + b * (K / 2) + blk * 16;
+    const float dd = d[b * (K / 32) + blk], mm = m[b * (K / 32) + blk];
 #if defined(__AVX512F__)
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo = nibbles(x, 0, dd, mm);
@@ -254,10 +203,12 @@ struct A4 {
 };
 
 struct S8 {
+  static constexpr bool ANY_K = false;
   const int8_t* codes; const float* d; int64_t K;
-  inline void expand(int64_t n, int64_t blk, v16& lo, v16& hi) const {
-    const int8_t* p = codes + n * K + blk * 32;
-    const float dd = d[n * (K / 32) + blk];
+  S8 at(int64_t n0) const { return {codes + n0 * K, d + n0 * (K / 32), K}; }
+  inline void expand(int b, int64_t blk, v16& lo, v16& hi) const {
+    const int8_t* p = codes + b * K + blk * 32;
+    const float dd = d[b * (K / 32) + blk];
 #if defined(__AVX512F__)
     lo = bytes_s8(p, dd);
     hi = bytes_s8(p + 16, dd);
@@ -270,9 +221,11 @@ struct S8 {
   }
 };
 
-template <int MT, int NT, class Code>
-inline void packed_tile(const float* X, const Code& code, const float* bias, float* Y, int64_t K, int64_t N,
-                        int64_t m0, int64_t n0) {
+// Y[m0 .. m0+MT, n0 .. n0+NT] = X[m0 .., :] . W[n0 .., :] (+ bias), W from `src` (at row n0): MT x NT
+// accumulators in registers, each summing 16-wide products in input order, then its lanes.
+template <int MT, int NT, class Src>
+inline void tile(const float* X, const Src& src, const float* bias, float* Y, int64_t K, int64_t N,
+                 int64_t m0, int64_t n0) {
   v16 acc[MT][NT];
 #pragma GCC unroll 8
   for (int a = 0; a < MT; ++a)
@@ -281,43 +234,89 @@ inline void packed_tile(const float* X, const Code& code, const float* bias, flo
   for (int64_t blk = 0; blk < K / 32; ++blk) {
     v16 w[2][NT];
 #pragma GCC unroll 4
-    for (int b = 0; b < NT; ++b) code.expand(n0 + b, blk, w[0][b], w[1][b]);
+    for (int b = 0; b < NT; ++b) src.expand(b, blk, w[0][b], w[1][b]);
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
 #pragma GCC unroll 8
       for (int a = 0; a < MT; ++a) {
         v16 x = load16(X + (m0 + a) * K + blk * 32 + c * 16);
-        __asm__("" : "+v"(x));
+        __asm__("" : "+v"(x));  // keep x in a register: loaded once for its NT products, not folded into each
 #pragma GCC unroll 4
         for (int b = 0; b < NT; ++b) acc[a][b] += x * w[c][b];
       }
     }
   }
+  int64_t k = K & ~int64_t(31);
+  if constexpr (Src::ANY_K) {
+    if (K - k >= 16) {
+      for (int a = 0; a < MT; ++a) {
+        const v16 x = load16(X + (m0 + a) * K + k);
+        for (int b = 0; b < NT; ++b) acc[a][b] += x * load16(src.row(b) + k);
+      }
+      k += 16;
+    }
+  }
   for (int a = 0; a < MT; ++a) {
     for (int b = 0; b < NT; ++b) {
-      const float s = lanes_sum(acc[a][b]);
+      float s = lanes_sum(acc[a][b]);
+      if constexpr (Src::ANY_K) {
+        for (int64_t j = k; j < K; ++j) s += X[(m0 + a) * K + j] * src.row(b)[j];
+      }
       Y[(m0 + a) * N + n0 + b] = bias ? s + bias[n0 + b] : s;
     }
   }
 }
 
-template <int NT, class Code>
-inline void packed_block(const float* X, const Code& code, const float* bias, float* Y, int64_t M, int64_t K,
+// Every row of X against weight rows n0 .. n0+NT (`src` at n0): tiles of 8, 4, 2 and 1 rows.
+template <int NT, class Src>
+inline void column_block(const float* X, const Src& src, const float* bias, float* Y, int64_t M, int64_t K,
                          int64_t N, int64_t n0) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) packed_tile<8, NT>(X, code, bias, Y, K, N, m, n0);
-  if (M - m >= 4) { packed_tile<4, NT>(X, code, bias, Y, K, N, m, n0); m += 4; }
-  if (M - m >= 2) { packed_tile<2, NT>(X, code, bias, Y, K, N, m, n0); m += 2; }
-  if (M - m >= 1) packed_tile<1, NT>(X, code, bias, Y, K, N, m, n0);
+  for (; m + 8 <= M; m += 8) tile<8, NT>(X, src, bias, Y, K, N, m, n0);
+  if (M - m >= 4) { tile<4, NT>(X, src, bias, Y, K, N, m, n0); m += 4; }
+  if (M - m >= 2) { tile<2, NT>(X, src, bias, Y, K, N, m, n0); m += 2; }
+  if (M - m >= 1) tile<1, NT>(X, src, bias, Y, K, N, m, n0);
 }
 
-// The NT weight rows n0 .. n0+NT-1 as float32 [NT, K] in `rows`.
+constexpr int NT = 3;  // weight rows per block: 8 x 3 accumulators + 2 x 3 weights + x in 32 registers
+
+// Every column block of Y, spread over the calling thread's OpenMP team.
+template <class Src>
+void run_blocks(const float* X, const Src& src, const float* bias, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / NT;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < blocks; ++i) column_block<NT>(X, src.at(i * NT), bias, Y, M, K, N, i * NT);
+  for (int64_t n = blocks * NT; n < N; ++n) column_block<1>(X, src.at(n), bias, Y, M, K, N, n);
+}
+
+// The optional bias as a contiguous float32 [N] (undefined when not given).
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias_in, int64_t N) {
+  if (!bias_in.has_value() || !bias_in->defined()) return at::Tensor();
+  at::Tensor bias = bias_in->contiguous();
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "the bias must be float32 [out]");
+  return bias;
+}
+
+at::Tensor rows_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2, "rows_linear takes x [T, in] and a weight [out, in]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rows_linear takes float32 only");
+  TORCH_CHECK(x_in.size(1) == weight.size(1), "x and the weight disagree on in_features");
+  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const at::Tensor bias = checked_bias(bias_in, N);
+  at::Tensor y = at::empty({M, N}, x.options());  // [T, out]
+  const float* B = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  run_blocks(x.data_ptr<float>(), F32{w.data_ptr<float>(), K}, B, y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+// The NT weight rows of `src` (at n0) as float32 [NT, K] in `rows`.
 template <int NT, class Code>
-inline void expand_rows(const Code& code, int64_t K, int64_t n0, float* rows) {
+inline void expand_rows(const Code& src, int64_t K, float* rows) {
   for (int b = 0; b < NT; ++b) {
     for (int64_t blk = 0; blk < K / 32; ++blk) {
       v16 lo, hi;
-      code.expand(n0 + b, blk, lo, hi);
+      src.expand(b, blk, lo, hi);
       std::memcpy(rows + b * K + blk * 32, &lo, sizeof(lo));
       std::memcpy(rows + b * K + blk * 32 + 16, &hi, sizeof(hi));
     }
@@ -325,31 +324,29 @@ inline void expand_rows(const Code& code, int64_t K, int64_t n0, float* rows) {
 }
 
 // Few rows: each tile expands the codes in registers. More: each thread expands a block of NT weight
-// rows once into an L1-sized buffer and runs rows_linear's tiles over it (a weight block is read
-// by M / 8 tiles; expanding it in each would cost more than the products).
+// rows once into an L1-sized buffer and runs the float32 tiles over it (a weight block is read by
+// M / 8 tiles; expanding it in each would cost more than the products).
 template <class Code>
 void packed_run(const float* X, const Code& code, const float* bias, float* Y, int64_t M, int64_t K, int64_t N,
                 int64_t expand_from) {
-  const int64_t blocks = N / NT;
   if (M < expand_from) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < blocks; ++i) packed_block<NT>(X, code, bias, Y, M, K, N, i * NT);
-    for (int64_t n = blocks * NT; n < N; ++n) packed_block<1>(X, code, bias, Y, M, K, N, n);
+    run_blocks(X, code, bias, Y, M, K, N);
     return;
   }
+  const int64_t blocks = N / NT;
 #pragma omp parallel
   {
     std::vector<float> rows(NT * K);  // [NT, K]
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < blocks; ++i) {
-      expand_rows<NT>(code, K, i * NT, rows.data());
-      column_block<NT>(X, rows.data(), bias, Y, M, K, N, i * NT);
+      expand_rows<NT>(code.at(i * NT), K, rows.data());
+      column_block<NT>(X, F32{rows.data(), K}, bias, Y, M, K, N, i * NT);
     }
   }
   std::vector<float> row(K);
   for (int64_t n = blocks * NT; n < N; ++n) {
-    expand_rows<1>(code, K, n, row.data());
-    column_block<1>(X, row.data(), bias, Y, M, K, N, n);
+    expand_rows<1>(code.at(n), K, row.data());
+    column_block<1>(X, F32{row.data(), K}, bias, Y, M, K, N, n);
   }
 }
 
@@ -362,11 +359,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& codes, const 
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 32 == 0 && d.size(0) == N && d.size(1) == K / 32, "in must be a multiple of 32, d [out, in/32]");
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "the bias must be float32 [out]");
-  }
+  const at::Tensor bias = checked_bias(bias_in, N);
   at::Tensor y = at::empty({M, N}, x.options());  // [T, out]
   const float* B = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (m.has_value() && m->defined()) {  // a4
