@@ -83,6 +83,7 @@ class _Group:
     clock: Callable[[], float]  # the loop's (`EngineLoop.clock`)
     t0: float  # submitted, by `clock`
     live: int  # sequences not ended yet
+    places: int = 1  # its sequences: the batch places admission counts it for
     started: bool = False  # one of them was admitted to the batch
     queue_s: float = 0.0  # submitted until admitted
     cost_s: float = 0.0  # its share of the loop's step time while in the batch (admission learns it)
@@ -202,7 +203,7 @@ class EngineLoop:
             if self._closed:
                 raise Cancelled("the engine is shutting down")
             (ticket or self.admission.admit(timeout_s)).use()
-            group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles))
+            group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles), places=len(handles))
             now = time.perf_counter()
             self._incoming.extend(_Request(next(self._ids), h, prep, group, now) for h in handles)
             self._start()
@@ -359,7 +360,7 @@ class EngineLoop:
         g = req.group
         if not g.started:
             g.started, g.queue_s = True, g.elapsed_s
-            self.admission.started()
+            self.admission.started(g.places)
 
     def _ended(self, req: _Request, completed: bool, dropped: str | None = None) -> None:
         """One sequence ended; the last of its request tells admission how the request went."""
@@ -369,7 +370,7 @@ class EngineLoop:
         if g.live:
             return
         if g.started:
-            self.admission.finished(g.cost_s if g.completed else None)
+            self.admission.finished(g.cost_s if g.completed else None, g.places)
         else:
             self.admission.left_queue(dropped)
 

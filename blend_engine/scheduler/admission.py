@@ -126,6 +126,7 @@ class AdmissionControl:
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not started (or dropped) yet
         self._running = 0
+        self._places = 0  # the batch's places the running requests hold: one per sequence (a request's n)
         self._took_s = took_s  # a request's cost: its share of the loop (moving average); None until one completed
         self._closed = False
         self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
@@ -147,7 +148,7 @@ class AdmissionControl:
         lim = self.limits
         if self._closed:
             return "refused_shutting_down", "the engine is shutting down"
-        if queue_full(self._queued, lim.max_queue, free_places(self._running, lim.max_batch)):
+        if queue_full(self._queued, lim.max_queue, free_places(self._places, lim.max_batch)):
             return "refused_queue_full", f"engine queue is full ({lim.max_queue} waiting)"
         if too_slow(self._took_s, self._queued, self._running, 1, timeout_s):
             wait = expected_wait_s(self._took_s, self._queued, self._running, 1)
@@ -162,11 +163,12 @@ class AdmissionControl:
             need = None if self._took_s is None else expected_wait_s(self._took_s, 0, self._running, 1)
             return too_late(need, time_left_s, timeout_s)  # need >= a request's cost: predictable(need) implies it
 
-    def started(self) -> None:
-        """A queued request was admitted to the batch."""
+    def started(self, places: int = 1) -> None:
+        """A queued request was admitted to the batch, where its sequences take `places` (its n)."""
         with self._lock:
             self._queued -= 1
             self._running += 1
+            self._places += places
             self.decisions["admitted"] += 1
 
     def left_queue(self, reason: str | None = None) -> None:
@@ -176,11 +178,12 @@ class AdmissionControl:
             if reason is not None:
                 self.decisions[reason] += 1
 
-    def finished(self, seconds: float | None) -> None:
-        """A started request ended; `seconds` (its share of the loop) teaches the moving average when it
-        completed."""
+    def finished(self, seconds: float | None, places: int = 1) -> None:
+        """A started request ended, giving back its `places`; `seconds` (its share of the loop) teaches the
+        moving average when it completed."""
         with self._lock:
             self._running -= 1
+            self._places -= places
         if seconds is not None:
             self.learn(seconds)
 
@@ -206,6 +209,10 @@ class AdmissionControl:
     @property
     def running(self) -> int:
         return self._running
+
+    @property
+    def places(self) -> int:
+        return self._places
 
     @property
     def took_s(self) -> float | None:

@@ -73,7 +73,44 @@ def _submit(eng: BlendEngine, timeout_s: float | None = None) -> _Sink:
 
 def _drained(eng: BlendEngine) -> None:
     a, st = eng.loop.admission, eng.loop.stats()
-    assert (a.queued, a.running, st["running"], st["waiting"], st["kv_blocks_in_use"]) == (0, 0, 0, 0, 0)
+    assert (a.queued, a.running, a.places, st["running"], st["waiting"], st["kv_blocks_in_use"]) == (0,) * 6
+
+
+def test_a_request_holds_a_batch_place_for_each_of_its_sequences():
+    """The queue's bound counts free places in sequences, as the batch does: a running request of n = 3
+    in a batch of 4 leaves one place (counting requests, three), and gives all three back when it ends."""
+    a = AdmissionControl(AdmissionLimits(max_queue=1, max_batch=4))
+    a.admit(None).use()
+    a.started(places=3)
+    a.admit(None)  # takes the free place at the next step
+    a.admit(None)  # waits beyond the batch: the queue of one
+    with pytest.raises(Overloaded, match="queue is full"):
+        a.admit(None)  # (counting requests, three places free: admitted)
+    a.finished(0.2, places=3)
+    a.admit(None)  # four places free again
+    assert (a.queued, a.running, a.places) == (3, 0, 0)
+
+
+def test_the_loop_counts_a_requests_sequences_as_its_places(tiny_runner):
+    eng = _engine(tiny_runner, max_batch=4)
+    try:
+        ended: list[object] = []
+        all_ended = threading.Event()
+
+        def sink(index: int, item: object) -> None:
+            if isinstance(item, (Ended, BaseException)):
+                ended.append(item)
+                if len(ended) == 3:
+                    all_ended.set()
+
+        with held_loop(eng.loop):
+            eng.start(PLAN, [GEN] * 3, sink)
+            assert eng.loop.admission.queued == 1  # one request, not three
+        assert all_ended.wait(30) and all(isinstance(e, Ended) for e in ended)
+        _drained(eng)  # its three places given back
+        assert eng.loop.admission.decisions["admitted"] == 2  # the warm-up and the request of n = 3
+    finally:
+        eng.close()
 
 
 def test_a_full_queue_is_refused_at_submit_and_a_full_batch_waits(tiny_runner):
