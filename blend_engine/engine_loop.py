@@ -83,11 +83,14 @@ class _Group:
     clock: Callable[[], float]  # the loop's (`EngineLoop.clock`)
     t0: float  # submitted, by `clock`
     live: int  # sequences not ended yet
-    places: int = 1  # its sequences: the batch places admission counts it for
     started: bool = False  # one of them was admitted to the batch
     queue_s: float = 0.0  # submitted until admitted
     cost_s: float = 0.0  # its share of the loop's step time while in the batch (admission learns it)
     completed: bool = True  # none failed or was cancelled
+    places: int = field(init=False)  # its sequences (`live` at submit): the batch places admission counts it for
+
+    def __post_init__(self) -> None:
+        self.places = self.live
 
     @property
     def time_left_s(self) -> float | None:
@@ -203,7 +206,7 @@ class EngineLoop:
             if self._closed:
                 raise Cancelled("the engine is shutting down")
             (ticket or self.admission.admit(timeout_s)).use()
-            group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles), places=len(handles))
+            group = _Group(should_stop, timeout_s, self.clock, self.clock(), len(handles))
             now = time.perf_counter()
             self._incoming.extend(_Request(next(self._ids), h, prep, group, now) for h in handles)
             self._start()

@@ -44,7 +44,7 @@ from blend_engine.model_files import (
     pick_linear_dtype,
 )
 from blend_engine.packed import ROWS as PACKED_ROWS
-from blend_engine.packed import pack_linears
+from blend_engine.packed import PackedWeight, pack_linears
 
 __all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_MODEL_TYPES", "ModelRunner",
            "ModelShape", "UnsupportedModel", "_gguf_cache_dir", "_load_hf", "check_blendable", "default_gguf_path",
@@ -122,10 +122,10 @@ class ModelRunner:
         self.windows = layer_windows(cfg)  # per layer: sliding window or None
         self.dtype = next(model.parameters()).dtype
         self.linear_dtype = linear_dtype
+        projections = [*inner.layers.modules(), self._lm_head]
         self._weights = {} if linear_dtype is None else {  # id(module) -> its weight in linear_dtype
-            id(m): m.weight.detach().to(linear_dtype) for m in [*inner.layers.modules(), self._lm_head]
-            if type(m) is torch.nn.Linear}
-        self._packed = (pack_linears([*inner.layers.modules(), self._lm_head])
+            id(m): m.weight.detach().to(linear_dtype) for m in projections if type(m) is torch.nn.Linear}
+        self._packed = (pack_linears(projections)
                         if packed and linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
                         else {})  # id(module) -> its block code
         self.fingerprint = self._fingerprint()
@@ -305,11 +305,7 @@ class ModelRunner:
         `rows_linear`."""
         w = self._weights.get(id(layer))
         if w is None:
-            code = self._packed.get(id(layer))
-            if code is not None and x.dim() == 2 and x.shape[0] in PACKED_ROWS and x.dtype == torch.float32 \
-                    and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
-                return cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias)  # [T, out]
-            return rows_linear(layer, x)
+            return rows_linear(layer, x, self._packed.get(id(layer)))
         out = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)  # [T, out]
         return out if layer.bias is None else out + layer.bias  # [T, out]
 
@@ -347,17 +343,21 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def rows_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | None = None) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows runs on
-    `cpu_kernels.rows_linear` (`cpu_kernels.ROWS`, where it is built), else for `SMALL_ROWS` as
-    (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
+    `cpu_kernels.packed_linear` over the weight's block `code` when it has one (`packed.ROWS`), else on
+    `cpu_kernels.rows_linear` (`cpu_kernels.ROWS`; both where the kernels are built), else for
+    `SMALL_ROWS` as (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
     `padded_rows(T)` rows (zeros after x's)."""
     n = x.shape[0] if x.dim() == 2 else 0
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
             or layer.weight.dtype != torch.float32:
         return layer(x)
-    if n in cpu_kernels.ROWS and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
-        return cpu_kernels.rows_linear(x, layer.weight, layer.bias)  # [T, out] (the kernel has no backward)
+    packed = code is not None and n in PACKED_ROWS
+    if (packed or n in cpu_kernels.ROWS) and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
+        if packed:  # (neither kernel has a backward)
+            return cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias)  # [T, out]
+        return cpu_kernels.rows_linear(x, layer.weight, layer.bias)  # [T, out]
     if n not in SMALL_ROWS:
         return layer(x)
     m = padded_rows(n)

@@ -151,7 +151,7 @@ inline float lanes_sum(v16 v) {
 //
 // d * q is exact in float32 (the packer checks every weight), so the expanded w equals the float32
 // weight bit for bit, and the tiles run rows_linear's products in its order: the same result from
-// 1/5 (a4) or 1/3.5 (s8) of the weight bytes. Under `expand_from` rows each tile expands the codes
+// 1/5 (a4) or 1/3.5 (s8) of the weight bytes. Under EXPAND_FROM rows each tile expands the codes
 // in registers; from it each weight block is expanded once into a buffer that rows_linear's tiles
 // read (measured on SmolLM2's 210 projections, 2 cores: 1 row 6.4 / 8.2 ms, 9 rows 21.8 / 20.5).
 
@@ -323,13 +323,14 @@ inline void expand_rows(const Code& src, int64_t K, float* rows) {
   }
 }
 
+constexpr int64_t EXPAND_FROM = 9;  // rows from which codes are expanded once per weight block (measured)
+
 // Few rows: each tile expands the codes in registers. More: each thread expands a block of NT weight
 // rows once into an L1-sized buffer and runs the float32 tiles over it (a weight block is read by
 // M / 8 tiles; expanding it in each would cost more than the products).
 template <class Code>
-void packed_run(const float* X, const Code& code, const float* bias, float* Y, int64_t M, int64_t K, int64_t N,
-                int64_t expand_from) {
-  if (M < expand_from) {
+void packed_run(const float* X, const Code& code, const float* bias, float* Y, int64_t M, int64_t K, int64_t N) {
+  if (M < EXPAND_FROM) {
     run_blocks(X, code, bias, Y, M, K, N);
     return;
   }
@@ -351,8 +352,7 @@ void packed_run(const float* X, const Code& code, const float* bias, float* Y, i
 }
 
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& d,
-                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias_in,
-                         int64_t expand_from) {
+                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "packed_linear takes x [T, in] float32");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && d.dim() == 2 && d.is_contiguous() &&
                   d.scalar_type() == at::kFloat, "codes [out, *] and d [out, in/32] float32, contiguous");
@@ -366,11 +366,11 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& codes, const 
     TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == K / 2, "a4 codes must be uint8 [out, in/2]");
     TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kFloat && m->sizes() == d.sizes(), "m must be like d");
     const A4 code{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m->data_ptr<float>(), K};
-    packed_run(x.data_ptr<float>(), code, B, y.data_ptr<float>(), M, K, N, expand_from);
+    packed_run(x.data_ptr<float>(), code, B, y.data_ptr<float>(), M, K, N);
   } else {  // s8
     TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == K, "s8 codes must be int8 [out, in]");
     const S8 code{codes.data_ptr<int8_t>(), d.data_ptr<float>(), K};
-    packed_run(x.data_ptr<float>(), code, B, y.data_ptr<float>(), M, K, N, expand_from);
+    packed_run(x.data_ptr<float>(), code, B, y.data_ptr<float>(), M, K, N);
   }
   return y;
 }
@@ -381,7 +381,7 @@ TORCH_LIBRARY(blendserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor start, Tensor n, Tensor pos, "
         "int window, float scale) -> Tensor");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias, int expand_from=9) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
