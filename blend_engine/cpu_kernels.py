@@ -5,7 +5,9 @@ benchmarks/results/cpu_kernels/):
 - `paged_decode`: decode attention read straight from the paged pool, one call a layer for all rows,
   the CPU twin of `executor.paged_decode` (Triton), same arguments. Against one SDPA call per
   sequence it reads each key and value row once for all G query heads of its KV head and leaves
-  ~10 Python-side ops per sequence and layer out of the step.
+  ~10 Python-side ops per sequence and layer out of the step. Each row's keys are cut into work
+  items of 512 (by the row's own length, so batched equals alone bit for bit), vectorised 16 keys
+  at a time: bound by reading the pool (~20-24 GB/s here; `python -m benchmarks.decode_attention`).
 
       pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
 

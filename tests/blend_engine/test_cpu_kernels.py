@@ -43,6 +43,26 @@ def test_the_kernel_equals_dense_attention_over_each_rows_slots(kernel, window, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize(("grp", "d"), [(3, 64), (4, 80), (1, 256), (2, 24)])
+def test_rows_longer_than_a_work_item_merge_their_parts(kernel, window, grp, d):
+    """Rows of 513-1,300 keys are cut into parts of 512 and merged; a window that starts inside a part."""
+    q, k, v, start, n, pos = _case([1300, 513, 512, 40], 2, grp, d)
+    want = dense_decode_reference(q, k, v, start, n, pos, window, d ** -0.5)
+    got = cpu_kernels.paged_decode(q, k, v, start, n, pos, window, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernel):
+    """Bit for bit: how a row's keys are split into work items depends on its own length alone, so
+    batched decoding gives the tokens decoding alone gives."""
+    q, k, v, start, n, pos = _case([1300, 77, 600, 5], 3, 3, 64)
+    batched = cpu_kernels.paged_decode(q, k, v, start, n, pos, None, 0.125)
+    for b in range(q.shape[0]):
+        alone = cpu_kernels.paged_decode(q[b:b + 1], k, v, start[b:b + 1], n[b:b + 1], pos[b:b + 1], None, 0.125)
+        assert torch.equal(alone[0], batched[b])
+
+
 def test_one_row_and_a_non_contiguous_query(kernel):
     q, k, v, start, n, pos = _case([300], 3, 3, 64)
     qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # [B, H, G, D] with another memory order
