@@ -101,6 +101,19 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, st
     return torch.ops.blendserve_cpu.paged_decode(q, k_pool, v_pool, start, n, pos, window or 0, scale)
 
 
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None,
+                       scale: float) -> torch.Tensor:
+    """A blend's selected rows: q [Hq, S, D] at sorted distinct positions pos [S] over k, v [H, N, D]
+    (float32, on the CPU, D 16 x 1..8), row s seeing keys <= pos[s] (and > pos[s] - window on a
+    sliding-window layer). Returns [S, Hq*D]. Call `ensure()` first."""
+    return torch.ops.blendserve_cpu.selected_attention(q, k, v, pos, window or 0, scale)
+
+
+def selected_usable(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `selected_attention` takes this cache: float32, a head dim of 16 x 1..8, the kernels built."""
+    return dtype == torch.float32 and head_dim % 16 == 0 and 16 <= head_dim <= 128 and ensure()
+
+
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ weight [out, in]^T (+ bias [out]), float32 on the CPU: [T, out]. Call `ensure()` first."""
     return torch.ops.blendserve_cpu.rows_linear(x, weight, bias)

@@ -61,8 +61,9 @@ class EngineConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     kv_format: str = "fp16"
     prefix_cache_bytes: int = 1 << 30  # budget of the prefix_cache mode's in-context entries
-    # how a blend's selected rows attend: "auto" (position-ordered query blocks on the CPU, one boolean-mask
-    # SDPA on a device), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
+    # how a prefill's rows attend: "auto" (the C++ kernel on the CPU where it takes the cache, else
+    # position-ordered SDPA blocks; one boolean-mask SDPA on a device), "blocks" (the SDPA blocks on the
+    # CPU), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
     selected_attention: str = "auto"
     decode_attention: str = "auto"  # `executor.decode.decode_attention`: pooled / per_sequence / auto
     decode_graphs: str = "auto"  # "auto": pooled decode steps replayed as CUDA graphs on CUDA; "off": eager

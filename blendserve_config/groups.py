@@ -58,9 +58,10 @@ class EngineSettings(Group):
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="fixed ratio; unset = controller")
     ratio_floor: float = Field(0.15, ge=0, le=1)
     ratio_max: float = Field(0.5, ge=0, le=1)
-    selected_attention: Literal["auto", "sdpa_mask", "flex"] = Field(
-        "auto", description="how a blend's recomputed rows attend: auto = 4 blocks on the CPU, one boolean-mask "
-                            "SDPA on a GPU; flex = FlexAttention (compiled on CUDA at first use)")
+    selected_attention: Literal["auto", "blocks", "sdpa_mask", "flex"] = Field(
+        "auto", description="how a prefill's rows attend: auto = a C++ kernel on the CPU (float32, head dim "
+                            "16 x 1..8; else blocks), one boolean-mask SDPA on a GPU; blocks = position-ordered "
+                            "SDPA calls on the CPU; flex = FlexAttention (compiled on CUDA at first use)")
     decode_attention: Literal["auto", "pooled", "per_sequence"] = Field(
         "auto", description="how a decode step attends: pooled = one call a layer over the KV pool (a kernel "
                             "reading the pool in place: Triton on CUDA, C++ on the CPU, built once per machine; "

@@ -280,6 +280,196 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
   return out;
 }
 
+// selected_attention: a blend's selected rows (sorted positions pos[S]) over the keys before them,
+//
+//   keys 0 .. N-1 (the blended cache):  | ............................................ |
+//   row s (position pos[s]):             sees keys lo(s) .. pos[s]   (lo: the window's first, else 0)
+//
+// Work items (KV head h, block of SEL_ROWS rows): the block's G x SEL_ROWS query vectors, in register
+// tiles of SEL_TILE, run over key blocks of SEL_KEYS up to the block's last position (a tile skips
+// the key blocks none of its rows sees): scores from keys transposed once per call (kt [H, D, N]),
+// an online softmax (running maximum and sum per vector), then the values' weighted sum, every
+// tile's sums in registers. One pass, no [S, N] mask; float32, head dim 16 x 1..8.
+constexpr int64_t SEL_ROWS = 16;  // positions per work item
+constexpr int SEL_KEYS = 64;      // keys per block: 4 16-lane score vectors per query vector
+
+struct SelBlock {  // one work item's query vectors: pre-scaled q [NV, D], positions, window starts
+  const float* q; const int64_t* p; const int64_t* lo;
+};
+
+// Vectors i0 .. i0+NT of the block over keys k0 .. k0+n_keys-1 (n_keys <= SEL_KEYS): their running
+// max m, sum l and sums o [nv, D]. DC: the head dim in 16-lane vectors; kth: kt's row length.
+template <int NT, int DC>
+inline void sel_tile(const SelBlock& blk, int i0, int64_t k0, int64_t n_keys, const float* kt, int64_t kth,
+                     const float* vh, int64_t vss, float* m, float* l, float* o) {
+  constexpr int C = SEL_KEYS / 16, D = DC * 16;
+  v16 s[NT][C];
+  for (int r = 0; r < NT; ++r)
+    for (int c = 0; c < C; ++c) s[r][c] = v16{};
+  for (int d = 0; d < D; ++d) {  // scores: q . k for NT vectors x SEL_KEYS keys
+    const float* kd = kt + d * kth + k0;
+    v16 kk[C];
+    for (int c = 0; c < C; ++c) kk[c] = load16(kd + c * 16);
+    for (int r = 0; r < NT; ++r) {
+      const v16 qq = splat(blk.q[(i0 + r) * D + d]);
+      for (int c = 0; c < C; ++c) s[r][c] += qq * kk[c];
+    }
+  }
+  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  alignas(64) float pr[NT][SEL_KEYS];  // the numerators, read back one key at a time
+  float alpha[NT];
+  for (int r = 0; r < NT; ++r) {
+    const int64_t hi = std::min(blk.p[i0 + r], k0 + n_keys - 1), lo = blk.lo[i0 + r];  // keys lo .. hi visible
+    v16 top = splat(-INFINITY);
+    vi16 ok[C];
+    for (int c = 0; c < C; ++c) {
+      const vi16 key = lane + static_cast<int32_t>(k0 + c * 16);
+      ok[c] = (key <= vi16{} + static_cast<int32_t>(hi)) & (key >= vi16{} + static_cast<int32_t>(lo));
+      s[r][c] = ok[c] ? s[r][c] : splat(-INFINITY);
+      top = s[r][c] > top ? s[r][c] : top;
+    }
+    float bm = top[0];
+    for (int t = 1; t < 16; ++t) bm = std::max(bm, top[t]);
+    const float mn = std::max(m[i0 + r], bm);
+    if (mn == -INFINITY) {  // nothing visible yet to this vector
+      alpha[r] = 1.f;
+      std::memset(pr[r], 0, sizeof(pr[r]));
+      continue;
+    }
+    alpha[r] = m[i0 + r] == -INFINITY ? 0.f : std::exp(m[i0 + r] - mn);
+    v16 sum = v16{};
+    for (int c = 0; c < C; ++c) {
+      const v16 e = ok[c] ? exp16(s[r][c] - mn) : v16{};
+      std::memcpy(pr[r] + c * 16, &e, sizeof(e));
+      sum += e;
+    }
+    m[i0 + r] = mn;
+    l[i0 + r] = l[i0 + r] * alpha[r] + lanes_sum(sum);
+  }
+  v16 acc[NT][DC];
+  for (int r = 0; r < NT; ++r)
+    for (int c = 0; c < DC; ++c) acc[r][c] = load16(o + (i0 + r) * D + c * 16) * alpha[r];
+  for (int64_t j = 0; j < n_keys; ++j) {  // sums += p . v
+    const float* vr = vh + (k0 + j) * vss;
+    v16 vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = load16(vr + c * 16);
+    for (int r = 0; r < NT; ++r) {
+      const v16 pp = splat(pr[r][j]);
+      for (int c = 0; c < DC; ++c) acc[r][c] += pp * vv[c];
+    }
+  }
+  for (int r = 0; r < NT; ++r) std::memcpy(o + (i0 + r) * D, acc[r], sizeof(acc[r]));
+}
+
+// Every tile of one work item's nv vectors over one key block: tiles of TILE vectors (TILE x DC
+// accumulators in registers), the last one shorter; a tile that sees none of the keys is skipped.
+template <int TILE, int DC>
+void sel_block(const SelBlock& blk, int nv, int64_t k0, int64_t n_keys, const float* kt, int64_t kth,
+               const float* vh, int64_t vss, float* m, float* l, float* o) {
+  for (int i0 = 0; i0 < nv; i0 += TILE) {
+    const int nt = std::min(TILE, nv - i0);
+    if (blk.p[i0 + nt - 1] < k0 || blk.lo[i0] > k0 + n_keys - 1) continue;
+    if (nt == TILE) {
+      sel_tile<TILE, DC>(blk, i0, k0, n_keys, kt, kth, vh, vss, m, l, o);
+    } else {
+      for (int i = i0; i < nv; ++i) sel_tile<1, DC>(blk, i, k0, n_keys, kt, kth, vh, vss, m, l, o);
+    }
+  }
+}
+
+at::Tensor selected_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& pos_in, int64_t window, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [Hq, S, D], k and v [H, N, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "selected attention takes float32 only");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor pos = pos_in.to(at::kLong).contiguous();
+  const int64_t Hq = q.size(0), S = q.size(1), D = q.size(2), H = k.size(0), N = k.size(1);
+  TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128, "selected attention takes a head dim of 16 x 1..8");
+  TORCH_CHECK(k.size(2) == D && v.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1 && v.size(1) == N,
+              "k and v must be [H, N, D] with D contiguous");
+  TORCH_CHECK(H > 0 && Hq % H == 0 && v.size(0) == H && pos.numel() == S && S > 0, "q, k, v and pos disagree");
+  const int64_t G = Hq / H;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(pp[s] >= 0 && pp[s] < N && (s == 0 || pp[s] > pp[s - 1]),
+                "positions must be sorted, distinct and within the keys");
+  }
+  const int64_t kth = (pp[S - 1] + SEL_KEYS) / SEL_KEYS * SEL_KEYS;  // keys 0 .. pos[S-1], rounded up
+  at::Tensor kt = at::empty({H, D, kth}, q.options());  // [H, D, kth]: the keys transposed, zeros past the last
+  const float* kp = k.data_ptr<float>();
+  const int64_t ksh = k.stride(0), kss = k.stride(1);
+  at::Tensor out = at::empty({S, Hq * D}, q.options());  // [S, Hq*D]
+  const float* qp = q.data_ptr<float>();
+  float* ktp = kt.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = (S + SEL_ROWS - 1) / SEL_ROWS, vsh = v.stride(0), vss = v.stride(1);
+  const float sc = static_cast<float>(scale);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < H * (kth / SEL_KEYS); ++t) {  // transpose: block t of SEL_KEYS keys of head h
+      const int64_t h = t / (kth / SEL_KEYS), k0 = t % (kth / SEL_KEYS) * SEL_KEYS;
+      const float* src = kp + h * ksh + k0 * kss;  // SEL_KEYS rows of D: read from L1, written a line at a time
+      const int64_t n = std::min<int64_t>(SEL_KEYS, N - k0);
+      for (int64_t d = 0; d < D; ++d) {
+        float* dst = ktp + (h * D + d) * kth + k0;
+        for (int64_t j = 0; j < n; ++j) dst[j] = src[j * kss + d];
+        for (int64_t j = n; j < SEL_KEYS; ++j) dst[j] = 0.f;
+      }
+    }
+    const int64_t nv_max = G * SEL_ROWS;
+    std::vector<float> qb(nv_max * D), o(nv_max * D), m(nv_max), l(nv_max);
+    std::vector<int64_t> p(nv_max), lo(nv_max);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < H * blocks; ++it) {
+      const int64_t h = it % H, b = blocks - 1 - it / H;  // the last rows first: they see the most keys
+      const int64_t s0 = b * SEL_ROWS, rows = std::min(SEL_ROWS, S - s0);
+      const int nv = static_cast<int>(rows * G);
+      for (int64_t r = 0; r < rows; ++r) {  // vector i = r * G + g: query head h * G + g at row s0 + r
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = r * G + g;
+          const float* src = qp + ((h * G + g) * S + s0 + r) * D;
+          for (int64_t d = 0; d < D; ++d) qb[i * D + d] = src[d] * sc;
+          p[i] = pp[s0 + r];
+          lo[i] = window > 0 ? std::max<int64_t>(pp[s0 + r] - window + 1, 0) : 0;
+        }
+      }
+      std::fill(o.begin(), o.begin() + nv * D, 0.f);
+      std::fill(m.begin(), m.begin() + nv, -INFINITY);
+      std::fill(l.begin(), l.begin() + nv, 0.f);
+      const SelBlock blk{qb.data(), p.data(), lo.data()};
+      const float* kh = ktp + h * D * kth;
+      const float* vh = vp + h * vsh;
+      const int64_t last = p[nv - 1];
+      for (int64_t k0 = lo[0] / SEL_KEYS * SEL_KEYS; k0 <= last; k0 += SEL_KEYS) {
+        const int64_t n_keys = std::min<int64_t>(SEL_KEYS, last + 1 - k0);  // no vector sees a key past `last`
+        float *mp = m.data(), *lp = l.data(), *opp = o.data();
+        switch (D / 16) {  // tiles: SEL_KEYS / 16 score and D / 16 sum vectors per query vector, <= 24 in registers
+          case 1: sel_block<6, 1>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          case 2: sel_block<6, 2>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          case 3: sel_block<6, 3>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          case 4: sel_block<6, 4>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          case 5: sel_block<4, 5>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          case 6: sel_block<4, 6>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          case 7: sel_block<3, 7>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp); break;
+          default: sel_block<3, 8>(blk, nv, k0, n_keys, kh, kth, vh, vss, mp, lp, opp);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = r * G + g;
+          const float inv = 1.f / l[i];
+          float* dst = op + (s0 + r) * Hq * D + (h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = o[i * D + d] * inv;
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // packed_linear: rows_linear over a weight kept in the block code it was de-quantized from
 // (`blend_engine/packed.py`), expanded to float32 in registers 16 lanes at a time:
 //
@@ -518,12 +708,14 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& codes, const 
 TORCH_LIBRARY(blendserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor start, Tensor n, Tensor pos, "
         "int window, float scale) -> Tensor");
+  m.def("selected_attention(Tensor q, Tensor k, Tensor v, Tensor pos, int window, float scale) -> Tensor");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
+  m.impl("selected_attention", &selected_attention);
   m.impl("rows_linear", &rows_linear);
   m.impl("packed_linear", &packed_linear);
 }

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-SELECTED_ATTENTION = ("auto", "sdpa_mask", "flex")
+SELECTED_ATTENTION = ("auto", "blocks", "sdpa_mask", "flex")
 
 # the eager reference is what we mean to run off CUDA: its "use torch.compile" warning is noise there
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")

@@ -23,10 +23,11 @@ from typing import Protocol
 
 import torch
 
+from blend_engine import cpu_kernels
 from blend_engine.cancel import StopCheck, stop_if
 from blend_engine.executor.ape import ape_attend
 from blend_engine.executor.placement import Placer
-from blend_engine.executor.selection import RankSpace, Selection
+from blend_engine.executor.selection import RankSpace, Selection, cpu_kernel
 from blend_engine.explain import ScoreProbe
 from blend_engine.kv_store import ChunkKV
 from blend_engine.layout import PromptLayout, Segment
@@ -186,6 +187,7 @@ class LayerLoop:
         self.pos = torch.arange(N, device=job.ids.device)  # [N]
         self.cos_all, self.sin_all = r.rope(self.pos)  # [N, D] each
         self.windows = r.window_masks(self.pos, N)  # layer -> [N, N] or None, one per window size
+        self.kernel = cpu_kernel(job.attention, r.device, r.dtype, r.shape.head_dim)  # all rows: the CPU's kernel
         self.sel = None if job.recompute is None else self._selection(job.recompute)  # None = all tokens
         self.hidden = r.embed(job.ids if self.sel is None else job.ids[self.sel.pos])  # [N or S, E]
         policy = job.policy or SelectionPolicy()
@@ -263,6 +265,8 @@ class LayerLoop:
         if last:  # only the last position's output is used: it alone attends, to every key
             q, self.hidden = q[:, -1:], self.hidden[-1:]  # [Hq, 1, D], [1, E]
             out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos[-1:], N))  # [1, Hq*D]
+        elif self.sel is None and self.kernel:
+            out = cpu_kernels.selected_attention(q, K[:, :N], V[:, :N], self.pos, r.windows[layer], r.scaling)  # [N, Hq*D]
         elif self.sel is None:
             out = r.attend(q, K[:, :N], V[:, :N], self.windows(layer), causal=True)  # [N, Hq*D]
         else:

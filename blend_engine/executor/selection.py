@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from blend_engine import cpu_kernels
 from blend_engine.executor.attention import flex_attend, selected_block_mask
 from blend_engine.executor.uploads import upload
 from blend_engine.explain import ScoreProbe
@@ -47,12 +48,23 @@ def query_blocks(rows: int) -> int:
     return max(1, min(MAX_BLOCKS, rows // BLOCK_ROWS))
 
 
+def cpu_kernel(attention: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether rows at given positions attend through `cpu_kernels.selected_attention`: "auto" on the
+    CPU where the kernel takes the cache (float32, a head dim of 16 x 1..8, built). At 4.6K tokens
+    (SmolLM2-135M's heads, 2 threads) it ran a blend's selected rows at ~70M (row, key) cells a second
+    against ~40M for 16 position-ordered SDPA blocks, and a full causal prefill's at ~72M against SDPA's
+    ~62M (`python -m benchmarks.prefill_attention`)."""
+    return attention == "auto" and device.type == "cpu" and cpu_kernels.selected_usable(dtype, head_dim)
+
+
 class Selection:
     """The positions recomputed at a layer and what attending from them needs, built once per set
     (the set changes only at the check layer and the schedule's layers, not at every layer).
 
-    `attention` (`EngineConfig.selected_attention`): "auto" is "blocks" on the CPU, "sdpa_mask"
-    elsewhere. "blocks": queries split into position-ordered blocks; each reads only the keys up
+    `attention` (`EngineConfig.selected_attention`): "auto" is the C++ kernel on the CPU
+    (`cpu_kernel`: one call over the positions, each row's keys up to its own; "blocks" where it
+    does not take the cache), "sdpa_mask" elsewhere. "blocks": queries split into position-ordered
+    blocks; each reads only the keys up
     to its last position, under an additive causal mask by absolute position: ~S x N / 2 work,
     not S x N (reading a block's last position is free on the host; on a device it would be a
     host sync per set; `query_blocks` sets their number). "sdpa_mask": one boolean mask [S, N] by
@@ -70,7 +82,8 @@ class Selection:
         self._blocks: list[tuple[torch.Tensor, int, torch.Tensor, Callable[[int], torch.Tensor | None]]] = []
         self._mask: torch.Tensor | None = None
         self._flex: dict[int | None, BlockMask] | None = {} if attention == "flex" else None
-        if self._flex is not None:
+        self._kernel = cpu_kernel(attention, pos.device, cos_all.dtype, cos_all.shape[-1])
+        if self._flex is not None or self._kernel:
             return
         if attention == "sdpa_mask" or pos.device.type != "cpu":
             self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
@@ -92,6 +105,9 @@ class Selection:
                 self._flex[window] = selected_block_mask(self.pos, self._n, window)
             return flex_attend(q, K[:, :self._n], V[:, :self._n], self._flex[window], r.scaling,
                                fallback=lambda: self._attend_masked(r, q, K, V, layer))  # [S, Hq*D]
+        if self._kernel:
+            return cpu_kernels.selected_attention(q, K[:, :self._n], V[:, :self._n], self.pos, r.windows[layer],
+                                                  r.scaling)  # [S, Hq*D]
         if self._mask is not None:
             return self._attend_masked(r, q, K, V, layer)  # [S, Hq*D]
         outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], causal if (window := windows(layer)) is None else window)

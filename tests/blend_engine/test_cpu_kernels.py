@@ -63,6 +63,62 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernel):
         assert torch.equal(alone[0], batched[b])
 
 
+def _selected_case(h: int, grp: int, d: int, n: int, rows: int, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(h, n + 9, d, generator=g)[:, :n]  # a view of a larger cache, as a blend's K is
+    v = torch.randn(h, n + 9, d, generator=g)[:, :n]
+    q = torch.randn(h * grp, rows, d, generator=g)  # [Hq, S, D]
+    pos = torch.randperm(n, generator=g)[:rows].sort().values  # [S]
+    return q, k, v, pos
+
+
+def _selected_reference(q, k, v, pos, window, scale):
+    """Dense SDPA of the rows at `pos` over every key with a boolean mask by absolute position: [S, Hq*D]."""
+    j = torch.arange(k.shape[1])[None, :]
+    allowed = (j <= pos[:, None]) if window is None else (j <= pos[:, None]) & (j > pos[:, None] - window)  # [S, N]
+    out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed[None, None],
+                                                           scale=scale, enable_gqa=True)  # [1, Hq, S, D]
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+@pytest.mark.parametrize("window", [None, 1, 100])
+@pytest.mark.parametrize(("h", "grp", "d", "n", "rows"), [
+    (3, 3, 64, 700, 50),  # SmolLM2's heads, a blend's scattered rows
+    (2, 2, 16, 300, 300),  # every position: a causal prefill
+    (2, 4, 128, 517, 70),  # Llama's head dim, a tile of 3 vectors
+    (1, 6, 80, 333, 1),  # one row; a head dim whose tiles hold 4 vectors
+    (4, 1, 32, 129, 21),  # no grouping
+])
+def test_selected_attention_equals_dense_attention_by_position(kernel, window, h, grp, d, n, rows):
+    q, k, v, pos = _selected_case(h, grp, d, n, rows)
+    got = cpu_kernels.selected_attention(q, k, v, pos, window, d ** -0.5)
+    torch.testing.assert_close(got, _selected_reference(q, k, v, pos, window, d ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_a_selected_rows_output_does_not_depend_on_the_rows_beside_it(kernel):
+    """Bit for bit: key blocks are aligned by absolute position, so a row computed alone, in another
+    work item or beside other rows gives the same output (a prefill's chunks, batched or not)."""
+    q, k, v, pos = _selected_case(3, 3, 64, 600, 90)
+    together = cpu_kernels.selected_attention(q, k, v, pos, None, 0.125)
+    for s in (0, 17, 89):
+        alone = cpu_kernels.selected_attention(q[:, s:s + 1], k, v, pos[s:s + 1], None, 0.125)
+        assert torch.equal(alone[0], together[s])
+
+
+def test_selected_attention_refuses_what_it_cannot_take(kernel):
+    q, k, v, pos = _selected_case(2, 2, 64, 100, 10)
+    with pytest.raises(RuntimeError, match="sorted"):
+        cpu_kernels.selected_attention(q, k, v, pos.flip(0), None, 0.125)
+    with pytest.raises(RuntimeError, match="within the keys"):
+        cpu_kernels.selected_attention(q, k, v, pos + 100, None, 0.125)
+    with pytest.raises(RuntimeError, match="head dim"):
+        cpu_kernels.selected_attention(q[..., :24], k[..., :24], v[..., :24], pos, None, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.selected_attention(q.double(), k.double(), v.double(), pos, None, 0.125)
+    assert cpu_kernels.selected_usable(torch.float32, 64) and not cpu_kernels.selected_usable(torch.float32, 24)
+    assert not cpu_kernels.selected_usable(torch.bfloat16, 64)
+
+
 def test_one_row_and_a_non_contiguous_query(kernel):
     q, k, v, start, n, pos = _case([300], 3, 3, 64)
     qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # [B, H, G, D] with another memory order

@@ -1,6 +1,7 @@
 """How a blend's selected rows attend (`EngineConfig.selected_attention`): FlexAttention with a block
-mask from the selected positions, and the one boolean-mask SDPA path, equal the CPU's blocked path
-(same selection, logits within float rounding), with full and sliding-window attention."""
+mask from the selected positions, the one boolean-mask SDPA path and the CPU's position-ordered SDPA
+blocks equal the CPU's kernel ("auto" here: same selection, logits within float rounding), with full
+and sliding-window attention."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def engines(request, real_runner) -> dict[str, BlendEngine]:
     runner = ModelRunner(MODELS[request.param]().eval(), real_runner.tokenizer, f"tiny-{request.param}")
     store = MemoryStore(1 << 28, kv_format="fp32")
     out = {kind: BlendEngine(runner, store, EngineConfig(kv_format="fp32", selected_attention=kind))
-           for kind in ("auto", "sdpa_mask", "flex")}
+           for kind in ("auto", "blocks", "sdpa_mask", "flex")}
     for p in PASSAGES[:-1]:  # the last passage misses: recomputed in context through the selection path
         out["auto"].ensure_cached(p)
     return out
@@ -43,8 +44,8 @@ def engines(request, real_runner) -> dict[str, BlendEngine]:
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("plan", sorted(PLANS))
-@pytest.mark.parametrize("kind", ["sdpa_mask", "flex"])
-def test_selected_attention_paths_agree_with_the_cpu_blocks(engines, plan, kind):
+@pytest.mark.parametrize("kind", ["blocks", "sdpa_mask", "flex"])
+def test_selected_attention_paths_agree_with_the_cpu_kernel(engines, plan, kind):
     reference = engines["auto"].prefill(PLANS[plan])
     got = engines[kind].prefill(PLANS[plan])
     assert got.report.recomputed_positions == reference.report.recomputed_positions
@@ -128,3 +129,23 @@ def test_the_cpu_blocks_agree_with_one_boolean_mask_at_any_block_count(real_runn
     got = Selection(pos, cos, sin, N, r.window_masks, blocks=blocks).attend(r, q, K, V, 0)  # [S, Hq*D]
     torch.testing.assert_close(got, one_mask, atol=1e-5, rtol=1e-5)
     assert (query_blocks(1), query_blocks(31), query_blocks(100), query_blocks(640), query_blocks(5000)) == (1, 1, 3, 16, 16)
+
+
+def test_auto_attends_through_the_cpu_kernel(engines, monkeypatch):
+    """On the CPU "auto" sends the layers below the check layer (every row) and the selected rows to
+    the kernel; "blocks" never does."""
+    from blend_engine import cpu_kernels
+
+    rows: list[int] = []
+    real = cpu_kernels.selected_attention
+
+    def counted(q, k, v, pos, window, scale):
+        rows.append(pos.numel())
+        return real(q, k, v, pos, window, scale)
+
+    monkeypatch.setattr(cpu_kernels, "selected_attention", counted)
+    engines["blocks"].prefill(PLANS["blend@0.15"])
+    assert rows == []
+    got = engines["auto"].prefill(PLANS["blend@0.15"])
+    assert rows[0] == got.report.context_tokens  # layer 0: every row
+    assert min(rows) < got.report.context_tokens  # then the selected rows
