@@ -1,6 +1,6 @@
 """Blendserve's CPU kernels (`csrc/cpu_kernels.cpp`), built once per machine and loaded into torch.ops.
 
-Two float32 ops where torch's own CPU kernels are slow at the engine's shapes (measured,
+Float32 ops where torch's own CPU kernels are slow at the engine's shapes (measured,
 benchmarks/results/cpu_kernels/):
 - `paged_decode`: decode attention read straight from the paged pool, one call a layer for all rows,
   the CPU twin of `executor.paged_decode` (Triton), same arguments. Against one SDPA call per
@@ -11,14 +11,23 @@ benchmarks/results/cpu_kernels/):
 
       pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
 
+- `selected_attention`: a prefill's rows at sorted positions, each over the keys up to its own (a
+  blend's selected rows; every row of a causal prefill): register tiles of query vectors over key
+  blocks of 64, an online softmax, no [S, N] mask; ~70M (row, key) cells/s at SmolLM2's heads, 1.7x
+  SDPA in position-ordered blocks, 1.19x one causal SDPA (`python -m benchmarks.prefill_attention`).
+
+      keys:   | 0 .............................. N-1 |
+      row s:  | 0 ...... pos[s] |   (on a sliding-window layer only the last `window` of them)
+
 - `rows_linear`: x W^T (+ bias) for a few rows (`ROWS`) against an nn.Linear's weight as stored:
   register-tiled dot products that read each weight row once per 8 rows of x, where MKL's sgemm
   takes its slow small-M path (the 211 projections of a SmolLM2 decode step at 8 rows: 35 vs 47 ms).
+- `packed_linear`: the same tiles over a weight kept in its GGUF block code (`packed.py`).
 
 The source is compiled with torch's extension builder (a C++ compiler is needed: ~10 s on 2 cores,
 then loaded from torch's extension cache in ~0.1 s). `ensure()` builds or loads it once per process
 and says whether it is usable; where it cannot be built, a warning says why and callers keep torch's
-kernels (decode attends one sequence at a time, projections go to MKL).
+kernels (decode attends one sequence at a time, prefill rows go to SDPA, projections to MKL).
 """
 
 from __future__ import annotations

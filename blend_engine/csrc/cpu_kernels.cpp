@@ -1,4 +1,4 @@
-// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), three ops:
+// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), four ops:
 //
 // paged_decode: decode attention read straight from the paged pool, one call a layer for every row
 // (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
@@ -14,8 +14,10 @@
 // as stored (no repacking): each thread takes blocks of NT weight rows and runs MT x NT register
 // tiles of 16-wide dot products over them, so a weight row is read from memory once for every
 // 8 rows of x. MKL's sgemm takes a slow path at these shapes (benchmarks/results/cpu_kernels/).
+// packed_linear: the same tiles over a weight kept in its GGUF block code (see there).
+// selected_attention: a prefill's rows at sorted positions over the keys before each (see there).
 //
-// Both: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
+// All: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
 // at::parallel_for: that one's per-thread set-up is a thread_local compiled into this library, so
 // its first call on a thread re-ran torch's init_num_threads and put the engine loop back on the
 // process default (one core in the service; blend_engine/cpu_threads.py).

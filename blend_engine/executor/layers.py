@@ -187,7 +187,7 @@ class LayerLoop:
         self.pos = torch.arange(N, device=job.ids.device)  # [N]
         self.cos_all, self.sin_all = r.rope(self.pos)  # [N, D] each
         self.windows = r.window_masks(self.pos, N)  # layer -> [N, N] or None, one per window size
-        self.kernel = cpu_kernel(job.attention, r.device, r.dtype, r.shape.head_dim)  # all rows: the CPU's kernel
+        self.kernel = cpu_kernel(job.attention, r.device, r.dtype, r.shape.head_dim)  # rows attend by the C++ kernel
         self.sel = None if job.recompute is None else self._selection(job.recompute)  # None = all tokens
         self.hidden = r.embed(job.ids if self.sel is None else job.ids[self.sel.pos])  # [N or S, E]
         policy = job.policy or SelectionPolicy()
@@ -207,7 +207,8 @@ class LayerLoop:
         self._layers = iter(job.stream) if job.stream is not None else None  # the loaded layers, in order
 
     def _selection(self, positions: torch.Tensor) -> Selection:
-        return Selection(positions, self.cos_all, self.sin_all, self.n, self.r.window_masks, attention=self.job.attention)
+        return Selection(positions, self.cos_all, self.sin_all, self.n, self.r.window_masks, attention=self.job.attention,
+                         kernel=self.kernel)
 
     def steps(self) -> Iterator[int]:
         """Run the layers one per step; each step yields the number of tokens that layer computed."""

@@ -52,8 +52,8 @@ def cpu_kernel(attention: str, device: torch.device, dtype: torch.dtype, head_di
     """Whether rows at given positions attend through `cpu_kernels.selected_attention`: "auto" on the
     CPU where the kernel takes the cache (float32, a head dim of 16 x 1..8, built). At 4.6K tokens
     (SmolLM2-135M's heads, 2 threads) it ran a blend's selected rows at ~70M (row, key) cells a second
-    against ~40M for 16 position-ordered SDPA blocks, and a full causal prefill's at ~72M against SDPA's
-    ~62M (`python -m benchmarks.prefill_attention`)."""
+    against ~40M for 16 position-ordered SDPA blocks, and a full causal prefill's at ~71M against SDPA's
+    ~60M (`python -m benchmarks.prefill_attention`)."""
     return attention == "auto" and device.type == "cpu" and cpu_kernels.selected_usable(dtype, head_dim)
 
 
@@ -61,9 +61,9 @@ class Selection:
     """The positions recomputed at a layer and what attending from them needs, built once per set
     (the set changes only at the check layer and the schedule's layers, not at every layer).
 
-    `attention` (`EngineConfig.selected_attention`): "auto" is the C++ kernel on the CPU
-    (`cpu_kernel`: one call over the positions, each row's keys up to its own; "blocks" where it
-    does not take the cache), "sdpa_mask" elsewhere. "blocks": queries split into position-ordered
+    `kernel` (the caller's `cpu_kernel`): one call of the CPU's C++ kernel over the positions, each
+    row's keys up to its own. Else `attention` (`EngineConfig.selected_attention`): "auto" is
+    "blocks" on the CPU, "sdpa_mask" elsewhere. "blocks": queries split into position-ordered
     blocks; each reads only the keys up
     to its last position, under an additive causal mask by absolute position: ~S x N / 2 work,
     not S x N (reading a block's last position is free on the host; on a device it would be a
@@ -74,7 +74,8 @@ class Selection:
     """
 
     def __init__(self, pos: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor, n: int,
-                 window_masks: WindowMasks, blocks: int | None = None, attention: str = "auto") -> None:
+                 window_masks: WindowMasks, blocks: int | None = None, attention: str = "auto",
+                 kernel: bool = False) -> None:
         self.pos = pos  # [S] sorted absolute positions
         self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
         self._n = n
@@ -82,8 +83,8 @@ class Selection:
         self._blocks: list[tuple[torch.Tensor, int, torch.Tensor, Callable[[int], torch.Tensor | None]]] = []
         self._mask: torch.Tensor | None = None
         self._flex: dict[int | None, BlockMask] | None = {} if attention == "flex" else None
-        self._kernel = cpu_kernel(attention, pos.device, cos_all.dtype, cos_all.shape[-1])
-        if self._flex is not None or self._kernel:
+        self._kernel = kernel
+        if self._flex is not None or kernel:
             return
         if attention == "sdpa_mask" or pos.device.type != "cpu":
             self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
