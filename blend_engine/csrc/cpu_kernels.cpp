@@ -69,6 +69,10 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 
 inline v16 splat(float x) { return v16{} + x; }
 
+const vi16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline vi16 lanes_below(int64_t n) { return LANES < vi16{} + static_cast<int32_t>(n); }  // lanes 0 .. n-1 set
+
 // The 16 lane sums of x[0..15] as one vector (lane t: x[t]'s sum), by halving twice four times.
 inline v16 fold16(v16* x) {
   const vi16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -132,20 +136,19 @@ void attend_part(const float* q, int64_t G, const float* kb, int64_t kss, const 
       std::memcpy(score + g * stride + j, &s, sizeof(s));
     }
   }
-  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t g = 0; g < G; ++g) {
     float* sg = score + g * stride;
     v16 top = splat(-INFINITY);
     for (int64_t j = 0; j < m; j += 16) {
       const v16 s = load16(sg + j);
-      top = (lane < vi16{} + static_cast<int32_t>(m - j)) & (s > top) ? s : top;
+      top = lanes_below(m - j) & (s > top) ? s : top;
     }
     float t = top[0];
     for (int l = 1; l < 16; ++l) t = std::max(t, top[l]);
     v16 sum = v16{};
     for (int64_t j = 0; j < m; j += 16) {
       v16 e = exp16(load16(sg + j) - t);
-      e = lane < vi16{} + static_cast<int32_t>(m - j) ? e : v16{};  // past the last key: 0
+      e = lanes_below(m - j) ? e : v16{};  // past the last key: 0
       std::memcpy(sg + j, &e, sizeof(e));
       sum += e;
     }
@@ -288,7 +291,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
 //   row s (position pos[s]):             sees keys lo(s) .. pos[s]   (lo: the window's first, else 0)
 //
 // Work items (KV head h, block of SEL_ROWS rows): the block's G x SEL_ROWS query vectors, in register
-// tiles of SEL_TILE, run over key blocks of SEL_KEYS up to the block's last position (a tile skips
+// tiles (`sel_block`), run over key blocks of SEL_KEYS up to the block's last position (a tile skips
 // the key blocks none of its rows sees): scores from keys transposed once per call (kt [H, D, N]),
 // an online softmax (running maximum and sum per vector), then the values' weighted sum, every
 // tile's sums in registers. One pass, no [S, N] mask; float32, head dim 16 x 1..8.
@@ -317,7 +320,6 @@ inline void sel_tile(const SelBlock& blk, int i0, int64_t k0, int64_t n_keys, co
       for (int c = 0; c < C; ++c) s[r][c] += qq * kk[c];
     }
   }
-  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   alignas(64) float pr[NT][SEL_KEYS];  // the numerators, read back one key at a time
   float alpha[NT];
   for (int r = 0; r < NT; ++r) {
@@ -325,7 +327,7 @@ inline void sel_tile(const SelBlock& blk, int i0, int64_t k0, int64_t n_keys, co
     v16 top = splat(-INFINITY);
     vi16 ok[C];
     for (int c = 0; c < C; ++c) {
-      const vi16 key = lane + static_cast<int32_t>(k0 + c * 16);
+      const vi16 key = LANES + static_cast<int32_t>(k0 + c * 16);
       ok[c] = (key <= vi16{} + static_cast<int32_t>(hi)) & (key >= vi16{} + static_cast<int32_t>(lo));
       s[r][c] = ok[c] ? s[r][c] : splat(-INFINITY);
       top = s[r][c] > top ? s[r][c] : top;
