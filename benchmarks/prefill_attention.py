@@ -6,33 +6,24 @@ prefill, a blend's layers below its check layer), at the default model's heads o
     python -m benchmarks.prefill_attention [--tokens 4600] [--fractions 0.15,0.3,0.6] [--repeat 5]
 
 Selected rows: a seeded random `fraction` of the positions plus the last 32 (the question), sorted,
-attending to the keys before them. Prints per case the best of --repeat (after a warm-up) for each path,
-the two taking turns, and the rate in (row, visible key) cells per second; random Q/K/V (timing does not
-depend on the values); the outputs are compared (max abs difference).
+attending to the keys before them. Prints per case, for each path, the mean of two medians of --repeat
+(each after a warm-up), the two paths taking turns as in `benchmarks.cpu_kernels`, and the rate in (row,
+visible key) cells per second; random Q/K/V (timing does not depend on the values); the outputs are
+compared (max abs difference).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
+import statistics
 
 import torch
 
+from benchmarks.gpu_common import Setup, median_ms
 from blend_engine import cpu_kernels
 from blend_engine.executor.selection import Selection
 from blend_engine.model import ModelRunner
-
-
-def best_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_kernels.ensure():
         raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels.why_not()}")
     runner = ModelRunner.load()
+    setup = Setup(runner.device, runner.dtype, smoke=False)
     s, n = runner.shape, args.tokens
     hq, h, d = s.n_heads, s.n_kv_heads, s.head_dim
     g = torch.Generator().manual_seed(0)
@@ -74,15 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             diff = (torch_path() - kernel_path()).abs().max().item()
             a, b = [], []
             for _ in range(2):  # taking turns
-                a.append(best_ms(torch_path, args.repeat))
-                b.append(best_ms(kernel_path, args.repeat))
-            cells = float((pos + 1).sum())
-            row = {"case": name, "rows": pos.numel(), "keys": n, "sdpa_ms": round(min(a), 1),
-                   "kernel_ms": round(min(b), 1), "sdpa_mcells_s": round(cells / min(a) / 1e3, 1),
-                   "kernel_mcells_s": round(cells / min(b) / 1e3, 1), "max_abs_diff": diff}
+                a.append(median_ms(torch_path, setup, args.repeat))
+                b.append(median_ms(kernel_path, setup, args.repeat))
+            sdpa_ms, kernel_ms, cells = statistics.mean(a), statistics.mean(b), float((pos + 1).sum())
+            row = {"case": name, "rows": pos.numel(), "keys": n, "sdpa_ms": round(sdpa_ms, 1),
+                   "kernel_ms": round(kernel_ms, 1), "sdpa_mcells_s": round(cells / sdpa_ms / 1e3, 1),
+                   "kernel_mcells_s": round(cells / kernel_ms / 1e3, 1), "max_abs_diff": diff}
             out.append(row)
             print(f"{name}: {row['rows']} rows over {n} keys: SDPA {row['sdpa_ms']} ms ({row['sdpa_mcells_s']} M cells/s), "
-                  f"kernel {row['kernel_ms']} ms ({row['kernel_mcells_s']} M cells/s), {min(a) / min(b):.2f}x; "
+                  f"kernel {row['kernel_ms']} ms ({row['kernel_mcells_s']} M cells/s), {sdpa_ms / kernel_ms:.2f}x; "
                   f"max |diff| {diff:.1e}")
     print(json.dumps({"threads": torch.get_num_threads(), "heads": [hq, h, d], "cases": out}, indent=2))
     return 0
