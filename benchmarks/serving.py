@@ -37,6 +37,7 @@ OUT = REPO / "benchmarks" / "results" / "serving"
 MIN_REQUESTS = 8  # the fewest requests a level makes (its medians need a few)
 MAX_RETRIES = 30  # 503s one query takes before the client gives it up
 WARMUP = 4  # questions of the warm-up's own (its level makes MIN_REQUESTS requests over them)
+PREFIX_CACHING = "BLENDSERVE_ENGINE_PREFIX_CACHING"
 
 
 @dataclass(frozen=True)
@@ -288,12 +289,13 @@ def level_size(clients: int, rounds: int) -> int:
 
 
 def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int, natural: bool = False,
-            offset: int = 0) -> ServingRow:
-    """One level: its questions are qs[offset:offset + n] (wrapping), so that each level asks
-    questions no earlier level asked (`main` moves the offset on) and every level sees the same mix:
-    retrieved passages from the store, no exact repeat of an earlier prompt (a repeat is a prefix
-    hit: far cheaper, and once made the 1-client level cheaper than the rest)."""
-    n = level_size(clients, rounds)
+            offset: int = 0, n: int | None = None) -> ServingRow:
+    """One level of n requests (default `level_size`): its questions are qs[offset:offset + n]
+    (wrapping), so that each level asks questions no earlier level asked (`main` moves the offset on)
+    and every level sees the same mix: retrieved passages from the store, no exact repeat of an
+    earlier prompt (a repeat is a prefix hit: far cheaper, and once made the 1-client level cheaper
+    than the rest). With `--same-questions` every level asks the same n instead (`paired_settings`)."""
+    n = level_size(clients, rounds) if n is None else n
     bodies = [{"question": qs[(offset + i) % len(qs)], "top_k": 5, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "ignore_eos": not natural} for i in range(n)]
     run = asyncio.run(_level(url, bodies, clients))
@@ -331,6 +333,18 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
                 row.full_tokens_per_s, row.full_s, row.ttft_p50_ms, row.itl_p50_ms, row.rejected_503,
                 row.peak_running, row.peak_pool_blocks, row.pool_blocks, row.preemptions, row.engine_busy)
     return row
+
+
+def paired_settings(settings: dict[str, str], n: int, clients: list[int]) -> dict[str, str]:
+    """The service's settings for `--same-questions n`: every level asks the same n questions, so
+    levels differ in their concurrency only (not in their prompts' and answers' lengths), and automatic
+    prefix caching is off, so that no level takes an earlier level's prompts from the pool (the passages'
+    stored KV serves every level alike, as without the option)."""
+    if n < max(clients):
+        raise SystemExit(f"--same-questions {n} leaves clients idle: it must be at least {max(clients)}")
+    if settings.get(PREFIX_CACHING, "false").lower() not in ("false", "0"):
+        raise SystemExit(f"--same-questions runs with {PREFIX_CACHING}=false (a level would hit an earlier one)")
+    return {**settings, PREFIX_CACHING: "false"}
 
 
 def table(rows: list[ServingRow]) -> str:
@@ -387,11 +401,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--natural", action="store_true", help="answers end at EOS (natural lengths), max_tokens a cap")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a BLENDSERVE_* setting for the service (repeatable), e.g. BLENDSERVE_ENGINE_MAX_BATCH=16")
+    p.add_argument("--same-questions", type=int, default=0, metavar="N",
+                   help="paired levels: every level asks the same N questions (--rounds unused), automatic "
+                        "prefix caching off so that no level hits an earlier one's prompts")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     qs = questions(args.questions)
     levels = [(int(mt), int(c)) for mt in args.max_tokens.split(",") for c in args.clients.split(",")]
-    asked = sum(level_size(c, args.rounds) for _, c in levels)
+    settings = dict(kv.split("=", 1) for kv in args.set)
+    same = args.same_questions
+    if same:
+        settings = paired_settings(settings, same, [c for _, c in levels])
+    asked = same or sum(level_size(c, args.rounds) for _, c in levels)
     if asked > len(qs) - WARMUP:
         logger.warning("%d requests over %d questions: later levels will repeat earlier questions (prefix hits); "
                        "pass --questions %d", asked, len(qs) - WARMUP, asked + WARMUP)
@@ -399,12 +420,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="blendserve-serving-") as tmp:
         data_dir = args.data_dir or Path(tmp)
         data_dir.mkdir(parents=True, exist_ok=True)
-        with service(data_dir, dict(kv.split("=", 1) for kv in args.set)) as url:
+        with service(data_dir, settings) as url:
             measure(url, qs[-WARMUP:], 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
             offset = 0
             for mt, clients in levels:
-                rows.append(measure(url, qs[:-WARMUP], clients, mt, args.rounds, args.natural, offset))
-                offset += level_size(clients, args.rounds)
+                rows.append(measure(url, qs[:-WARMUP], clients, mt, args.rounds, args.natural, offset, same or None))
+                offset += 0 if same else level_size(clients, args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (args.out / "serving.md").write_text(table(rows))

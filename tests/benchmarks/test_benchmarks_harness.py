@@ -239,3 +239,17 @@ def test_serving_counts_only_the_tokens_streamed_while_every_client_had_a_reques
     late = _Sample(1.0, [], 6, (101.0, 103.0, 104.0))  # 2 of 6 tokens inside (one delta of three)
     assert full_tokens_per_s([early, late], t0, 2.0) == pytest.approx((4 + 2) / 2.0)
     assert full_tokens_per_s([early], t0, 0.0) != full_tokens_per_s([early], t0, 0.0)  # an empty window: NaN
+
+
+def test_serving_paired_levels_turn_prefix_caching_off_and_refuse_what_would_break_them():
+    """`--same-questions N`: every level asks the same N questions, so no level may take an earlier
+    level's prompts from the pool (prefix caching off), and N must cover the largest level's clients."""
+    from benchmarks.serving import PREFIX_CACHING, paired_settings
+
+    assert paired_settings({"BLENDSERVE_ENGINE_MAX_BATCH": "16"}, 48, [1, 8, 16]) == {
+        "BLENDSERVE_ENGINE_MAX_BATCH": "16", PREFIX_CACHING: "false"}
+    assert paired_settings({PREFIX_CACHING: "False"}, 16, [16])[PREFIX_CACHING] == "false"
+    with pytest.raises(SystemExit, match="at least 32"):
+        paired_settings({}, 16, [1, 32])
+    with pytest.raises(SystemExit, match="hit an earlier"):
+        paired_settings({PREFIX_CACHING: "true"}, 48, [1, 8])
