@@ -338,8 +338,9 @@ def measure(url: str, qs: list[str], clients: int, max_tokens: int, rounds: int,
 def paired_settings(settings: dict[str, str], n: int, clients: list[int]) -> dict[str, str]:
     """The service's settings for `--same-questions n`: every level asks the same n questions, so
     levels differ in their concurrency only (not in their prompts' and answers' lengths), and automatic
-    prefix caching is off, so that no level takes an earlier level's prompts from the pool (the passages'
-    stored KV serves every level alike, as without the option)."""
+    prefix caching is off, so that no level takes an earlier level's prompts from the pool. A warm-up
+    asks the n questions first (8 tokens each), so that every level finds their passages' KV in the same
+    tiers (the memory tier; else the first level alone would read them from the disk tier)."""
     if n < max(clients):
         raise SystemExit(f"--same-questions {n} leaves clients idle: it must be at least {max(clients)}")
     if settings.get(PREFIX_CACHING, "false").lower() not in ("false", "0"):
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         with service(data_dir, settings) as url:
             measure(url, qs[-WARMUP:], 1, 8, 1)  # warm-up: the passages' KV is cached at ingestion, this warms the rest
+            if same:  # and every level's passages: the first level would otherwise load them from disk for the rest
+                measure(url, qs[:same], min(8, same), 8, 1, n=same)
             offset = 0
             for mt, clients in levels:
                 rows.append(measure(url, qs[:-WARMUP], clients, mt, args.rounds, args.natural, offset, same or None))
