@@ -366,6 +366,24 @@ def table(rows: list[ServingRow]) -> str:
         for r in rows)
 
 
+def scaling(rows: list[ServingRow], natural: bool) -> str:
+    """Per max_tokens: each level's tokens/s over one client's, and 16 clients' over 8's, beside issue #35's
+    goals (8 / 1 >= 2.5x with natural lengths, >= 3x fixed; 16 / 8 >= 1.3x). Empty without a 1-client level."""
+    lines = []
+    for mt in dict.fromkeys(r.max_tokens for r in rows):
+        rate = {r.clients: r.tokens_per_s for r in rows if r.max_tokens == mt}
+        if 1 not in rate:
+            continue
+        over = ", ".join(f"{c} clients {rate[c] / rate[1]:.2f}x" for c in sorted(rate) if c > 1)
+        line = f"max_tokens {mt}: tokens/s over one client's: {over or 'no other level'}"
+        if 8 in rate:
+            line += f" (8 / 1 goal {'2.5' if natural else '3'}x)"
+        if 8 in rate and 16 in rate:
+            line += f"; 16 / 8 {rate[16] / rate[8]:.2f}x (goal 1.3x)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def plot(rows: list[ServingRow], path: Path) -> None:
     import matplotlib
 
@@ -434,6 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "serving.md").write_text(table(rows))
     plot(rows, args.out / "serving.png")
     print(table(rows))
+    print(scaling(rows, args.natural))
 
 
 if __name__ == "__main__":

@@ -253,3 +253,17 @@ def test_serving_paired_levels_turn_prefix_caching_off_and_refuse_what_would_bre
         paired_settings({}, 16, [1, 32])
     with pytest.raises(SystemExit, match="hit an earlier"):
         paired_settings({PREFIX_CACHING: "true"}, 48, [1, 8])
+
+
+def test_serving_prints_each_levels_tokens_per_second_over_one_clients():
+    """The scaling line per max_tokens: levels over the 1-client level, 16 over 8, with #35's goals."""
+    from benchmarks.serving import ServingRow, scaling
+
+    def row(mt: int, clients: int, tps: float) -> ServingRow:
+        return ServingRow(mt, clients, 8, 8, 0, 0, 1.0, 1.0, tps, 0.0, 0.0, 0.0, 0.0)
+
+    rows = [row(128, 1, 20.0), row(128, 8, 40.0), row(128, 16, 50.0), row(32, 8, 9.0)]
+    assert scaling(rows, natural=True) == ("max_tokens 128: tokens/s over one client's: 8 clients 2.00x, "
+                                           "16 clients 2.50x (8 / 1 goal 2.5x); 16 / 8 1.25x (goal 1.3x)")
+    assert "8 / 1 goal 3x" in scaling(rows, natural=False)
+    assert scaling([row(32, 8, 9.0)], natural=True) == ""  # no 1-client level: nothing to divide by
