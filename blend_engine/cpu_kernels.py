@@ -23,6 +23,9 @@ benchmarks/results/cpu_kernels/):
   register-tiled dot products that read each weight row once per 8 rows of x, where MKL's sgemm
   takes its slow small-M path (the 211 projections of a SmolLM2 decode step at 8 rows: 35 vs 47 ms).
 - `packed_linear`: the same tiles over a weight kept in its GGUF block code (`packed.py`).
+- `place_rotated`: a layer of cached chunks into a request's cache, the keys moved by RoPE on the way
+  (`executor.placement`): one pass where torch's ops wrote five temporaries and two copies (a blend of
+  ~500 tokens spent ~16 ms placing its 29 layers, ~6% of it).
 
 The source is compiled with torch's extension builder (a C++ compiler is needed: ~10 s on 2 cores,
 then loaded from torch's extension cache in ~0.1 s). `ensure()` builds or loads it once per process
@@ -134,3 +137,11 @@ def packed_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torc
     `m` is given (codes uint8 [out, in/2]), else s8 (codes int8 [out, in]); d, m [out, in/32]. Equal
     to `rows_linear` on the de-quantized weight bit for bit, for any number of rows. Call `ensure()` first."""
     return torch.ops.blendserve_cpu.packed_linear(x, codes, d, m, bias)
+
+
+def place_rotated(K: torch.Tensor, V: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, dst: torch.Tensor) -> None:
+    """K[:, dst] = k moved by the rotation tables cos, sin [Tc, D] (as `ModelRunner.apply_rotation`, bit for
+    bit; none: as they are) and V[:, dst] = v, for the cache's K, V [H, C, D] and the chunks' k, v [H, Tc, D]
+    (float32, on the CPU; dst [Tc] the cached tokens' slots). Call `ensure()` first."""
+    torch.ops.blendserve_cpu.place_rotated(K, V, k, v, cos, sin, dst)

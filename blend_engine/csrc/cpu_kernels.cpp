@@ -1,4 +1,4 @@
-// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), four ops:
+// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), five ops:
 //
 // paged_decode: decode attention read straight from the paged pool, one call a layer for every row
 // (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
@@ -16,6 +16,7 @@
 // 8 rows of x. MKL's sgemm takes a slow path at these shapes (benchmarks/results/cpu_kernels/).
 // packed_linear: the same tiles over a weight kept in its GGUF block code (see there).
 // selected_attention: a prefill's rows at sorted positions over the keys before each (see there).
+// place_rotated: cached chunks' keys moved by RoPE and written with their values into a cache (see there).
 //
 // All: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
 // at::parallel_for: that one's per-thread set-up is a thread_local compiled into this library, so
@@ -707,6 +708,74 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& codes, const 
   return y;
 }
 
+// place_rotated: one layer of cached chunks written into a request's cache at their places in the
+// prompt (executor/placement.py), the keys moved by RoPE on the way, in one pass:
+//
+//   k, v [H, Tc, D]: the chunks' layer as cached (at positions 0..t-1 each), float32, contiguous
+//   K, V [H, C, D]:  the cache (a pool run's views: any strides over H and C, D contiguous)
+//   K[h, dst[t]] = k[h, t] * cos[t] + rotate_half(k[h, t]) * sin[t],  V[h, dst[t]] = v[h, t]
+//
+// rotate_half(x) = (-x[D/2:], x[:D/2]), as `ModelRunner.apply_rotation`; each product rounded on its
+// own, then the sum (no fused multiply-add), so the keys equal torch's `k * cos + rotate_half(k) * sin`
+// bit for bit. Without cos (undefined) the keys are copied as they are (prefix-cache entries).
+__attribute__((optimize("fp-contract=off")))
+void place_row(float* out, const float* x, const float* c, const float* s, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t j = 0; j < h; ++j) {
+    const float a = x[j] * c[j], b = x[j + h] * s[j];
+    out[j] = a - b;
+  }
+  for (int64_t j = h; j < D; ++j) {
+    const float a = x[j] * c[j], b = x[j - h] * s[j];
+    out[j] = a + b;
+  }
+}
+
+void place_rotated(const at::Tensor& K, const at::Tensor& V, const at::Tensor& k, const at::Tensor& v,
+                   const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in,
+                   const at::Tensor& dst_in) {
+  TORCH_CHECK(K.dim() == 3 && V.dim() == 3 && k.dim() == 3 && v.dim() == 3, "K, V [H, C, D] and k, v [H, Tc, D]");
+  TORCH_CHECK(K.scalar_type() == at::kFloat && V.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "place_rotated takes float32 only");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(), "k and v: contiguous [H, Tc, D]");
+  const int64_t H = k.size(0), Tc = k.size(1), D = k.size(2), C = K.size(1);
+  TORCH_CHECK(K.size(0) == H && V.size(0) == H && K.size(2) == D && V.size(2) == D && V.size(1) == C &&
+                  K.stride(2) == 1 && V.stride(2) == 1, "K and V must be [H, C, D] with D contiguous, like k");
+  const bool rotate = cos_in.has_value() && cos_in->defined();
+  at::Tensor cs, sn;
+  if (rotate) {
+    TORCH_CHECK(sin_in.has_value() && sin_in->defined(), "cos without sin");
+    cs = cos_in->contiguous();
+    sn = sin_in->contiguous();
+    TORCH_CHECK(cs.scalar_type() == at::kFloat && sn.scalar_type() == at::kFloat && cs.dim() == 2 &&
+                    cs.size(0) == Tc && cs.size(1) == D && sn.sizes() == cs.sizes() && D % 2 == 0,
+                "cos and sin must be float32 [Tc, D], D even");
+  }
+  const at::Tensor dst = dst_in.to(at::kLong).contiguous();
+  TORCH_CHECK(dst.numel() == Tc, "one destination slot per cached token");
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (int64_t t = 0; t < Tc; ++t) TORCH_CHECK(dp[t] >= 0 && dp[t] < C, "a destination slot outside the cache");
+  float* Kp = K.data_ptr<float>();
+  float* Vp = V.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* cp = rotate ? cs.data_ptr<float>() : nullptr;
+  const float* sp = rotate ? sn.data_ptr<float>() : nullptr;
+  const int64_t Ksh = K.stride(0), Kss = K.stride(1), Vsh = V.stride(0), Vss = V.stride(1);
+#pragma omp parallel for schedule(static) if (H * Tc * D >= (1 << 16))
+  for (int64_t r = 0; r < H * Tc; ++r) {  // row r: head r / Tc, cached token r % Tc
+    const int64_t h = r / Tc, t = r % Tc;
+    float* ko = Kp + h * Ksh + dp[t] * Kss;
+    const float* ki = kp + r * D;
+    if (rotate) {
+      place_row(ko, ki, cp + t * D, sp + t * D, D);
+    } else {
+      std::memcpy(ko, ki, D * sizeof(float));
+    }
+    std::memcpy(Vp + h * Vsh + dp[t] * Vss, vp + r * D, D * sizeof(float));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blendserve_cpu, m) {
@@ -715,6 +784,7 @@ TORCH_LIBRARY(blendserve_cpu, m) {
   m.def("selected_attention(Tensor q, Tensor k, Tensor v, Tensor pos, int window, float scale) -> Tensor");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias) -> Tensor");
+  m.def("place_rotated(Tensor(a!) K, Tensor(b!) V, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
@@ -722,4 +792,5 @@ TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
   m.impl("selected_attention", &selected_attention);
   m.impl("rows_linear", &rows_linear);
   m.impl("packed_linear", &packed_linear);
+  m.impl("place_rotated", &place_rotated);
 }

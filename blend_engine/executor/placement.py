@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from blend_engine import cpu_kernels
 from blend_engine.layout import Segment
 from blend_engine.model import ModelRunner
 from blend_engine.transfer import PackedLayer
@@ -25,7 +26,8 @@ class Placer:
     The layer arrives packed (`transfer.PackedLayer`: one contiguous [H, Tc, D] block per K and V,
     already on the device or being copied there). Rotation tables for every cached token's move
     (its segment's offset) are built once per request on the device in fp32; each layer then
-    needs one fused rotation in fp32, cast to the compute dtype, and two writes.
+    needs one fused rotation in fp32, cast to the compute dtype, and two writes: on the CPU in
+    float32 one pass of `cpu_kernels.place_rotated` (the same values bit for bit).
     """
 
     def __init__(self, runner: ModelRunner, cached: list[Segment], rotate: bool) -> None:
@@ -35,6 +37,7 @@ class Placer:
         self._start = spans[0][0] if spans else 0
         self._end = spans[-1][1] if spans else 0
         self._index = upload(torch.cat([torch.arange(a, b) for a, b in spans]), runner.device) if spans else None  # [Tc]
+        self._kernel = runner.device.type == "cpu" and runner.dtype == torch.float32 and cpu_kernels.ensure()
         self._rot = None
         if rotate and spans:
             deltas = upload(torch.cat([torch.full((b - a,), a) for a, b in spans]), runner.device)  # [Tc]
@@ -43,6 +46,9 @@ class Placer:
     def place(self, K: torch.Tensor, V: torch.Tensor, packed: PackedLayer) -> None:
         """K, V [H, C, D]; packed: the cached chunks' k, v [H, Tc, D] at positions 0..T-1 each."""
         k, v = packed.wait()  # [H, Tc, D] each
+        if self._takes(k, v):
+            cpu_kernels.place_rotated(K, V, k, v, *(self._rot or (None, None)), self._index)
+            return
         if self._rot is not None:
             k = ModelRunner.apply_rotation(k.float(), *self._rot).to(self._dtype)  # [H, Tc, D]
         if self._contiguous:
@@ -51,3 +57,9 @@ class Placer:
         else:
             K[:, self._index] = k.to(self._dtype)
             V[:, self._index] = v.to(self._dtype)
+
+    def _takes(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `cpu_kernels.place_rotated` places this layer: float32 blocks on the CPU, tables of k's shape."""
+        return (self._kernel and self._index is not None and k.dtype == v.dtype == torch.float32
+                and k.is_contiguous() and v.is_contiguous()
+                and (self._rot is None or self._rot[0].shape == k.shape[1:]))

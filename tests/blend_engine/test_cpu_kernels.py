@@ -285,3 +285,40 @@ def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, 
             x = torch.randn(rows, real_runner.shape.hidden)
             torch.testing.assert_close(real_runner.linear(blk.mlp.up_proj, x), plain.linear(blk.mlp.up_proj, x),
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("h", "t", "d", "c"), [(3, 448, 64, 600), (2, 5, 16, 9), (4, 1093, 128, 2000), (1, 3, 6, 4)])
+def test_place_rotated_writes_what_torchs_rotation_and_copies_write_bit_for_bit(kernel, h, t, d, c):
+    """Keys moved by `ModelRunner.apply_rotation` and values copied into a strided cache view at any
+    slots (sorted or not), nothing else touched; one case big enough for the parallel loop."""
+    from blend_engine.model import ModelRunner
+
+    g = torch.Generator().manual_seed(t)
+    k, v = torch.randn(h, t, d, generator=g) * 5, torch.randn(h, t, d, generator=g)  # [H, Tc, D]
+    cos, sin = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)  # [Tc, D]
+    base = torch.randn(h, c + 7, d, generator=g)  # [H, C+7, D]: the cache is the view [:, 3 : 3 + C]
+    slots = torch.randperm(c, generator=g)[:t]  # [Tc], not sorted
+    want_k, want_v = base.clone(), base.clone()
+    want_k[:, 3:3 + c][:, slots] = ModelRunner.apply_rotation(k, cos, sin)
+    want_v[:, 3:3 + c][:, slots] = v
+    got_k, got_v = base.clone(), base.clone()
+    cpu_kernels.place_rotated(got_k[:, 3:3 + c], got_v[:, 3:3 + c], k, v, cos, sin, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    plain_k = base.clone()
+    cpu_kernels.place_rotated(plain_k[:, 3:3 + c], base.clone()[:, 3:3 + c], k, v, None, None, slots)
+    assert torch.equal(plain_k[:, 3:3 + c][:, slots], k)  # no tables: the keys as they are
+
+
+def test_place_rotated_refuses_what_it_cannot_take(kernel):
+    K, V = torch.zeros(2, 10, 8), torch.zeros(2, 10, 8)
+    k, v, cos, sin = torch.ones(2, 3, 8), torch.ones(2, 3, 8), torch.ones(3, 8), torch.ones(3, 8)
+    slots = torch.tensor([0, 4, 9])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.place_rotated(K, V, k, v, cos, sin, torch.tensor([0, 4, 10]))
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels.place_rotated(K, V, k.half(), v, cos, sin, slots)
+    with pytest.raises(RuntimeError, match=r"\[Tc, D\]"):
+        cpu_kernels.place_rotated(K, V, k, v, cos[:2], sin[:2], slots)
+    with pytest.raises(RuntimeError, match="one destination slot"):
+        cpu_kernels.place_rotated(K, V, k, v, cos, sin, slots[:2])
+    assert not K.any() and not V.any()  # a refused call writes nothing

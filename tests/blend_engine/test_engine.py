@@ -360,3 +360,27 @@ def test_one_default_policy_everywhere():
     work = PrefillWork(n_tokens=10, n_cached=8, n_forced=2, n_layers=6, bytes_per_layer=1)
     assert SelectionPolicy() == default_policy() == EngineConfig().policy == work.policy
     assert SelectionPolicy() != plain_policy()
+
+
+def test_placement_through_the_cpu_kernel_equals_torchs_bit_for_bit(tokenizer, monkeypatch):
+    """`Placer` places float32 layers on the CPU with `cpu_kernels.place_rotated`: a blend around a miss
+    (cached segments not contiguous) and a prefix-cache continuation (not rotated) give the same logits
+    and caches as torch's rotation and copies."""
+    from blend_engine import cpu_kernels
+    from blend_engine.executor import placement
+
+    assert cpu_kernels.ensure(), cpu_kernels.why_not()
+    engine = _engine(_tiny("llama", tokenizer), kv_format="fp16")
+    for p in (PASSAGES[0], PASSAGES[2]):  # PASSAGES[1] misses
+        engine.ensure_cached(p)
+    plans = (BlendPlan(PASSAGES[:3], QUESTION), BlendPlan(PASSAGES[::2], QUESTION, mode="prefix_cache"))
+    calls = []
+    real = cpu_kernels.place_rotated
+    monkeypatch.setattr(cpu_kernels, "place_rotated", lambda *a: calls.append(1) or real(*a))
+    with_kernel = [engine.prefill(p) for p in plans]
+    assert calls
+    monkeypatch.setattr(placement.Placer, "_takes", lambda self, k, v: False)
+    without = [engine.prefill(p) for p in plans]
+    for a, b in zip(with_kernel, without):
+        assert torch.equal(a.logits, b.logits)
+        assert all(torch.equal(x[:, :a.cache.length], y[:, :b.cache.length]) for x, y in zip(a.cache.k, b.cache.k))
