@@ -26,6 +26,7 @@ benchmarks/results/cpu_kernels/):
 - `place_rotated`: a layer of cached chunks into a request's cache, the keys moved by RoPE on the way
   (`executor.placement`): one pass where torch's ops wrote five temporaries and two copies (a blend of
   ~500 tokens spent ~16 ms placing its 29 layers, ~6% of it).
+- `rms_norm`: the families' RMSNorm in one pass a row, where torch runs six ops over every row.
 
 The source is compiled with torch's extension builder (a C++ compiler is needed: ~10 s on 2 cores,
 then loaded from torch's extension cache in ~0.1 s). `ensure()` builds or loads it once per process
@@ -145,3 +146,9 @@ def place_rotated(K: torch.Tensor, V: torch.Tensor, k: torch.Tensor, v: torch.Te
     bit; none: as they are) and V[:, dst] = v, for the cache's K, V [H, C, D] and the chunks' k, v [H, Tc, D]
     (float32, on the CPU; dst [Tc] the cached tokens' slots). Call `ensure()` first."""
     torch.ops.blendserve_cpu.place_rotated(K, V, k, v, cos, sin, dst)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim of x [..., E], float32 on the CPU; each row
+    on its own. Call `ensure()` first."""
+    return torch.ops.blendserve_cpu.rms_norm(x, weight, eps)

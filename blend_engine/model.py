@@ -70,6 +70,9 @@ CUDA_SDPA_BACKENDS: tuple | None = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # 81 as 32 (9 rows 55 against 59, the one loss; benchmarks/results/cpu_threads/rows.txt), so those are
 # padded with zero rows (`padded_rows`). Decode steps are in this range, prefills not.
 SMALL_ROWS = range(1, 97)
+# The families' RMSNorm classes (`families.SUPPORTED_MODEL_TYPES`): w * (x / sqrt(mean(x^2) + eps)), as
+# `cpu_kernels.rms_norm` computes it.
+RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class ModelRunner:
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
+        self._fused_norms = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.ensure()
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -245,13 +249,13 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fresh Q, K (after RoPE), V of one layer for tokens with hidden states `hidden` [T, E]."""
         attn = self._layers[layer].self_attn
-        x = self._layers[layer].input_layernorm(hidden)  # [T, E]
+        x = self.norm(self._layers[layer].input_layernorm, hidden)  # [T, E]
         T = x.shape[0]
         D = self.shape.head_dim
         q = self.linear(attn.q_proj, x).view(T, -1, D)  # [T, Hq, D]
         k = self.linear(attn.k_proj, x).view(T, -1, D)  # [T, H, D]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head over D, before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)  # [T, Hq, D], [T, H, D]
+            q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)  # [T, Hq, D], [T, H, D]
         q, k = q.transpose(0, 1), k.transpose(0, 1)  # [Hq, T, D], [H, T, D]
         v = self.linear(attn.v_proj, x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
         q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
@@ -292,12 +296,21 @@ class ModelRunner:
         """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]."""
         blk = self._layers[layer]
         h = hidden + self.linear(blk.self_attn.o_proj, attn_out)  # [S, E]
-        return h + self._mlp(blk.mlp, blk.post_attention_layernorm(h))  # [S, E]
+        return h + self._mlp(blk.mlp, self.norm(blk.post_attention_layernorm, h))  # [S, E]
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of every supported family, down(act(gate(x)) * up(x)): x, result [S, E]."""
         gate = self.linear(mlp.gate_proj, x)  # [S, I]
         return self.linear(mlp.down_proj, mlp.act_fn(gate) * self.linear(mlp.up_proj, x))  # [S, E]
+
+    def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """module(x) for x [..., E]: one of the families' RMSNorms (`RMS_NORMS`) runs on the CPU in float32
+        as one pass a row of `cpu_kernels.rms_norm` (torch: six ops over every row; the same values to
+        float32 rounding), anything else as the module."""
+        if self._fused_norms and type(module).__name__ in RMS_NORMS and x.dtype == torch.float32 \
+                and not _needs_grad(x, module.weight):
+            return cpu_kernels.rms_norm(x, module.weight, module.variance_epsilon)  # [..., E]
+        return module(x)
 
     def linear(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """layer(x) for x [T, in]: [T, out], through the weight's `linear_dtype` copy when there is one
@@ -318,7 +331,7 @@ class ModelRunner:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(self._lm_head, self._norm(hidden)).float()  # [S, V]
+        return self.linear(self._lm_head, self.norm(self._norm, hidden)).float()  # [S, V]
 
 
 def _sdpa_backends(names: tuple | None) -> list | None:

@@ -1,4 +1,4 @@
-// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), five ops:
+// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), six ops:
 //
 // paged_decode: decode attention read straight from the paged pool, one call a layer for every row
 // (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
@@ -17,6 +17,7 @@
 // packed_linear: the same tiles over a weight kept in its GGUF block code (see there).
 // selected_attention: a prefill's rows at sorted positions over the keys before each (see there).
 // place_rotated: cached chunks' keys moved by RoPE and written with their values into a cache (see there).
+// rms_norm: the families' RMSNorm, one pass a row (see there).
 //
 // All: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
 // at::parallel_for: that one's per-thread set-up is a thread_local compiled into this library, so
@@ -776,6 +777,42 @@ void place_rotated(const at::Tensor& K, const at::Tensor& V, const at::Tensor& k
   }
 }
 
+// rms_norm: the RMSNorm of the supported families (Llama, Mistral, Qwen2, Qwen3), one pass a row:
+//   out[r] = w * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)),  x [R, E] (any leading dims), w [E], float32
+// where torch runs six ops a call (pow, mean, add, rsqrt, two muls), each over every row. A row's
+// result depends on that row alone (the same sum order for any number of rows).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "rms_norm takes float32 only");
+  TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 1 && x_in.size(-1) == w_in.size(0) && w_in.size(0) > 0,
+              "rms_norm takes x [..., E] and a weight [E]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t E = w.size(0), R = x.numel() / E, E16 = E / 16 * 16;
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+#pragma omp parallel for schedule(static) if (R * E >= (1 << 16))
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = xp + r * E;
+    float* orow = op + r * E;
+    v16 acc{};
+    for (int64_t j = 0; j < E16; j += 16) {
+      const v16 a = load16(xr + j);
+      acc += a * a;
+    }
+    float sum = lanes_sum(acc);
+    for (int64_t j = E16; j < E; ++j) sum += xr[j] * xr[j];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(E) + e);
+    for (int64_t j = 0; j < E16; j += 16) {
+      const v16 y = load16(wp + j) * (load16(xr + j) * inv);
+      std::memcpy(orow + j, &y, sizeof(y));
+    }
+    for (int64_t j = E16; j < E; ++j) orow[j] = wp[j] * (xr[j] * inv);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blendserve_cpu, m) {
@@ -785,6 +822,7 @@ TORCH_LIBRARY(blendserve_cpu, m) {
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias) -> Tensor");
   m.def("place_rotated(Tensor(a!) K, Tensor(b!) V, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor dst) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
@@ -793,4 +831,5 @@ TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
   m.impl("rows_linear", &rows_linear);
   m.impl("packed_linear", &packed_linear);
   m.impl("place_rotated", &place_rotated);
+  m.impl("rms_norm", &rms_norm);
 }

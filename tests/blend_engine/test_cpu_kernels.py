@@ -322,3 +322,50 @@ def test_place_rotated_refuses_what_it_cannot_take(kernel):
     with pytest.raises(RuntimeError, match="one destination slot"):
         cpu_kernels.place_rotated(K, V, k, v, cos, sin, slots[:2])
     assert not K.any() and not V.any()  # a refused call writes nothing
+
+
+@pytest.mark.parametrize(("rows", "e"), [(1, 576), (490, 576), (7, 64), (3, 100), (33, 4096)])
+def test_rms_norm_equals_the_families_rmsnorm_and_each_row_stands_alone(kernel, rows, e):
+    """The kernel against transformers' LlamaRMSNorm (the four families' classes share its forward) to
+    float32 rounding, widths on and off the vector width; a row's output is the same alone, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(e)
+    norm = LlamaRMSNorm(e, eps=1e-5)
+    norm.weight.data = torch.randn(e, generator=g)
+    x = torch.randn(rows, e, generator=g) * 3  # [R, E]
+    with torch.no_grad():
+        want = norm(x)
+    got = cpu_kernels.rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_kernels.rms_norm(x[-1:], norm.weight.detach(), 1e-5), got[-1:])
+    heads = x.view(rows, -1, 4) if e % 4 == 0 else None  # leading dims: a per-head norm's [T, H, D]
+    if heads is not None:
+        w4 = norm.weight.detach()[:4].contiguous()
+        assert torch.equal(cpu_kernels.rms_norm(heads, w4, 1e-5).view(-1, 4), cpu_kernels.rms_norm(x.view(-1, 4), w4, 1e-5))
+
+
+def test_rms_norm_refuses_what_it_cannot_take(kernel):
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels.rms_norm(torch.ones(2, 8).half(), torch.ones(8).half(), 1e-6)
+    with pytest.raises(RuntimeError, match=r"\[E\]"):
+        cpu_kernels.rms_norm(torch.ones(2, 8), torch.ones(6), 1e-6)
+
+
+def test_the_runner_normalises_through_the_kernel_and_keeps_its_outputs(kernel, monkeypatch):
+    """Every RMSNorm of a step (each layer's two, the final one) goes through the kernel on the CPU in
+    float32; the logits match the modules' own within float32 rounding."""
+    runner = tiny_runner(kind="llama")
+    ids = torch.arange(3, 40)
+    with torch.inference_mode():
+        hidden = runner.embed(ids)  # [T, E]
+        calls = []
+        real = cpu_kernels.rms_norm
+        monkeypatch.setattr(cpu_kernels, "rms_norm", lambda *a: calls.append(1) or real(*a))
+        fused = runner.logits(runner.finish_layer(0, hidden, torch.zeros(len(ids), runner.shape.n_heads
+                                                                         * runner.shape.head_dim)))
+        assert len(calls) == 2  # post-attention and final
+        runner._fused_norms = False
+        plain = runner.logits(runner.finish_layer(0, hidden, torch.zeros(len(ids), runner.shape.n_heads
+                                                                         * runner.shape.head_dim)))
+    assert len(calls) == 2 and torch.allclose(fused, plain, rtol=1e-4, atol=1e-4)
