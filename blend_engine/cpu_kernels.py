@@ -27,6 +27,7 @@ benchmarks/results/cpu_kernels/):
   (`executor.placement`): one pass where torch's ops wrote five temporaries and two copies (a blend of
   ~500 tokens spent ~16 ms placing its 29 layers, ~6% of it).
 - `rms_norm`: the families' RMSNorm in one pass a row, where torch runs six ops over every row.
+- `rope`: fresh queries and keys rotated to their positions in one pass (torch: five ops, bit for bit).
 
 The source is compiled with torch's extension builder (a C++ compiler is needed: ~10 s on 2 cores,
 then loaded from torch's extension cache in ~0.1 s). `ensure()` builds or loads it once per process
@@ -152,3 +153,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) over the last dim of x [..., E], float32 on the CPU; each row
     on its own. Call `ensure()` first."""
     return torch.ops.blendserve_cpu.rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x [H, T, D] (D contiguous) and tables [T, D], float32 on the CPU,
+    bit for bit as torch computes it; [H, T, D] over [T, H, D] memory. Call `ensure()` first."""
+    return torch.ops.blendserve_cpu.rope(x, cos, sin)

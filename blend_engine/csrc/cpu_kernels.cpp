@@ -1,4 +1,4 @@
-// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), six ops:
+// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), seven ops:
 //
 // paged_decode: decode attention read straight from the paged pool, one call a layer for every row
 // (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
@@ -18,6 +18,7 @@
 // selected_attention: a prefill's rows at sorted positions over the keys before each (see there).
 // place_rotated: cached chunks' keys moved by RoPE and written with their values into a cache (see there).
 // rms_norm: the families' RMSNorm, one pass a row (see there).
+// rope: fresh queries or keys rotated to their positions, one pass (see there).
 //
 // All: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
 // at::parallel_for: that one's per-thread set-up is a thread_local compiled into this library, so
@@ -777,6 +778,30 @@ void place_rotated(const at::Tensor& K, const at::Tensor& V, const at::Tensor& k
   }
 }
 
+// rope: fresh queries or keys x [H, T, D] (any strides over H and T, D contiguous) rotated to their
+// positions by the tables cos, sin [T, D]: x * cos + rotate_half(x) * sin, each product rounded on its
+// own (`place_row`), so equal to torch's three ops bit for bit. The result is laid out as torch lays
+// out that expression over qkv's [T, H, D]-major views: [T, H, D] memory, returned as [H, T, D].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "rope takes x [H, T, D] float32, D contiguous");
+  const int64_t H = x.size(0), T = x.size(1), D = x.size(2);
+  const at::Tensor cs = cos_in.contiguous(), sn = sin_in.contiguous();
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && sn.scalar_type() == at::kFloat && cs.dim() == 2 && cs.size(0) == T &&
+                  cs.size(1) == D && sn.sizes() == cs.sizes() && D % 2 == 0, "cos and sin must be float32 [T, D], D even");
+  at::Tensor out = at::empty({T, H, D}, x.options());  // [T, H, D]
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xsh = x.stride(0), xst = x.stride(1);
+#pragma omp parallel for schedule(static) if (H * T * D >= (1 << 16))
+  for (int64_t r = 0; r < T * H; ++r) {  // row r: position r / H, head r % H
+    const int64_t t = r / H, h = r % H;
+    place_row(op + r * D, xp + h * xsh + t * xst, cp + t * D, sp + t * D, D);
+  }
+  return out.transpose(0, 1);  // [H, T, D]
+}
+
 // rms_norm: the RMSNorm of the supported families (Llama, Mistral, Qwen2, Qwen3), one pass a row:
 //   out[r] = w * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)),  x [R, E] (any leading dims), w [E], float32
 // where torch runs six ops a call (pow, mean, add, rsqrt, two muls), each over every row. A row's
@@ -823,6 +848,7 @@ TORCH_LIBRARY(blendserve_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, Tensor? bias) -> Tensor");
   m.def("place_rotated(Tensor(a!) K, Tensor(b!) V, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor dst) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
@@ -832,4 +858,5 @@ TORCH_LIBRARY_IMPL(blendserve_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("place_rotated", &place_rotated);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
 }

@@ -365,7 +365,34 @@ def test_the_runner_normalises_through_the_kernel_and_keeps_its_outputs(kernel, 
         fused = runner.logits(runner.finish_layer(0, hidden, torch.zeros(len(ids), runner.shape.n_heads
                                                                          * runner.shape.head_dim)))
         assert len(calls) == 2  # post-attention and final
-        runner._fused_norms = False
+        runner._cpu_kernels = False
         plain = runner.logits(runner.finish_layer(0, hidden, torch.zeros(len(ids), runner.shape.n_heads
                                                                          * runner.shape.head_dim)))
     assert len(calls) == 2 and torch.allclose(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("t", "h", "d"), [(1, 9, 64), (16, 3, 64), (490, 9, 64), (7, 2, 6)])
+def test_rope_rotates_fresh_rows_bit_for_bit_as_torch_in_torchs_layout(kernel, t, h, d):
+    """qkv's views ([T, H, D] memory seen as [H, T, D]) rotated exactly as `x * cos + rotate_half(x) * sin`."""
+    from blend_engine.families import rotate_half
+
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h * d, generator=g).view(t, h, d).transpose(0, 1)  # [H, T, D] over [T, H, D]
+    cos, sin = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)  # [T, D]
+    want = x * cos + rotate_half(x) * sin
+    got = cpu_kernels.rope(x, cos, sin)
+    assert torch.equal(got, want) and got.transpose(0, 1).is_contiguous()
+    with pytest.raises(RuntimeError, match=r"\[T, D\]"):
+        cpu_kernels.rope(x, cos[:, :2], sin[:, :2])
+
+
+def test_the_runner_rotates_through_the_kernel_with_the_same_q_and_k(kernel):
+    runner = tiny_runner(kind="llama")
+    ids = torch.arange(3, 40)
+    with torch.inference_mode():
+        hidden = runner.embed(ids)  # [T, E]
+        cos, sin = runner.rope(torch.arange(100, 100 + len(ids)))
+        fused = runner.qkv(1, hidden, cos, sin)
+        runner._cpu_kernels = False
+        plain = runner.qkv(1, hidden, cos, sin)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(fused, plain))  # norms: rounding
