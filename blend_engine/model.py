@@ -134,8 +134,8 @@ class ModelRunner:
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
-        # norms and RoPE through `cpu_kernels` (float32 on the CPU): `norm`, `qkv`
-        self._cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.ensure()
+        # norms, RoPE and placement through `cpu_kernels` (float32 on the CPU): `norm`, `rotate`, `placement.Placer`
+        self.uses_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.ensure()
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -259,12 +259,15 @@ class ModelRunner:
             q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)  # [T, Hq, D], [T, H, D]
         q, k = q.transpose(0, 1), k.transpose(0, 1)  # [Hq, T, D], [H, T, D]
         v = self.linear(attn.v_proj, x).view(T, -1, D).transpose(0, 1)  # [H, T, D]
-        if self._cpu_kernels and cos.dtype == q.dtype == torch.float32 and cos.shape == q.shape[1:] \
-                and not _needs_grad(q, k):
-            return cpu_kernels.rope(q, cos, sin), cpu_kernels.rope(k, cos, sin), v  # the same values, one pass each
-        q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
-        k = k * cos + rotate_half(k) * sin  # [H, T, D]
-        return q, k, v
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin), v  # [Hq, T, D], [H, T, D], [H, T, D]
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotation` of fresh rows x [H, T, D] with tables [T, D]: on the CPU in float32 one pass of
+        `cpu_kernels.rope` (the same values bit for bit), else torch's ops."""
+        if self.uses_cpu_kernels and cos.dtype == x.dtype == torch.float32 and cos.shape == x.shape[1:] \
+                and not _needs_grad(x):
+            return cpu_kernels.rope(x, cos, sin)  # [H, T, D]
+        return self.apply_rotation(x, cos, sin)  # [H, T, D]
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
@@ -311,7 +314,7 @@ class ModelRunner:
         """module(x) for x [..., E]: one of the families' RMSNorms (`RMS_NORMS`) runs on the CPU in float32
         as one pass a row of `cpu_kernels.rms_norm` (torch: six ops over every row; the same values to
         float32 rounding), anything else as the module."""
-        if self._cpu_kernels and type(module).__name__ in RMS_NORMS and x.dtype == torch.float32 \
+        if self.uses_cpu_kernels and type(module).__name__ in RMS_NORMS and x.dtype == torch.float32 \
                 and not _needs_grad(x, module.weight):
             return cpu_kernels.rms_norm(x, module.weight, module.variance_epsilon)  # [..., E]
         return module(x)

@@ -37,7 +37,7 @@ class Placer:
         self._start = spans[0][0] if spans else 0
         self._end = spans[-1][1] if spans else 0
         self._index = upload(torch.cat([torch.arange(a, b) for a, b in spans]), runner.device) if spans else None  # [Tc]
-        self._kernel = runner.device.type == "cpu" and runner.dtype == torch.float32 and cpu_kernels.ensure()
+        self._kernel = runner.uses_cpu_kernels
         self._rot = None
         if rotate and spans:
             deltas = upload(torch.cat([torch.full((b - a,), a) for a, b in spans]), runner.device)  # [Tc]

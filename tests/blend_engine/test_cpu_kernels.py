@@ -365,7 +365,7 @@ def test_the_runner_normalises_through_the_kernel_and_keeps_its_outputs(kernel, 
         fused = runner.logits(runner.finish_layer(0, hidden, torch.zeros(len(ids), runner.shape.n_heads
                                                                          * runner.shape.head_dim)))
         assert len(calls) == 2  # post-attention and final
-        runner._cpu_kernels = False
+        runner.uses_cpu_kernels = False
         plain = runner.logits(runner.finish_layer(0, hidden, torch.zeros(len(ids), runner.shape.n_heads
                                                                          * runner.shape.head_dim)))
     assert len(calls) == 2 and torch.allclose(fused, plain, rtol=1e-4, atol=1e-4)
@@ -393,6 +393,6 @@ def test_the_runner_rotates_through_the_kernel_with_the_same_q_and_k(kernel):
         hidden = runner.embed(ids)  # [T, E]
         cos, sin = runner.rope(torch.arange(100, 100 + len(ids)))
         fused = runner.qkv(1, hidden, cos, sin)
-        runner._cpu_kernels = False
+        runner.uses_cpu_kernels = False
         plain = runner.qkv(1, hidden, cos, sin)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(fused, plain))  # norms: rounding
