@@ -1,0 +1,276 @@
+"""One prompt's KV as a shared-memory segment: Blendserve writes it, vLLM's connector reads it.
+
+A segment is a file in a shared-memory folder (`/dev/shm` by default), named by its handle:
+
+    | header (4 KiB): magic, JSON meta | layer 0: K [T, H, D], V [T, H, D] | layer 1 ... | layer L-1 |
+
+Layer-major, token-major inside a layer (the rows vLLM's cache writes take), in the meta's dtype.
+`token_hash` is the hash of the T prompt token ids the KV belongs to: the connector hands the KV
+to a request only when its prompt's first T ids hash the same. A segment is written under a
+temporary name and renamed into place, so a reader never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"BLENDKV1"
+HEADER_BYTES = 4096
+DEFAULT_DIR = "/dev/shm"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a handle is a bare file name, never a path
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SegmentError(ValueError):
+    """A handle or segment that cannot be used (bad name, gone, torn, or of another shape)."""
+
+
+def token_hash(ids: Sequence[int]) -> str:
+    """The segment's key for a prompt's token ids: sha256 of the ids as little-endian int64."""
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise SegmentError(f"no segment dtype for {dtype}")
+
+
+@dataclass(frozen=True)
+class SegmentMeta:
+    """What a segment holds: L layers of K and V for T tokens, H kv heads of D dims each."""
+
+    n_layers: int
+    n_tokens: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    token_hash: str
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def half_nbytes(self) -> int:
+        """One layer's K (or V): T x H x D numbers."""
+        return self.n_tokens * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def layer_nbytes(self) -> int:
+        return 2 * self.half_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.n_layers * self.layer_nbytes
+
+    def encode(self) -> bytes:
+        body = json.dumps(asdict(self), sort_keys=True).encode()
+        head = MAGIC + len(body).to_bytes(4, "little") + body
+        if len(head) > HEADER_BYTES:
+            raise SegmentError("segment meta larger than its header")
+        return head.ljust(HEADER_BYTES, b"\0")
+
+    @classmethod
+    def decode(cls, head: bytes) -> SegmentMeta:
+        if len(head) < 12 or head[:8] != MAGIC:
+            raise SegmentError("not a Blendserve KV segment (bad magic)")
+        n = int.from_bytes(head[8:12], "little")
+        try:
+            meta = cls(**json.loads(head[12:12 + n]))
+        except (ValueError, TypeError) as exc:
+            raise SegmentError(f"unreadable segment meta: {exc}") from None
+        if meta.dtype not in DTYPES or min(meta.n_layers, meta.n_tokens, meta.kv_heads, meta.head_dim) < 1:
+            raise SegmentError(f"segment meta out of range: {meta}")
+        return meta
+
+
+def check_name(name: object) -> str:
+    """A handle as given by a request: a bare file name (no folder, no `..`), or SegmentError."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise SegmentError(f"bad segment handle {name!r}")
+    return name
+
+
+class Segment:
+    """An open segment, mapped: `k(layer)` / `v(layer)` are views [T, H, D] of its memory."""
+
+    def __init__(self, path: Path, meta: SegmentMeta, mm: mmap.mmap) -> None:
+        self.path, self.meta, self._mm = path, meta, mm
+        self._data = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes]
+
+    @classmethod
+    def open(cls, folder: str | Path, name: str) -> Segment:
+        """Map an existing segment for reading (private copy-on-write pages: nothing is written back)."""
+        path = Path(folder) / check_name(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise SegmentError(f"segment {name} is gone") from None
+        try:
+            size = os.fstat(fd).st_size
+            meta = SegmentMeta.decode(os.pread(fd, HEADER_BYTES, 0))
+            if size != meta.nbytes:
+                raise SegmentError(f"segment {name} holds {size} bytes, its meta says {meta.nbytes}")
+            mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, meta, mm)
+
+    @staticmethod
+    def read_meta(folder: str | Path, name: str) -> SegmentMeta:
+        """The header alone (the connector's scheduler side), or SegmentError."""
+        path = Path(folder) / check_name(name)
+        try:
+            with open(path, "rb") as fh:
+                meta = SegmentMeta.decode(fh.read(HEADER_BYTES))
+                if os.fstat(fh.fileno()).st_size != meta.nbytes:
+                    raise SegmentError(f"segment {name} is torn")
+                return meta
+        except FileNotFoundError:
+            raise SegmentError(f"segment {name} is gone") from None
+
+    def _half(self, layer: int, which: int) -> torch.Tensor:
+        m = self.meta
+        start = HEADER_BYTES + layer * m.layer_nbytes + which * m.half_nbytes
+        raw = self._data[start:start + m.half_nbytes]  # [T * H * D * itemsize]
+        return raw.view(DTYPES[m.dtype]).view(m.n_tokens, m.kv_heads, m.head_dim)  # [T, H, D]
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self._half(layer, 0)  # [T, H, D]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self._half(layer, 1)  # [T, H, D]
+
+    def close(self) -> None:
+        self._data = None
+        self._mm.close()
+
+
+def write_segment(folder: str | Path, name: str, meta: SegmentMeta,
+                  fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Path:
+    """Create segment `name`: `fill(layer, k, v)` writes each layer into the views k, v [T, H, D];
+    the file appears under its name only once complete."""
+    folder = Path(folder)
+    path = folder / check_name(name)
+    tmp = folder / f".{name}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, meta.nbytes)
+        os.pwrite(fd, meta.encode(), 0)
+        mm = mmap.mmap(fd, meta.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    seg = Segment(tmp, meta, mm)
+    try:
+        for layer in range(meta.n_layers):
+            fill(layer, seg.k(layer), seg.v(layer))
+        seg.close()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remove(folder: str | Path, name: str) -> bool:
+    """Unlink a segment; False when it was already gone (the other side freed it)."""
+    try:
+        (Path(folder) / check_name(name)).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@dataclass(frozen=True)
+class Published:
+    """A segment this process wrote: its handle, size, when, and the prompt's token hash."""
+
+    name: str
+    nbytes: int
+    created: float
+    token_hash: str
+
+
+class SegmentPublisher:
+    """Blendserve's side: writes segments into `folder`, at most `budget_bytes` of them at once
+    (the oldest freed first) and none older than `ttl_s` (a segment vLLM never loaded: its request
+    failed or was cancelled before it was scheduled). vLLM frees a segment once it loaded it."""
+
+    def __init__(self, folder: str | Path = DEFAULT_DIR, budget_bytes: int = 2 << 30, ttl_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.folder, self.budget_bytes, self.ttl_s, self.clock = Path(folder), budget_bytes, ttl_s, clock
+        if not self.folder.is_dir():
+            raise SegmentError(f"segment folder {self.folder} does not exist")
+        self._live: OrderedDict[str, Published] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ids = iter(range(1 << 62))
+        self.published = self.evicted = self.expired = 0
+
+    def new_name(self, ids_hash: str) -> str:
+        with self._lock:
+            return f"blendserve-{ids_hash[:16]}-{os.getpid()}-{next(self._ids)}"
+
+    def publish(self, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Published:
+        """Write one segment (see `write_segment`), after making room for it; its `Published` record."""
+        if meta.nbytes > self.budget_bytes:
+            raise SegmentError(f"a segment of {meta.nbytes} bytes exceeds the hand-over budget of "
+                               f"{self.budget_bytes} bytes")
+        self.sweep(room=meta.nbytes)
+        name = self.new_name(meta.token_hash)
+        write_segment(self.folder, name, meta, fill)
+        rec = Published(name, meta.nbytes, self.clock(), meta.token_hash)
+        with self._lock:
+            self._live[name] = rec
+            self.published += 1
+        return rec
+
+    def sweep(self, room: int = 0) -> None:
+        """Forget segments vLLM freed, free the expired, then the oldest until `room` bytes fit."""
+        now = self.clock()
+        with self._lock:
+            for name in [n for n in self._live if not (self.folder / n).exists()]:
+                del self._live[name]
+            for name, rec in list(self._live.items()):
+                if now - rec.created > self.ttl_s:
+                    del self._live[name]
+                    self.expired += remove(self.folder, name)
+            while self._live and self.live_bytes + room > self.budget_bytes:
+                name, _ = self._live.popitem(last=False)
+                self.evicted += remove(self.folder, name)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(r.nbytes for r in self._live.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"segments": len(self._live), "bytes": self.live_bytes, "published": self.published,
+                    "evicted": self.evicted, "expired": self.expired}
+
+    def close(self) -> None:
+        """Free every segment this publisher still holds."""
+        with self._lock:
+            for name in list(self._live):
+                remove(self.folder, name)
+            self._live.clear()
