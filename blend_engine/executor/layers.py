@@ -17,7 +17,7 @@ its own (`RowGroup`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +35,23 @@ from blend_engine.model import ModelRunner
 from blend_engine.scheduler.budget import narrowing
 from blend_engine.transfer import PackedLayer, cuda_ready
 from blend_engine.types import SelectionPolicy
+
+# The one seam of `dispatch_count` (issue #57): while a count runs, it is told which layer and
+# phase ("load", "place", "pass"; None: outside the loop) the ops that follow belong to. Serving
+# never sets it: a mark is then one test of a module global.
+LayerMark = Callable[[int | None, str], None]
+_watch: LayerMark | None = None
+
+
+def watch_layers(mark: LayerMark | None) -> None:
+    """`mark(layer, phase)` at every layer boundary from now on (None: stop)."""
+    global _watch
+    _watch = mark
+
+
+def _mark(layer: int | None, phase: str) -> None:
+    if _watch is not None:
+        _watch(layer, phase)
 
 
 class KVCache:
@@ -224,15 +241,18 @@ class LayerLoop:
     def enter(self) -> int:
         """Take and place the next layer's cached K/V; the layer index (its compute follows)."""
         timer, layer = self.job.timer, self.layer
+        _mark(layer, "load")
         t0 = time.perf_counter()
         packed = next(self._layers) if self._layers is not None else None
         t1 = time.perf_counter()
         timer.wait += t1 - t0
+        _mark(layer, "place")
         K, V = self.cache.k[layer], self.cache.v[layer]  # [H, C, D] each
         if packed is not None and not self._all_overwritten(layer):
             self.placer.place(K, V, packed)  # below the check layer everything is overwritten anyway
         self.job.hooks.placed(layer, K, V)
         timer.assemble += time.perf_counter() - t1
+        _mark(None, "")
         self.clock.mark()
         return layer
 
@@ -333,12 +353,19 @@ def layer_pass(r: ModelRunner, layer: int, groups: Sequence[RowGroup]) -> None:
     A group may keep fewer rows than it came with (`attend` narrows its `hidden`: a blend's
     selection, a prefill's last layer); its output rows are handed back to it. One group alone
     runs without a copy (the decode step's CUDA graphs capture that path)."""
+    _mark(layer, "pass")
     if len(groups) == 1:
         g = groups[0]
         q, k, v = r.qkv(layer, g.hidden, *g.rope(layer))  # [Hq, T, D], [H, T, D], [H, T, D]
         out = g.attend(layer, q, k, v)  # [T', Hq*D]
         g.hidden = r.finish_layer(layer, g.hidden, out)  # [T', E]
-        return
+    else:
+        _fused_pass(r, layer, groups)
+    _mark(None, "")
+
+
+def _fused_pass(r: ModelRunner, layer: int, groups: Sequence[RowGroup]) -> None:
+    """`layer_pass` over two or more groups: their rows concatenated for the projections and the MLP."""
     ropes = [g.rope(layer) for g in groups]
     inputs = [g.hidden for g in groups]  # [T_i, E] each
     sizes = [h.shape[0] for h in inputs]
