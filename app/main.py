@@ -58,6 +58,7 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
         finally:
             svc.closing.set()
             svc.ready = False
+            await svc.close_client()  # the vLLM decoder's segments and connections
             await run_in_threadpool(svc.worker.close)
             if svc.jobs is not None:  # the current file stops at its next checkpoint; the job resumes next start
                 await run_in_threadpool(svc.jobs.close)

@@ -104,6 +104,7 @@ def query_response(outcome: QueryOutcome, explain: Explain | None = None, logpro
             total_ms=round(outcome.total_ms, 3),
             queue_ms=round(outcome.queue_ms, 3),
             kv_store_ms=round(outcome.store_ms, 3),
+            **decoder_timings(outcome.decoder),
         ),
         stats=QueryStats(
             context_tokens=r.context_tokens,
@@ -114,8 +115,18 @@ def query_response(outcome: QueryOutcome, explain: Explain | None = None, logpro
             ratio_source=r.ratio_source,
             completion_tokens=outcome.completion_tokens,
             fallback=outcome.fallback,
+            decoder="own" if outcome.decoder is None else "vllm",
+            decoder_cached_tokens=None if outcome.decoder is None else outcome.decoder["cached_tokens"],
         ),
     )
+
+
+def decoder_timings(split: dict | None) -> dict[str, float]:
+    """The vLLM decoder's timings fields (none with the own engine)."""
+    if split is None:
+        return {}
+    names = ("blend_ms", "handover_ms", "decoder_ttft_ms", "decoder_ms")
+    return {n: round(split[n], 3) for n in names}
 
 
 def explain_response(tokenizer: Any, ex: Explanation, passages: Sequence[PassageRef], max_tokens: int) -> Explain:

@@ -144,6 +144,12 @@ class Timings(BaseModel):
     total_ms: float
     queue_ms: float = 0.0
     kv_store_ms: float = 0.0
+    # BLENDSERVE_DECODER_KIND=vllm: Blendserve's prefill until the KV was handed over (0: not blended), the
+    # copy into shared memory (part of it), vLLM's first token and whole request (from when it was sent)
+    blend_ms: float | None = None
+    handover_ms: float | None = None
+    decoder_ttft_ms: float | None = None
+    decoder_ms: float | None = None
 
 
 class QueryStats(BaseModel):
@@ -155,6 +161,8 @@ class QueryStats(BaseModel):
     ratio_source: str = ""
     completion_tokens: int = 0
     fallback: str | None = None
+    decoder: Literal["own", "vllm"] = "own"  # who decoded (BLENDSERVE_DECODER_KIND)
+    decoder_cached_tokens: int | None = None  # vllm: prompt tokens vLLM did not compute (handed KV + its prefix cache)
 
 
 class QueryResponse(BaseModel):

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from app.conversation import exchanges_to_drop
@@ -192,6 +192,7 @@ class QueryOutcome:
     search: str = ""  # what retrieval searched for
     turns: int = 0  # earlier conversation messages in the prompt
     notes: tuple[str, ...] = ()  # what the service changed to answer (a trimmed conversation)
+    decoder: dict[str, Any] | None = None  # the vLLM decoder's split of the time (`vllm_decoder.DecoderSplit`)
 
 
 # ====================================================================== the query, on the event loop
@@ -330,7 +331,12 @@ class QueryRun:
             total_ms=ms + sum(r.total_ms + r.store_ms for r in results) - results[-1].store_ms,
             queue_ms=result.queue_ms, store_ms=results[-1].store_ms, explanation=result.explanation,
             fallback=self._fallback, choices=choices, search=self.spec.search or self.spec.question,
-            turns=len(self.plan.turns), notes=self._notes)
+            turns=len(self.plan.turns), notes=self._notes, decoder=self._decoder())
+
+    def _decoder(self) -> dict[str, Any] | None:
+        """With the vLLM decoder: blend, hand-over and vLLM times (its stream's `split`)."""
+        split = getattr(self.stream, "split", None)
+        return None if split is None else asdict(split)
 
 
 @contextmanager

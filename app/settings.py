@@ -14,18 +14,19 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from blendserve_config.groups import AuthSettings, LimitsSettings, ServiceGroup
+from blendserve_config.groups import AuthSettings, DecoderSettings, LimitsSettings, ServiceGroup
 from blendserve_config.settings import Settings
 
 
 class ServiceSettings(Settings):
     """Everything in `Settings`, plus the service's groups."""
 
-    GROUPS: ClassVar[tuple[str, ...]] = (*Settings.GROUPS, "service", "limits", "auth")
+    GROUPS: ClassVar[tuple[str, ...]] = (*Settings.GROUPS, "service", "limits", "auth", "decoder")
 
     service: ServiceGroup = Field(default_factory=ServiceGroup)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    decoder: DecoderSettings = Field(default_factory=DecoderSettings)
 
     @property
     def request_threads(self) -> int:

@@ -13,9 +13,11 @@ from fastapi import Depends, Request
 from app.metrics import Metrics
 from app.service import NotReady, QueryOutcome
 from app.settings import ServiceSettings
+from app.vllm_decoder import VllmClient
 from app.worker import EngineWorker
 from blend_engine.client import EngineClient
 from blendserve_config.stack import Stack
+from blendserve_vllm.segments import SegmentPublisher
 from corpus_tools.jobs import JobRunner
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ class AppState:
         self.metrics = metrics
         self.worker: EngineWorker | None = None  # blocking jobs (document ingestion, verify); queries use `client`
         self.stack: Stack | None = None
-        self.client: EngineClient | None = None  # set with the stack: the routes' way to the engine loop
+        self.client: EngineClient | VllmClient | None = None  # set with the stack: the routes' way to the engine
         self.jobs: JobRunner | None = None  # background ingestion (uploads, the first-start sample corpus)
         self.ready = False
         self.error: str | None = None
@@ -43,11 +45,33 @@ class AppState:
             raise NotReady("the model, index and KV store are still loading")
         return self.stack
 
-    def require_client(self) -> EngineClient:
+    def require_client(self) -> EngineClient | VllmClient:
+        """The engine client the routes submit to: the engine's own, or with BLENDSERVE_DECODER_KIND=vllm
+        the one that blends here and decodes on vLLM (`app.vllm_decoder`)."""
         stack = self.require_stack()
         if self.client is None or self.client.engine is not stack.engine:
             self.client = EngineClient(stack.engine)
+            if self.settings.decoder.kind == "vllm":
+                self.client = self._vllm_client(stack)
         return self.client
+
+    def _vllm_client(self, stack: Stack) -> VllmClient:
+        d = self.settings.decoder
+        publisher = SegmentPublisher(d.segment_dir, d.handover_mb << 20, d.handover_ttl_s)
+        return VllmClient(EngineClient(stack.engine), d, publisher, stack.engine.runner.decode)
+
+    async def decoder_problem(self) -> str | None:
+        """Why the decoder cannot serve now (None: the own engine, or a vLLM server that answers)."""
+        if self.settings.decoder.kind != "vllm" or self.stack is None:
+            return None
+        client = self.require_client()
+        return await client.problem() if isinstance(client, VllmClient) else None
+
+    async def close_client(self) -> None:
+        client, self.client = self.client, None
+        if isinstance(client, VllmClient):
+            client.publisher.close()
+            await client.aclose()
 
     def require_jobs(self) -> JobRunner:
         self.require_stack()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from blend_engine.cancel import DeadlineExceeded
 from blend_engine.generation import Delta, Ended, Generation
@@ -100,11 +101,13 @@ class EngineClient:
         return self.engine.loop.admission.admit(timeout_s)
 
     def submit(self, plan: BlendPlan, gens: Sequence[GenerationConfig], timeout_s: float | None = None,
-               layout: PromptLayout | None = None, ticket: Ticket | None = None) -> RequestStream:
+               layout: PromptLayout | None = None, ticket: Ticket | None = None,
+               export: Callable[[Any, Any], None] | None = None) -> RequestStream:
         """Plan the request here (on the event loop: host work only) and queue its n sequences on
         `ticket` (`admit`; one is taken now when None). Raises `errors.InputError` (the prompt
         cannot be served as asked) or `errors.Overloaded` (refused at admission) before anything
         is queued."""
         stream = RequestStream(len(gens), timeout_s)
-        stream.handles = self.engine.start(plan, gens, stream.sink, timeout_s=timeout_s, layout=layout, ticket=ticket)
+        stream.handles = self.engine.start(plan, gens, stream.sink, timeout_s=timeout_s, layout=layout, ticket=ticket,
+                                           export=export)
         return stream

@@ -424,6 +424,8 @@ class EngineLoop:
         req.state = self.engine.complete_run(req.handle.plan, req.active, req.run)
         req.handle.state = req.state
         self.scheduler.prefilled(req.rid)
+        if req.handle.export is not None and not req.tokens:  # its KV handed to another decoder, once
+            req.handle.export(req.cache, req.state)
         if req.tokens:  # prefilled again after a preemption: feed its tokens again, sample nothing
             req.replay, req.next_token = 0, req.tokens[0]
             return

@@ -18,6 +18,7 @@ from blend_engine.cancel import Cancelled
 from blend_engine.types import BlendPlan, BlendResult, GenerationConfig, TokenLogprob
 
 if TYPE_CHECKING:
+    from blend_engine.executor.layers import KVCache
     from blend_engine.executor.prefill import PrefillState
 
 
@@ -56,6 +57,9 @@ class Generation:
         self.result: BlendResult | None = None
         self.state: PrefillState | None = None  # set by the loop when the prefill is done
         self.ttft_ms: float | None = None
+        # called on the loop's thread once the prefill is done, while the request's run of the pool
+        # holds its KV: export(cache, state) (the `vllm` decoder hands the KV over there)
+        self.export: Callable[[KVCache, PrefillState], None] | None = None
 
     # ------------------------------------------------------------------ caller side
     def __iter__(self) -> Iterator[str]:

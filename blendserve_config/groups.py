@@ -207,6 +207,36 @@ class ServiceGroup(Group):
     _empty = field_validator("workers", mode="before")(empty_is_none)
 
 
+class DecoderSettings(Group):
+    """Who decodes a query's answer: Blendserve's own engine, or a stock vLLM server that loads the
+    prompt's blended KV through Blendserve's KV connector (`blendserve_vllm`)."""
+
+    kind: Literal["own", "vllm"] = Field(
+        "own", description="own = Blendserve's engine prefills and decodes; vllm = Blendserve retrieves and blends "
+                           "(prefill only), hands the KV over in shared memory, and the vLLM server at vllm_url "
+                           "decodes (it must load blendserve_vllm.connector: docs/deployment.md)")
+    vllm_url: str | None = Field(None, description="the vLLM server's base URL (http://host:port); required with "
+                                                   "kind=vllm")
+    vllm_model: str | None = Field(None, description="the model name the vLLM server serves; unset = the first "
+                                                     "one its /v1/models lists")
+    segment_dir: Path = Field(Path("/dev/shm"), description="the shared-memory folder segments are handed over "
+                                                            "in (the connector's segment_dir: the same folder)")
+    handover_mb: int = Field(2048, ge=1, description="segments waiting for vLLM to load them, at most (the oldest "
+                                                     "freed first)")
+    handover_ttl_s: float = Field(120.0, gt=0, description="a segment vLLM has not loaded by then is freed")
+
+    _empty = field_validator("vllm_url", "vllm_model", mode="before")(empty_is_none)
+
+    @model_validator(mode="after")
+    def _url_for_vllm(self) -> DecoderSettings:
+        if self.kind == "vllm" and not self.vllm_url:
+            raise ValueError("BLENDSERVE_DECODER_KIND=vllm needs BLENDSERVE_DECODER_VLLM_URL (the vLLM server's "
+                             "base URL, e.g. http://127.0.0.1:8001)")
+        if self.vllm_url is not None and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"BLENDSERVE_DECODER_VLLM_URL must start with http:// or https://, got {self.vllm_url!r}")
+        return self
+
+
 class LimitsSettings(Group):
     """What one request may ask for (over a limit: 413 or 422)."""
 
@@ -274,5 +304,6 @@ def _printable_ascii(key: str) -> bool:
 
 SHARED_GROUPS: dict[str, type[Group]] = {"model": ModelSettings, "engine": EngineSettings, "store": StoreSettings,
                                          "retrieval": RetrievalSettings, "ingest": IngestSettings}
-SERVICE_GROUPS: dict[str, type[Group]] = {"service": ServiceGroup, "limits": LimitsSettings, "auth": AuthSettings}
+SERVICE_GROUPS: dict[str, type[Group]] = {"service": ServiceGroup, "limits": LimitsSettings, "auth": AuthSettings,
+                                          "decoder": DecoderSettings}
 ALL_GROUPS: dict[str, type[Group]] = {**SHARED_GROUPS, **SERVICE_GROUPS}

@@ -40,6 +40,10 @@ async def _readiness(svc: AppState) -> JSONResponse:
         body = Readiness(ready=False, status="error" if svc.error else "starting", error=svc.error,
                          reason="start-up failed" if svc.error else _LOADING, blend=svc.blend())
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "5"})
+    problem = await svc.decoder_problem()
+    if problem is not None:
+        body = Readiness(ready=False, status="decoder_unavailable", reason=problem, blend=svc.blend())
+        return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "5"})
     stack = svc.stack
     index, store = await run_in_threadpool(lambda: (stack.pipeline.stats(), stack.store.stats().as_dict()))
     gate = getattr(stack, "gate", None)
@@ -58,8 +62,11 @@ async def readyz(request: Request, svc: State) -> JSONResponse:
     keyring = Keyring(svc.settings.auth.api_key, svc.settings.auth.tenant_keys)
     if keyring.enabled and not keyring.match(request.headers.get("authorization"))[0]:
         ready = svc.ready and svc.error is None
-        status = "ready" if ready else ("error" if svc.error else "starting")
+        problem = await svc.decoder_problem() if ready else None
+        status = "ready" if ready and problem is None else ("error" if svc.error else "starting")
         reason = None if ready else ("start-up failed; details at /v1/status" if svc.error else _LOADING)
+        if problem is not None:
+            ready, status, reason = False, "decoder_unavailable", "the vLLM decoder does not answer"
         body = {"ready": ready, "status": status, **({"reason": reason} if reason else {})}
         return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
     return await _readiness(svc)
