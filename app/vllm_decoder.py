@@ -10,9 +10,10 @@
       POST {vllm}/v1/completions {prompt: token ids, kv_transfer_params: {blendserve_kv: handle}}
       vLLM's chunks -> (index, Delta); the choices' ends -> BlendResult
 
-An exact repeat of a prompt this service handed over recently (same tenant salt) is not blended
-again: vLLM holds its KV in its prefix cache (vLLM's `cached_tokens` confirms; a miss there drops
-the record). full_prefill and prefix_cache go to vLLM directly: its own prefix caching is the
+An exact repeat of a prompt this service handed over recently (same tenant, same mode) is not
+blended again: vLLM holds its KV in its prefix cache (vLLM's `cached_tokens` confirms; a miss there
+drops the record). vLLM's prefix cache is salted by tenant and KV recipe (`vllm_salt`): blended KV
+never answers a full_prefill request there. full_prefill and prefix_cache go to vLLM directly: its own prefix caching is the
 prefix_cache mode. vLLM down: `DecoderUnavailable` (503, Retry-After), nothing stored is lost.
 """
 
@@ -37,6 +38,7 @@ from blend_engine.executor.kv_export import Exported, export
 from blend_engine.generation import Delta
 from blend_engine.layout import PromptLayout
 from blend_engine.scheduler.admission import Ticket
+from blend_engine.scheduler.kv_blocks import recipes
 from blend_engine.types import BlendPlan, BlendReport, BlendResult, GenerationConfig, Mode, TokenLogprob
 from blendserve_config.groups import DecoderSettings
 from blendserve_vllm.segments import SegmentPublisher, token_hash
@@ -93,6 +95,13 @@ def report_for(plan: BlendPlan, n_tokens: int, source: str) -> BlendReport:
                        load_ms=0.0, load_wait_ms=0.0, prefill_ms=0.0)
 
 
+def vllm_salt(plan: BlendPlan) -> str:
+    """vLLM's `cache_salt` for a plan: the tenant's namespace and the recipe of the KV it leaves in
+    vLLM's prefix cache (`kv_blocks.recipes`), so that blended KV never serves an exact mode there,
+    nor one tenant's another's."""
+    return f"{plan.cache_salt or ''}|{recipes(plan.mode)[1]}"
+
+
 class VllmClient:
     """The routes' engine client when `BLENDSERVE_DECODER_KIND=vllm`: the same `admit` / `submit`
     as `EngineClient`, whose stream `QueryRun` reads unchanged."""
@@ -105,7 +114,7 @@ class VllmClient:
         self.http = httpx.AsyncClient(base_url=settings.vllm_url.rstrip("/"),
                                       timeout=httpx.Timeout(None, connect=5.0))
         self.model: str | None = settings.vllm_model
-        self._recent: OrderedDict[tuple[str | None, str], None] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # ------------------------------------------------------------------ health
     async def problem(self) -> str | None:
@@ -134,7 +143,7 @@ class VllmClient:
         stream that hands it to vLLM. InputError for what vLLM cannot do."""
         layout = layout if layout is not None else self.engine.layout(plan)
         ids = layout.token_ids()
-        key = (plan.cache_salt, token_hash(ids))
+        key = (vllm_salt(plan), token_hash(ids))
         repeat = plan.mode in BLENDED and key in self._recent
         if plan.explain and (plan.mode not in BLENDED or repeat):
             raise InputError("explain needs Blendserve's prefill: with BLENDSERVE_DECODER_KIND=vllm it is served for "
@@ -144,13 +153,13 @@ class VllmClient:
             stream.start_blend(layout, ticket)
         return stream
 
-    def remember(self, key: tuple[str | None, str]) -> None:
+    def remember(self, key: tuple[str, str]) -> None:
         self._recent[key] = None
         self._recent.move_to_end(key)
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
 
-    def forget(self, key: tuple[str | None, str]) -> None:
+    def forget(self, key: tuple[str, str]) -> None:
         self._recent.pop(key, None)
 
 
@@ -159,7 +168,7 @@ class VllmStream:
     `results`; `abort()` stops both sides; `split` says where the time went."""
 
     def __init__(self, client: VllmClient, plan: BlendPlan, gens: list[GenerationConfig], ids: list[int],
-                 key: tuple[str | None, str], timeout_s: float | None, repeat: bool) -> None:
+                 key: tuple[str, str], timeout_s: float | None, repeat: bool) -> None:
         self.client, self.plan, self.gens, self.ids, self.key = client, plan, gens, ids, key
         self.timeout_s, self.t0 = timeout_s, time.perf_counter()
         self.results: list[BlendResult | None] = [None] * len(gens)
@@ -254,8 +263,7 @@ class VllmStream:
             body["stop"] = list(g.stop)
         if g.seed is not None:
             body["seed"] = g.seed
-        if self.plan.cache_salt is not None:
-            body["cache_salt"] = self.plan.cache_salt
+        body["cache_salt"] = self.key[0]
         if handoff is not None:
             body["kv_transfer_params"] = {PARAM: handoff.exported.handle}
         return body

@@ -46,7 +46,7 @@ def default_gguf_path() -> Path:
 DEFAULT_CACHE_ROOT = Path.home() / ".cache" / "blendserve" / "models"
 
 
-def _resolve_source(spec: str) -> tuple[Path, str | None]:
+def resolve_source(spec: str) -> tuple[Path, str | None]:
     """Map a model spec to (directory, gguf file name or None)."""
     if spec in ("", "default", DEFAULT_MODEL):
         gguf = default_gguf_path()
@@ -99,7 +99,7 @@ def _load_hf(spec: str, dtype: torch.dtype, cache_root: Path | None = None):
     under `cache_root` (memory-mapped by later starts)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder, gguf_file = _resolve_source(spec)
+    folder, gguf_file = resolve_source(spec)
     if gguf_file is not None:
         cached = _gguf_cache_dir(folder / gguf_file, cache_root, dtype)
         if not (cached / "config.json").exists():

@@ -31,8 +31,11 @@ PREFIX = "BLENDSERVE_"
 ROOT_FIELDS = ("data_dir",)  # fields of the root, read without a group: BLENDSERVE_DATA_DIR
 
 # Variables other tools read (not settings): the benchmarks' data folder,
-# docker compose's image tag and published port, the balancer's.
-OTHER_TOOLS = frozenset(f"{PREFIX}{n}" for n in ("SHARED_DATA", "TAG", "PUBLISH_PORT", "LB_BIND", "API_1", "API_2"))
+# docker compose's image tag and published port, the balancer's, `make run-vllm`'s (`app.vllm_launcher`),
+# and the test suite's demand for a vLLM install (`tests/decoder_vllm`).
+OTHER_TOOLS = frozenset(f"{PREFIX}{n}" for n in ("SHARED_DATA", "TAG", "PUBLISH_PORT", "LB_BIND", "API_1", "API_2",
+                                                  "VLLM_PORT", "VLLM_VENV", "VLLM_CORES", "VLLM_KV_GB",
+                                                  "REQUIRE_VLLM"))
 
 
 class SettingsNameError(ValueError):

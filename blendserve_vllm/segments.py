@@ -97,16 +97,25 @@ class SegmentMeta:
             meta = cls(**json.loads(head[12:12 + n]))
         except (ValueError, TypeError) as exc:
             raise SegmentError(f"unreadable segment meta: {exc}") from None
-        if meta.dtype not in DTYPES or min(meta.n_layers, meta.n_tokens, meta.kv_heads, meta.head_dim) < 1:
+        sizes = (meta.n_layers, meta.n_tokens, meta.kv_heads, meta.head_dim)
+        if not all(type(v) is int and v >= 1 for v in sizes) or meta.dtype not in DTYPES \
+                or not isinstance(meta.token_hash, str):
             raise SegmentError(f"segment meta out of range: {meta}")
         return meta
 
 
 def check_name(name: object) -> str:
     """A handle as given by a request: a bare file name (no folder, no `..`), or SegmentError."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise SegmentError(f"bad segment handle {name!r}")
     return name
+
+
+def _unreadable(name: str, exc: OSError) -> SegmentError:
+    """A file error as the reader's: gone, or not readable here (a folder, another user's file, ...)."""
+    if isinstance(exc, FileNotFoundError):
+        return SegmentError(f"segment {name} is gone")
+    return SegmentError(f"segment {name} cannot be read: {exc.strerror or exc}")
 
 
 class Segment:
@@ -122,14 +131,16 @@ class Segment:
         path = Path(folder) / check_name(name)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise SegmentError(f"segment {name} is gone") from None
+        except OSError as exc:
+            raise _unreadable(name, exc) from None
         try:
             size = os.fstat(fd).st_size
             meta = SegmentMeta.decode(os.pread(fd, HEADER_BYTES, 0))
             if size != meta.nbytes:
                 raise SegmentError(f"segment {name} holds {size} bytes, its meta says {meta.nbytes}")
             mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise _unreadable(name, exc) from None
         finally:
             os.close(fd)
         return cls(path, meta, mm)
@@ -144,8 +155,8 @@ class Segment:
                 if os.fstat(fh.fileno()).st_size != meta.nbytes:
                     raise SegmentError(f"segment {name} is torn")
                 return meta
-        except FileNotFoundError:
-            raise SegmentError(f"segment {name} is gone") from None
+        except OSError as exc:
+            raise _unreadable(name, exc) from None
 
     def _half(self, layer: int, which: int) -> torch.Tensor:
         m = self.meta

@@ -2,7 +2,9 @@
 
 ingest (corpus_tools) -> store (blend_engine.kv_store) -> retrieve (retrieval) -> blend (blend_engine)
 -> serve (app); settings and wiring in blendserve_config (the composition root, above corpus_tools); the
-entry points app and corpus_cli above it; log hygiene (logsafe) a leaf; evaluation in benchmarks, on top of all.
+entry points app and corpus_cli above it; log hygiene (logsafe) a leaf; the vLLM side (blendserve_vllm: the
+KV hand-over and the connector vLLM loads) a leaf that needs nothing but what vLLM's own environment has;
+evaluation in benchmarks, on top of all.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("app", "benchmarks", "blend_engine", "blendserve_config", "corpus_cli", "corpus_tools", "logsafe",
-            "retrieval")
+PACKAGES = ("app", "benchmarks", "blend_engine", "blendserve_config", "blendserve_vllm", "corpus_cli", "corpus_tools",
+            "logsafe", "retrieval")
 ENTRY_POINTS = {"app", "corpus_cli"}  # above the composition root: nothing but benchmarks imports them
 
 # package -> packages it must not import
 FORBIDDEN = {
     "logsafe": set(PACKAGES) - {"logsafe"},
+    "blendserve_vllm": set(PACKAGES) - {"blendserve_vllm"},
     "blend_engine": {"app", "benchmarks", "retrieval", "corpus_tools", "blendserve_config", "corpus_cli"},
     "retrieval": {"app", "benchmarks", "blend_engine", "corpus_tools", "blendserve_config", "corpus_cli"},
     "corpus_tools": {"app", "benchmarks", "blendserve_config", "corpus_cli"},
@@ -129,6 +132,18 @@ def test_every_package_is_checked():
 
 def test_the_import_rules_hold():
     assert violations() == []
+
+
+VLLM_ENV = {"torch", "numpy", "vllm", "blendserve_vllm"}  # what a stock vLLM image has, and the package itself
+
+
+def test_the_connector_needs_only_what_vllms_environment_has():
+    """A stock vLLM image loads `blendserve_vllm` from a mounted folder: it imports the standard
+    library, torch, numpy and vLLM, nothing else."""
+    stdlib = set(sys.stdlib_module_names)
+    found = {module.split(".")[0] for path in source_files("blendserve_vllm") for _, module in imported_modules(path)}
+    assert found - stdlib - {"__future__"} <= VLLM_ENV
+    assert "vllm" in found  # the check sees the connector's imports
 
 
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):

@@ -312,9 +312,6 @@ def test_an_unusable_handle_is_no_hit_never_an_error(cx, tmp_path, case):
     assert conn.get_num_new_matched_tokens(request(), 0) == (40, False)  # the good handle still works
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Segment.read_meta (segments.py) turns only FileNotFoundError into "
-                                       "SegmentError; any other OSError (a directory, or PermissionError on a 0o600 "
-                                       "segment of another uid) escapes get_num_new_matched_tokens into vLLM")
 def test_a_handle_naming_a_directory_is_no_hit(cx, tmp_path):
     (tmp_path / "a-dir").mkdir()
     conn = make_connector(cx, tmp_path)

@@ -127,8 +127,6 @@ def test_check_name_refuses_paths_and_junk(name):
         check_name(name)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: segments._NAME.match lets `$` match before a trailing newline "
-                                       "(segments.py check_name; use fullmatch or \\Z)")
 def test_check_name_refuses_a_trailing_newline():
     with pytest.raises(SegmentError):
         check_name("abc\n")
@@ -188,8 +186,6 @@ def test_an_unreadable_meta_is_a_segment_error(tmp_path, fields):
         Segment.read_meta(tmp_path, "seg")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: SegmentMeta.decode (segments.py) checks ranges with min() outside "
-                                       "its try, so a meta field of the wrong type raises TypeError")
 def test_a_meta_of_wrong_types_is_a_segment_error(tmp_path):
     (tmp_path / "seg").write_bytes(_raw_header({**asdict(make_meta()), "n_layers": "2"}))
     with pytest.raises(SegmentError):

@@ -1,0 +1,116 @@
+"""`python -m app.vllm_launcher` (what `make run-vllm` runs): a stock vLLM server with Blendserve's KV
+connector, and Blendserve in front of it with `BLENDSERVE_DECODER_KIND=vllm`.
+
+    client -> Blendserve (BLENDSERVE_SERVICE_HOST:PORT): retrieve, blend, hand the KV over in /dev/shm
+                  \\-> vLLM (127.0.0.1:BLENDSERVE_VLLM_PORT, default 8001, from .venv-vllm): decode
+
+Blendserve reads its usual settings (BLENDSERVE_HOST, BLENDSERVE_PORT, BLENDSERVE_DATA_DIR, ...);
+the launcher only adds the decoder's. vLLM serves the same model (a GGUF is written out once as a
+Hugging Face folder: `blend_engine.hf_folder`) in the same dtype. /readyz is ready once both are.
+Stopping the launcher (Ctrl-C, SIGTERM) stops vLLM too. Variables of the launcher alone:
+
+    BLENDSERVE_VLLM_PORT (8001), BLENDSERVE_VLLM_VENV (.venv-vllm), BLENDSERVE_VLLM_CORES (all of this
+    machine's, as vLLM's VLLM_CPU_OMP_THREADS_BIND), BLENDSERVE_VLLM_KV_GB (4: VLLM_CPU_KVCACHE_SPACE)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SERVED_NAME = "blendserve-model"
+logger = logging.getLogger("app.vllm_launcher")
+
+
+def connector_config(segment_dir: Path) -> dict:
+    """The `--kv-transfer-config` that loads `blendserve_vllm.connector` (docs/deployment.md)."""
+    return {"kv_connector": "BlendserveConnector", "kv_connector_module_path": "blendserve_vllm.connector",
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"segment_dir": str(segment_dir)}}
+
+
+def vllm_command(python: Path, model_dir: Path, port: int, dtype: str, segment_dir: Path,
+                 max_model_len: int = 8192, host: str = "127.0.0.1") -> list[str]:
+    """vLLM's own OpenAI-compatible server with the connector, prefix caching and cached-token counts."""
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--max-logprobs", "20", "--generation-config", "vllm",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            "--kv-transfer-config", json.dumps(connector_config(segment_dir))]
+
+
+def vllm_env(base: dict[str, str], venv: Path, cores: str, kv_gb: int) -> dict[str, str]:
+    """vLLM's CPU build's environment: bound cores, KV space, its OpenMP preloaded, the connector importable."""
+    env = {k: v for k, v in base.items() if not k.startswith(("VLLM_", "BLENDSERVE_"))}
+    env.update({"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
+                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)})
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def vllm_dtype(dtype: str) -> str:
+    """Blendserve's `BLENDSERVE_MODEL_DTYPE` as vLLM's --dtype (auto: float32 on the CPU, as Blendserve)."""
+    return "float32" if dtype == "auto" else dtype
+
+
+def start_vllm(settings, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start vLLM for `settings`' model; its process (own session) and base URL."""
+    from blend_engine.hf_folder import vllm_folder
+
+    venv = Path(env.get("BLENDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no vLLM environment at {venv}: run `make run-vllm` (it installs vLLM's CPU build there)")
+    port = int(env.get("BLENDSERVE_VLLM_PORT", "8001"))
+    model_dir = vllm_folder(settings.model.name, settings.model.cache_dir)
+    cmd = vllm_command(python, model_dir, port, vllm_dtype(settings.model.dtype), settings.decoder.segment_dir)
+    cores = env.get("BLENDSERVE_VLLM_CORES", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    log_path = settings.data_dir / "vllm.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("starting vLLM on 127.0.0.1:%d (model %s; log %s)", port, model_dir, log_path)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=vllm_env(env, venv, cores, int(env.get("BLENDSERVE_VLLM_KV_GB", "4"))),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to vLLM's process group (its engine runs in child processes), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from app.settings import ServiceSettings
+
+    env = dict(os.environ)
+    settings = ServiceSettings()  # fails fast on a bad value, before anything starts
+    proc, url = start_vllm(settings, env)
+    env.update({"BLENDSERVE_DECODER_KIND": "vllm", "BLENDSERVE_DECODER_VLLM_URL": url,
+                "BLENDSERVE_DECODER_VLLM_MODEL": SERVED_NAME})
+    try:
+        return subprocess.call([sys.executable, "-m", "app"], cwd=REPO, env=env)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop(proc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
