@@ -1,5 +1,7 @@
-"""Side by side with vLLM (issue #37): the same model, prompts, greedy settings and cores, through
-both systems' HTTP APIs, one server after the other.
+"""Side by side with vLLM (issues #37, #55): the same model, prompts, greedy settings and cores,
+through each system's HTTP API, one system after the other: vLLM alone, Blendserve alone, and
+Blendserve + vLLM (Blendserve blends, a vLLM server with `blendserve_vllm.connector` decodes;
+`make run-vllm`'s pair).
 
 1. RAG first tokens: MuSiQue and HotpotQA questions with their passages (then other questions'
    passages) up to ~2K/~4K/~8K-token prompts. Per question: cold, the same order again, the
@@ -8,8 +10,9 @@ both systems' HTTP APIs, one server after the other.
    prefill, then a cold blend request whose missed passages are stored (the ingestion cost,
    `kv_store_ms`), then blend hits; optionally its prefix_cache mode too.
 2. Under load: 1/8/16 concurrent clients, 3 passages each, natural answer lengths (up to
-   --max-tokens): output tokens/s and TTFT p50/p95. Every prompt's passages were seen once before
-   in another order (a warm pass), as retrieval returns known passages in new combinations.
+   --max-tokens): output tokens/s and TTFT p50/p95. `new_combination`: every prompt's passages were
+   seen once before in another order (a warm pass), as retrieval returns known passages in new
+   combinations; then `repeated`: the same prompts again.
 3. Fidelity: the first token's top-20 logprobs; KL of Blendserve's full prefill against vLLM, of
    its blend against vLLM, and of its blend against its own full prefill.
 
@@ -41,6 +44,10 @@ from benchmarks.data import Example, load_examples, passages_of, select_paragrap
 from benchmarks.peer_vllm_client import Reply, blend_body, blend_call, prompt_ids, token_text_of, vllm_body, vllm_call
 from benchmarks.peer_vllm_report import (
     BLEND,
+    NEW_COMBINATION,
+    PAIR,
+    REPEATED,
+    SYSTEMS,
     VLLM,
     FidelityRow,
     LoadRow,
@@ -55,10 +62,12 @@ from benchmarks.peer_vllm_report import (
 from benchmarks.peer_vllm_servers import (
     REPO,
     RUN_TARGET,
+    SERVED_NAME,
     VLLM_VENV,
     PeerSetupError,
     VllmSettings,
     blendserve_server,
+    pair_vllm_server,
     vllm_python,
     vllm_server,
 )
@@ -108,6 +117,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="requests per client at each load level (--quick: 1)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer length cap under load (natural lengths)")
     p.add_argument("--skip", default="", help="phases to leave out: rag, load, prefix_cache")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, of {', '.join(SYSTEMS)}")
     p.add_argument("--cores", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     p.add_argument("--kv-space-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds each server may take to come up")
@@ -120,6 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--sizes and --clients take comma-separated integers")
     args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     _check_args(p, args)
     if args.quick:
         args.questions, args.rounds = 1, 1
@@ -136,6 +147,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--datasets: unknown {sorted(unknown)}; musique and/or hotpotqa")
     if unknown := args.skip - {"rag", "load", "prefix_cache"}:
         p.error(f"--skip: unknown {sorted(unknown)}; rag, load, prefix_cache")
+    if not args.systems or (unknown := set(args.systems) - set(SYSTEMS)):
+        p.error(f"--systems: one or more of {', '.join(SYSTEMS)}")
     if args.questions < 1 or args.rounds < 1 or args.max_tokens < 1:
         p.error("--questions, --rounds and --max-tokens must be at least 1")
 
@@ -224,7 +237,7 @@ async def _sequential(http: httpx.AsyncClient, call: Call, bodies: Sequence[dict
 
 
 async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: list[dict[str, Any]],
-                     clients: int, label: str = "load") -> LoadRow:
+                     clients: int, label: str = "load", kind: str = NEW_COMBINATION) -> LoadRow:
     """`clients` concurrent clients draining `bodies`; failures are counted, not raised."""
     queue: asyncio.Queue = asyncio.Queue()
     for b in bodies:
@@ -248,7 +261,7 @@ async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: l
     tokens = sum(r.output_tokens for r in replies)
     ttft = [r.ttft_ms for r in replies]
     row = LoadRow(system, clients, len(bodies), len(replies), len(errors), seconds, tokens, tokens / seconds,
-                  percentile(ttft, 50), percentile(ttft, 95), os.getloadavg()[0], server_p50(replies))
+                  percentile(ttft, 50), percentile(ttft, 95), os.getloadavg()[0], server_p50(replies), kind)
     logger.info("%s %s %2d clients: %.1f tok/s, TTFT p50 %.0f ms, %d errors", system, label, clients,
                 row.tokens_per_s, row.ttft_p50_ms, row.errors)
     return row
@@ -266,7 +279,9 @@ async def run_load(http: httpx.AsyncClient, call: Call, system: str, levels: dic
     for clients, prompts in levels.items():
         warm = [body(p, True, 1) for p in prompts]
         await load_level(http, call, system, warm, min(4, clients), "warm pass")  # passages seen in another order
-        rows.append(await load_level(http, call, system, [body(p, False, 0) for p in prompts], clients))
+        level = [body(p, False, 0) for p in prompts]
+        rows.append(await load_level(http, call, system, level, clients, NEW_COMBINATION))
+        rows.append(await load_level(http, call, system, level, clients, REPEATED, REPEATED))  # each again
     return rows
 
 
@@ -327,7 +342,7 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, rag: list[RagPrompt], le
 
 
 def run_blendserve(args: argparse.Namespace, rag: list[RagPrompt], levels: dict[int, list[LoadPrompt]],
-                   log_dir: Path) -> SystemRun:
+                   log_dir: Path, system: str = BLEND, decoder_env: dict[str, str] | None = None) -> SystemRun:
     async def call(http: httpx.AsyncClient, body: dict[str, Any]) -> Reply:
         return await blend_call(http, url, body)
 
@@ -336,11 +351,25 @@ def run_blendserve(args: argparse.Namespace, rag: list[RagPrompt], levels: dict[
                           "blend", False)
 
     warm = blend_body((WARM_PASSAGE,), WARM_QUESTION, 4, "blend", True)
-    prefix_cache = "prefix_cache" not in args.skip
+    prefix_cache = "prefix_cache" not in args.skip and system == BLEND
+    log = log_dir / ("blendserve.log" if system == BLEND else "blendserve-pair.log")
     with tempfile.TemporaryDirectory(prefix="blendserve-peer-vllm-") as data_dir:
-        with blendserve_server(Path(data_dir), log_dir / "blendserve.log", free_port(), args.start_timeout) as url:
-            return asyncio.run(run_system(url, call, BLEND, rag, lambda p: blend_cases(p, prefix_cache), warm,
+        with blendserve_server(Path(data_dir), log, free_port(), args.start_timeout, decoder_env) as url:
+            return asyncio.run(run_system(url, call, system, rag, lambda p: blend_cases(p, prefix_cache), warm,
                                           levels, load_body))
+
+
+def run_pair(args: argparse.Namespace, model_dir: Path, rag: list[RagPrompt], levels: dict[int, list[LoadPrompt]],
+             log_dir: Path) -> SystemRun:
+    """Blendserve with BLENDSERVE_DECODER_KIND=vllm in front of a vLLM server that loads its KV through
+    `blendserve_vllm.connector` (what `make run-vllm` starts), both on the same cores."""
+    settings = VllmSettings(cores=args.cores, kv_space_gb=args.kv_space_gb)
+    with tempfile.TemporaryDirectory(prefix="blendserve-segments-", dir="/dev/shm") as segments:
+        with pair_vllm_server(model_dir, settings, Path(segments), log_dir / "vllm-pair.log", free_port(),
+                              args.start_timeout) as url:
+            env = {"BLENDSERVE_DECODER_KIND": "vllm", "BLENDSERVE_DECODER_VLLM_URL": url,
+                   "BLENDSERVE_DECODER_SEGMENT_DIR": segments, "BLENDSERVE_DECODER_VLLM_MODEL": SERVED_NAME}
+            return run_blendserve(args, rag, levels, log_dir, PAIR, env)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -404,6 +433,9 @@ def settings_of(args: argparse.Namespace, model_dir: Path, argv: Sequence[str]) 
             "vllm": {**VllmSettings(cores=args.cores, kv_space_gb=args.kv_space_gb).as_dict(),
                      "server": "python -m vllm.entrypoints.openai.api_server"},
             "blendserve": "python -m app, defaults, scratch BLENDSERVE_DATA_DIR, no sample corpus, DTYPE=float32",
+            "blendserve+vllm": "the same Blendserve with BLENDSERVE_DECODER_KIND=vllm, and vLLM as above with "
+                               "--kv-transfer-config blendserve_vllm.connector (app.vllm_launcher.vllm_command)",
+            "systems": args.systems,
             "sizes": args.sizes, "datasets": args.datasets, "questions_per_dataset_and_size": args.questions,
             "clients": args.clients, "load_rounds": args.rounds, "load_max_tokens": args.max_tokens,
             "group_words": GROUP_WORDS, "greedy": "temperature 0", "skip": sorted(args.skip)}
@@ -411,9 +443,9 @@ def settings_of(args: argparse.Namespace, model_dir: Path, argv: Sequence[str]) 
 
 def build_report(settings: dict[str, Any], rag: list[RagPrompt], runs: dict[str, SystemRun]) -> Report:
     report = Report(settings, rag_samples(rag, runs), [row for run in runs.values() for row in run.load])
-    if rag and VLLM in runs and BLEND in runs:
+    if rag and VLLM in runs and BLEND in runs:  # the pair decodes on vLLM: its logprobs are vLLM's
         report.fidelity = fidelity_rows(rag, runs[VLLM], runs[BLEND])
-    fallbacks = [s for s in report.rag if s.system == BLEND and "blend" in s.case and s.mode not in (None, "blend")]
+    fallbacks = [s for s in report.rag if s.system != VLLM and "blend" in s.case and s.mode not in (None, "blend")]
     if fallbacks:
         report.notes.append(f"{len(fallbacks)} Blendserve blend request(s) were served as {fallbacks[0].mode} "
                             "(the bandwidth controller or the fidelity gate)")
@@ -434,8 +466,10 @@ def run(argv: Sequence[str]) -> list[Path]:
     logger.info("%d RAG prompts, load levels %s", len(rag), {c: len(p) for c, p in levels.items()})
     settings = settings_of(args, model_dir, argv)
     log_dir = args.out_dir / "logs"
-    runs = {VLLM: run_vllm(args, model_dir, rag, levels, tokenizer, log_dir),
-            BLEND: run_blendserve(args, rag, levels, log_dir)}
+    runners = {VLLM: lambda: run_vllm(args, model_dir, rag, levels, tokenizer, log_dir),
+               BLEND: lambda: run_blendserve(args, rag, levels, log_dir),
+               PAIR: lambda: run_pair(args, model_dir, rag, levels, log_dir)}
+    runs = {system: runners[system]() for system in args.systems}
     report = build_report(settings, rag, runs)
     files = write_results(report, args.out_dir, "peer_vllm_quick" if args.quick else "peer_vllm")
     print(markdown(report))

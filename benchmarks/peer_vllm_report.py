@@ -16,12 +16,16 @@ import numpy as np
 
 BLEND = "blendserve"
 VLLM = "vllm"
+PAIR = "blendserve+vllm"  # Blendserve blends, a vLLM server with its KV connector decodes (issue #55)
+SYSTEMS = (VLLM, BLEND, PAIR)
+NEW_COMBINATION, REPEATED = "new_combination", "repeated"  # the load levels' prompts (`LoadRow.kind`)
 # the RAG cases per question: (system, case); Blendserve's "ingest" is its cold blend request, whose
 # missed passages are computed and stored (its kv_store_ms is the ingestion cost)
 RAG_CASES = ((VLLM, "cold"), (BLEND, "cold_full_prefill"), (BLEND, "cold_blend_ingest"),
-             (VLLM, "same_order"), (BLEND, "same_order_blend"), (BLEND, "cold_prefix_cache"),
-             (BLEND, "same_order_prefix_cache"),
-             (VLLM, "reordered"), (BLEND, "reordered_blend"))
+             (PAIR, "cold_full_prefill"), (PAIR, "cold_blend_ingest"),
+             (VLLM, "same_order"), (BLEND, "same_order_blend"), (PAIR, "same_order_blend"),
+             (BLEND, "cold_prefix_cache"), (BLEND, "same_order_prefix_cache"),
+             (VLLM, "reordered"), (BLEND, "reordered_blend"), (PAIR, "reordered_blend"))
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class LoadRow:
     ttft_p95_ms: float
     load_avg_1m: float | None = None  # the 1-minute load average when the level ended
     server_p50_ms: dict[str, float] | None = None  # Blendserve: p50 of each `timings` field over the level
+    kind: str = NEW_COMBINATION  # known passages in a new order, or each prompt again (REPEATED)
 
 
 @dataclass(frozen=True)
@@ -169,15 +174,41 @@ def targets(report: Report) -> list[dict[str, Any]]:
         cold = _ratio(_p50(summary, BLEND, "cold_full_prefill", size), _p50(summary, VLLM, "cold", size))
         out.append(_target(f"cold @{size}: Blendserve full prefill / vLLM TTFT", cold, "<=", 1.0))
     for clients in sorted({r.clients for r in report.load}):
-        ours = [r.tokens_per_s for r in report.load if r.clients == clients and r.system == BLEND]
-        theirs = [r.tokens_per_s for r in report.load if r.clients == clients and r.system == VLLM]
-        share = _ratio(ours[0] if ours else None, theirs[0] if theirs else None)
+        share = _share(report.load, BLEND, clients, NEW_COMBINATION)
         if clients >= 8:
             out.append(_target(f"{clients} clients: Blendserve / vLLM tokens/s", share, ">=", 0.8))
+    out += pair_targets(report, summary, sizes)
     if report.fidelity:
         worst = max(r.kl_full_vs_vllm for r in report.fidelity)
         out.append(_target("full-prefill first-token KL vs vLLM (max)", worst, "<", 0.01))
     return out
+
+
+def pair_targets(report: Report, summary: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Issue #55's targets for Blendserve + vLLM against vLLM alone (none when the pair did not run)."""
+    if not any(s.system == PAIR for s in report.rag) and not any(r.system == PAIR for r in report.load):
+        return []
+    out = []
+    for size in sizes:
+        speedup = _ratio(_p50(summary, VLLM, "reordered", size), _p50(summary, PAIR, "reordered_blend", size))
+        out.append(_target(f"reordered @{size}: vLLM / Blendserve+vLLM TTFT", speedup, ">=", 3.0))
+        repeat = _ratio(_p50(summary, PAIR, "same_order_blend", size), _p50(summary, VLLM, "same_order", size))
+        out.append(_target(f"same prompt again @{size}: Blendserve+vLLM / vLLM TTFT", repeat, "<=", 1.2))
+    for clients in sorted({r.clients for r in report.load if r.system == PAIR}):
+        out.append(_target(f"{clients} clients, repeated prompts: Blendserve+vLLM / vLLM tokens/s",
+                           _share(report.load, PAIR, clients, REPEATED), ">=", 0.9))
+        if clients == 8:
+            out.append(_target("8 clients, new combinations: Blendserve+vLLM / vLLM tokens/s",
+                               _share(report.load, PAIR, clients, NEW_COMBINATION), ">=", 1.5))
+    return out
+
+
+def _share(rows: Sequence[LoadRow], system: str, clients: int, kind: str) -> float | None:
+    """`system`'s tokens/s over vLLM's at one level and kind."""
+    def rate(name: str) -> float | None:
+        found = [r.tokens_per_s for r in rows if (r.system, r.clients, r.kind) == (name, clients, kind)]
+        return found[0] if found else None
+    return _ratio(rate(system), rate(VLLM))
 
 
 def _target(name: str, value: float | None, op: str, goal: float) -> dict[str, Any]:
@@ -208,12 +239,12 @@ def rag_table(summary: Sequence[Mapping[str, Any]]) -> str:
 
 
 def load_table(rows: Sequence[LoadRow]) -> str:
-    head = ("| clients | system | answered / requests | output tok/s | TTFT p50 / p95 (ms) | load 1m "
-            "| Blendserve timings p50 (ms) |\n|---|---|---|---|---|---|---|\n")
-    return head + "".join(f"| {r.clients} | {r.system} | {r.answered} / {r.requests} | {r.tokens_per_s:.1f} | "
-                          f"{_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | {_num(r.load_avg_1m)} | "
-                          f"{_timings(r.server_p50_ms)} |\n"
-                          for r in sorted(rows, key=lambda r: (r.clients, r.system)))
+    head = ("| prompts | clients | system | answered / requests | output tok/s | TTFT p50 / p95 (ms) | load 1m "
+            "| Blendserve timings p50 (ms) |\n|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(f"| {r.kind} | {r.clients} | {r.system} | {r.answered} / {r.requests} | "
+                          f"{r.tokens_per_s:.1f} | {_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | "
+                          f"{_num(r.load_avg_1m)} | {_timings(r.server_p50_ms)} |\n"
+                          for r in sorted(rows, key=lambda r: (r.kind, r.clients, r.system)))
 
 
 def _timings(t: Mapping[str, float] | None) -> str:
@@ -284,13 +315,15 @@ def plot_png(report: Report) -> bytes:
         sel = [r for r in summary if (r["system"], r["case"]) == (system, case)]
         if sel:
             left.plot([r["size"] for r in sel], [r["ttft_p50_ms"] / 1e3 for r in sel], marker="o",
-                      linestyle="-" if system == BLEND else "--", label=f"{system} {case}")
+                      linestyle={BLEND: "-", PAIR: ":"}.get(system, "--"), label=f"{system} {case}")
     left.set(xlabel="prompt tokens (target)", ylabel="TTFT p50 (s)", yscale="log", title="RAG first tokens")
     left.legend(fontsize=7)
-    for system in (BLEND, VLLM):
-        sel = sorted((r for r in report.load if r.system == system), key=lambda r: r.clients)
-        if sel:
-            right.plot([r.clients for r in sel], [r.tokens_per_s for r in sel], marker="o", label=system)
+    for system in SYSTEMS:
+        for kind in (NEW_COMBINATION, REPEATED):
+            sel = sorted((r for r in report.load if (r.system, r.kind) == (system, kind)), key=lambda r: r.clients)
+            if sel:
+                right.plot([r.clients for r in sel], [r.tokens_per_s for r in sel], marker="o",
+                           linestyle="-" if kind == NEW_COMBINATION else "--", label=f"{system} {kind}")
     right.set(xlabel="concurrent clients", ylabel="output tokens/s", title="under load")
     right.set_xscale("log", base=2)
     right.legend()

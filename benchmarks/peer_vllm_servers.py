@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from app.vllm_launcher import vllm_command as vllm_command_with_connector
+
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,6 +174,19 @@ def vllm_server(model_dir: Path, s: VllmSettings, log_path: Path, port: int, tim
                   "/health", port, timeout_s)
 
 
-def blendserve_server(data_dir: Path, log_path: Path, port: int, timeout_s: float) -> Iterator[str]:
-    return server([sys.executable, "-m", "app"], blendserve_env(dict(os.environ), data_dir, port), log_path,
-                  "Blendserve (python -m app)", "/readyz", port, timeout_s, blendserve_ready)
+def blendserve_server(data_dir: Path, log_path: Path, port: int, timeout_s: float,
+                      extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    env = blendserve_env(dict(os.environ), data_dir, port) | (extra_env or {})
+    return server([sys.executable, "-m", "app"], env, log_path, "Blendserve (python -m app)", "/readyz", port,
+                  timeout_s, blendserve_ready)
+
+
+def pair_vllm_server(model_dir: Path, s: VllmSettings, segments: Path, log_path: Path, port: int,
+                     timeout_s: float) -> Iterator[str]:
+    """vLLM as `make run-vllm` starts it (the connector, prefix caching, cached-token counts), served
+    under SERVED_NAME, on the peer's cores and KV space."""
+    py = vllm_python()
+    cmd = vllm_command_with_connector(py, model_dir, port, s.dtype, segments, s.max_model_len)
+    cmd[cmd.index("--served-model-name") + 1] = SERVED_NAME
+    env = vllm_env(dict(os.environ), s) | {"PYTHONPATH": str(REPO)}
+    return server(cmd, env, log_path, "the vLLM server (Blendserve's connector)", "/health", port, timeout_s)

@@ -26,7 +26,7 @@ Every setting is an environment variable (or a line of `.env` in the working dir
 environment wins): `BLENDSERVE_<GROUP>_<FIELD>`, read into `settings.<group>.<field>`. The data
 folder is the one setting outside a group, `BLENDSERVE_DATA_DIR` (default `data`). The service
 (`python -m app`) reads every group; the CLI (`python -m corpus_cli`) the shared ones (not
-service, limits, auth). A bad value fails at start-up naming the variable; so does an unknown
+service, limits, auth, decoder). A bad value fails at start-up naming the variable; so does an unknown
 `BLENDSERVE_*` name, with the closest valid one.
 
 **Deprecated names.** The flat names of the previous release (`BLENDSERVE_MAX_BATCH`) still work
@@ -56,7 +56,7 @@ def _default(info: FieldInfo) -> str:
     if value is None:
         return "unset"
     if isinstance(value, Path):
-        value = value.relative_to(DOC.parent.parent) if value.is_absolute() else value
+        value = value.relative_to(DOC.parent.parent) if value.is_relative_to(DOC.parent.parent) else value
     return f"`{value}`"
 
 

@@ -1,7 +1,7 @@
 """The setting groups: one pydantic model per concern, read from `BLENDSERVE_<GROUP>_<FIELD>`.
 
 `blendserve_config.settings.Settings` composes the shared groups (model, engine, store, retrieval,
-ingest); `app.settings.ServiceSettings` adds the service's (service, limits, auth). Every group
+ingest); `app.settings.ServiceSettings` adds the service's (service, limits, auth, decoder). Every group
 is defined here, so the environment reader knows every valid name whichever class reads it.
 Cheap to import (no torch).
 """

@@ -124,7 +124,7 @@ def test_memory_tier_budget_in_gb_is_an_alias_of_the_mb_setting(tmp_path, monkey
         Settings(_env_file=None)
 
 
-SERVICE_GROUPS = ("service", "limits", "auth")
+SERVICE_GROUPS = ("service", "limits", "auth", "decoder")
 
 
 def test_service_settings_extend_the_shared_ones(tmp_path, monkeypatch):
@@ -401,9 +401,12 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
                           "explain"]
     assert [list(p) for p in body["passages"]] == [["id", "title", "score", "doc_id", "location"]] * 2
     assert list(body["timings"]) == ["retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms", "queue_ms",
-                                     "kv_store_ms"]
+                                     "kv_store_ms", "blend_ms", "handover_ms", "decoder_ttft_ms", "decoder_ms"]
+    assert [body["timings"][k] for k in ("blend_ms", "handover_ms", "decoder_ttft_ms", "decoder_ms")] == [None] * 4
     assert list(body["stats"]) == ["context_tokens", "recomputed_tokens", "recompute_ratio", "cache_hits",
-                                   "cache_misses", "ratio_source", "completion_tokens", "fallback"]
+                                   "cache_misses", "ratio_source", "completion_tokens", "fallback", "decoder",
+                                   "decoder_cached_tokens"]
+    assert body["stats"]["decoder"] == "own" and body["stats"]["decoder_cached_tokens"] is None
     ex = body["explain"]
     assert list(ex) == ["check_layer", "metric", "max_tokens", "explained_tokens", "truncated",
                         "passage_recomputed_tokens", "system", "passages", "question", "markers", "turns"]
