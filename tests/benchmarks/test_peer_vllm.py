@@ -17,6 +17,9 @@ from benchmarks import peer_vllm, peer_vllm_report, peer_vllm_servers
 from benchmarks.peer_vllm_client import Reply, blend_body, sse_events, token_text_of, vllm_body
 from benchmarks.peer_vllm_report import (
     BLEND,
+    NEW_COMBINATION,
+    PAIR,
+    REPEATED,
     VLLM,
     LoadRow,
     RagSample,
@@ -110,6 +113,29 @@ def test_targets_are_computed_from_the_medians():
     assert got["8 clients: Blendserve / vLLM tokens/s"]["value"] == pytest.approx(0.8)
     assert got["8 clients: Blendserve / vLLM tokens/s"]["met"] is True
     assert not any(name.startswith("1 clients") for name in got)  # the load target is for 8 and 16 clients
+
+
+def test_the_pairs_targets_compare_it_with_vllm_alone_per_kind_of_load():
+    """Issue #55's targets: the pair's reordered and repeated TTFT against vLLM's, its tokens/s on
+    repeated prompts at every level and on new combinations at 8 clients."""
+    def row(system: str, clients: int, rate: float, kind: str) -> LoadRow:
+        return LoadRow(system, clients, 8, 8, 0, 1.0, int(rate), rate, 1, 2, kind=kind)
+
+    report = Report({}, [_rag(VLLM, "reordered", 9000), _rag(PAIR, "reordered_blend", 2000),
+                         _rag(VLLM, "same_order", 200), _rag(PAIR, "same_order_blend", 230)],
+                    [row(VLLM, 8, 50.0, NEW_COMBINATION), row(PAIR, 8, 80.0, NEW_COMBINATION),
+                     row(VLLM, 8, 60.0, REPEATED), row(PAIR, 8, 51.0, REPEATED),
+                     row(VLLM, 1, 20.0, REPEATED), row(PAIR, 1, 19.0, REPEATED)])
+    got = {t["target"]: t for t in targets(report)}
+    assert got["reordered @4000: vLLM / Blendserve+vLLM TTFT"]["value"] == pytest.approx(4.5)
+    assert got["same prompt again @4000: Blendserve+vLLM / vLLM TTFT"]["value"] == pytest.approx(1.15)
+    assert got["same prompt again @4000: Blendserve+vLLM / vLLM TTFT"]["met"] is True
+    assert got["8 clients, repeated prompts: Blendserve+vLLM / vLLM tokens/s"]["value"] == pytest.approx(0.85)
+    assert got["8 clients, repeated prompts: Blendserve+vLLM / vLLM tokens/s"]["met"] is False
+    assert got["1 clients, repeated prompts: Blendserve+vLLM / vLLM tokens/s"]["met"] is True
+    assert got["8 clients, new combinations: Blendserve+vLLM / vLLM tokens/s"]["value"] == pytest.approx(1.6)
+    assert "reordered @4000: vLLM / Blendserve blend TTFT" in got  # Blendserve alone keeps its own targets
+    assert not any("Blendserve+vLLM" in name for name in (t["target"] for t in targets(Report({}, report.rag[:1]))))
 
 
 def test_a_target_without_its_measurement_is_reported_unmet_as_none():
@@ -320,27 +346,3 @@ def test_a_server_that_never_answers_times_out_with_its_log(tmp_path: Path):
     finally:
         proc.kill()
         proc.wait(30)
-
-
-# ----------------------------------------------------------------------------- the design probe's KV layout
-
-
-def test_probe_writes_k_transposed_then_v_per_block_and_head():
-    """What vLLM's CPU `cpu_attn_reshape_and_cache` (ISA `vec`) leaves in a block's head buffer,
-    read through ExampleConnector's per-slot rows: K[t, d] at d * BLOCK + t, then V[t, d] at
-    BLOCK * D + t * D + d."""
-    torch = pytest.importorskip("torch")
-    from benchmarks.vllm_decode_probe import BLOCK, cpu_blocks
-
-    H, D, n = 3, 8, 2
-    T = n * BLOCK
-    k = torch.randn(H, T + 5, D)  # [H, T', D]: tokens past T are not handed over
-    v = torch.randn(H, T + 5, D)
-    rows = cpu_blocks(k, v, T)  # [T, H, 2D]
-    assert rows.shape == (T, H, 2 * D)
-    for block in range(n):
-        for h in range(H):
-            buf = rows[block * BLOCK:(block + 1) * BLOCK, h].reshape(-1)  # the head's buffer [2 * BLOCK * D]
-            span = slice(block * BLOCK, (block + 1) * BLOCK)
-            assert torch.equal(buf[:BLOCK * D].view(D, BLOCK), k[h, span].T)
-            assert torch.equal(buf[BLOCK * D:].view(BLOCK, D), v[h, span])
