@@ -35,7 +35,7 @@ ROOT_FIELDS = ("data_dir",)  # fields of the root, read without a group: BLENDSE
 # and the test suite's demand for a vLLM install (`tests/decoder_vllm`).
 OTHER_TOOLS = frozenset(f"{PREFIX}{n}" for n in ("SHARED_DATA", "TAG", "PUBLISH_PORT", "LB_BIND", "API_1", "API_2",
                                                   "VLLM_PORT", "VLLM_VENV", "VLLM_CORES", "VLLM_KV_GB",
-                                                  "REQUIRE_VLLM"))
+                                                  "REQUIRE_VLLM", "VLLM_MODEL_DIR", "HANDOVER_SIZE"))
 
 
 class SettingsNameError(ValueError):

@@ -8,6 +8,10 @@ Layer-major, token-major inside a layer (the rows vLLM's cache writes take), in 
 `token_hash` is the hash of the T prompt token ids the KV belongs to: the connector hands the KV
 to a request only when its prompt's first T ids hash the same. A segment is written under a
 temporary name and renamed into place, so a reader never sees a half-written one.
+
+For a vLLM server on another host the same bytes go through Redis instead (`RedisPublisher`,
+`redis_handover`): filled in a host buffer (`fill_buffer`), read back into one
+(`Segment.from_buffer`).
 """
 
 from __future__ import annotations
@@ -15,18 +19,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from blendserve_vllm.redis_handover import RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +129,14 @@ def _unreadable(name: str, exc: OSError) -> SegmentError:
 
 
 class Segment:
-    """An open segment, mapped: `k(layer)` / `v(layer)` are views [T, H, D] of its memory."""
+    """An open segment: `k(layer)` / `v(layer)` are views [T, H, D] of its memory, a mapped file
+    (`open`) or a buffer in memory (`from_buffer`, what came from Redis). `name` is its handle's name."""
 
-    def __init__(self, path: Path, meta: SegmentMeta, mm: mmap.mmap) -> None:
-        self.path, self.meta, self._mm = path, meta, mm
-        self._data = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes]
+    def __init__(self, path: Path | None, meta: SegmentMeta, buf: mmap.mmap | bytearray | memoryview,
+                 name: str | None = None) -> None:
+        self.path, self.meta, self._buf = path, meta, buf
+        self.name = name if name is not None else path.name
+        self._data = torch.frombuffer(buf, dtype=torch.uint8)  # [nbytes]
 
     @classmethod
     def open(cls, folder: str | Path, name: str) -> Segment:
@@ -144,6 +157,18 @@ class Segment:
         finally:
             os.close(fd)
         return cls(path, meta, mm)
+
+    @classmethod
+    def from_buffer(cls, name: str, buf: bytearray | memoryview | bytes) -> Segment:
+        """A segment over bytes in memory, sized as its header says (else SegmentError); its views
+        share `buf`'s memory (a read-only buffer is copied once, so they stay writable)."""
+        view = memoryview(buf).cast("B")
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        meta = SegmentMeta.decode(bytes(view[:HEADER_BYTES]))
+        if view.nbytes != meta.nbytes:
+            raise SegmentError(f"segment {name} holds {view.nbytes} bytes, its meta says {meta.nbytes}")
+        return cls(None, meta, view, name)
 
     @staticmethod
     def read_meta(folder: str | Path, name: str) -> SegmentMeta:
@@ -172,7 +197,9 @@ class Segment:
 
     def close(self) -> None:
         self._data = None
-        self._mm.close()
+        if isinstance(self._buf, mmap.mmap):
+            self._buf.close()
+        self._buf = None
 
 
 def write_segment(folder: str | Path, name: str, meta: SegmentMeta,
@@ -202,6 +229,20 @@ def write_segment(folder: str | Path, name: str, meta: SegmentMeta,
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def fill_buffer(meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> bytearray:
+    """A segment built in memory (what goes to Redis): the header, then `fill(layer, k, v)` writes
+    each layer into the views k, v [T, H, D] of the buffer."""
+    buf = bytearray(meta.nbytes)
+    buf[:HEADER_BYTES] = meta.encode()
+    seg = Segment(None, meta, buf, "in-memory")
+    try:
+        for layer in range(meta.n_layers):
+            fill(layer, seg.k(layer), seg.v(layer))
+    finally:
+        seg.close()
+    return buf
 
 
 def remove(folder: str | Path, name: str) -> bool:
@@ -236,11 +277,13 @@ class SegmentPublisher:
         self._live: OrderedDict[str, Published] = OrderedDict()
         self._lock = threading.Lock()
         self._ids = iter(range(1 << 62))
+        self._tag = f"{os.getpid()}{secrets.token_hex(4)}"
         self.published = self.evicted = self.expired = 0
 
     def new_name(self, ids_hash: str) -> str:
+        """A handle unique across processes and containers sharing the folder (their pids may coincide)."""
         with self._lock:
-            return f"blendserve-{ids_hash[:16]}-{os.getpid()}-{next(self._ids)}"
+            return f"blendserve-{ids_hash[:16]}-{self._tag}-{next(self._ids)}"
 
     def publish(self, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Published:
         """Write one segment (see `write_segment`), after making room for it; its `Published` record."""
@@ -285,3 +328,90 @@ class SegmentPublisher:
             for name in list(self._live):
                 remove(self.folder, name)
             self._live.clear()
+
+
+class RedisPublisher:
+    """Blendserve's side for a vLLM server on another host: the same segments, each filled in a host
+    buffer and SET under `blendserve:segment:<name>` with EX `ttl_s` (Redis drops one vLLM never
+    loaded); its handle is "redis:<name>" (`redis_handover`). At most `budget_bytes` of this
+    publisher's segments are outstanding at once (the oldest DEL'd first); vLLM DELs a key once it
+    loaded it, which `sweep` notices. Redis down or refusing: SegmentError (a `RedisError`)."""
+
+    def __init__(self, url: str, budget_bytes: int = 2 << 30, ttl_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic, timeout_s: float = 5.0) -> None:
+        from blendserve_vllm import redis_handover  # it imports this module
+
+        self._rh = redis_handover
+        self.client: RedisClient = redis_handover.RedisClient(url, timeout_s)
+        self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
+        self._live: OrderedDict[str, Published] = OrderedDict()  # handle -> record, oldest first
+        self._lock = threading.Lock()
+        self._ids = iter(range(1 << 62))
+        self._tag = f"{os.getpid()}{secrets.token_hex(4)}"
+        self._tag = secrets.token_hex(4)  # publishers on other hosts may share a pid
+        self.published = self.evicted = self.expired = 0
+
+    def new_name(self, ids_hash: str) -> str:
+        """A new handle, "redis:blendserve-<hash>-<pid>-<tag>-<n>"."""
+        with self._lock:
+            name = f"blendserve-{ids_hash[:16]}-{os.getpid()}-{self._tag}-{next(self._ids)}"
+        return self._rh.HANDLE_PREFIX + name
+
+    def publish(self, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Published:
+        """Fill one segment in memory (see `fill_buffer`) and SET it, after making room for it."""
+        if meta.nbytes > self.budget_bytes:
+            raise SegmentError(f"a segment of {meta.nbytes} bytes exceeds the hand-over budget of "
+                               f"{self.budget_bytes} bytes")
+        self.sweep(room=meta.nbytes)
+        handle = self.new_name(meta.token_hash)
+        buf = fill_buffer(meta, fill)
+        self.client.set(self._key(handle), memoryview(buf), ex_s=max(1, math.ceil(self.ttl_s)))
+        rec = Published(handle, meta.nbytes, self.clock(), meta.token_hash)
+        with self._lock:
+            self._live[handle] = rec
+            self.published += 1
+        return rec
+
+    def sweep(self, room: int = 0) -> None:
+        """Forget keys vLLM deleted, DEL the expired, then the oldest until `room` bytes fit."""
+        now = self.clock()
+        with self._lock:
+            handles = list(self._live)
+            for handle, there in zip(handles, self.client.exists_each([self._key(h) for h in handles])):
+                if not there:
+                    del self._live[handle]
+            expired = [h for h, rec in self._live.items() if now - rec.created > self.ttl_s]
+            for handle in expired:
+                del self._live[handle]
+            evicted = []
+            while self._live and self.live_bytes + room > self.budget_bytes:
+                evicted.append(self._live.popitem(last=False)[0])
+            self.expired += self._delete(expired)
+            self.evicted += self._delete(evicted)
+
+    def _key(self, handle: str) -> str:
+        return self._rh.segment_key(self._rh.redis_name(handle))
+
+    def _delete(self, handles: Sequence[str]) -> int:
+        return self.client.delete(*(self._key(h) for h in handles))
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(r.nbytes for r in self._live.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"segments": len(self._live), "bytes": self.live_bytes, "published": self.published,
+                    "evicted": self.evicted, "expired": self.expired}
+
+    def close(self) -> None:
+        """DEL every segment this publisher still holds (Redis down: they expire there), and disconnect."""
+        with self._lock:
+            handles = list(self._live)
+            self._live.clear()
+        try:
+            self._delete(handles)
+        except SegmentError as exc:
+            logger.warning("could not free %d hand-over segments in Redis (%s); they expire there", len(handles), exc)
+        finally:
+            self.client.close()

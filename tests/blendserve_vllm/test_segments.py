@@ -233,7 +233,9 @@ def test_publisher_writes_a_readable_segment(tmp_path):
     rec = pub.publish(meta, lambda layer, k, v: (k.fill_(layer), v.fill_(-layer)))
     check_name(rec.name)
     assert rec.token_hash == meta.token_hash and rec.nbytes == meta.nbytes
-    assert rec.name.startswith(f"blendserve-{meta.token_hash[:16]}-{os.getpid()}-")
+    assert rec.name.startswith(f"blendserve-{meta.token_hash[:16]}-{os.getpid()}")
+    # two publishers (two containers whose pids coincide) never name a segment alike
+    assert SegmentPublisher(tmp_path).new_name(meta.token_hash) != SegmentPublisher(tmp_path).new_name(meta.token_hash)
     seg = Segment.open(tmp_path, rec.name)
     try:
         assert float(seg.k(1)[0, 0, 0]) == 1.0 and float(seg.v(1)[0, 0, 0]) == -1.0
