@@ -23,6 +23,7 @@ from blendserve_vllm.segments import (
     SegmentMeta,
     SegmentPublisher,
     check_name,
+    fill_buffer,
     token_hash,
     write_segment,
 )
@@ -190,6 +191,53 @@ def test_a_meta_of_wrong_types_is_a_segment_error(tmp_path):
     (tmp_path / "seg").write_bytes(_raw_header({**asdict(make_meta()), "n_layers": "2"}))
     with pytest.raises(SegmentError):
         Segment.read_meta(tmp_path, "seg")
+
+
+# ------------------------------------------------------------------ in memory (the Redis path)
+def test_from_buffer_reads_what_write_segment_wrote(tmp_path):
+    meta = make_meta(L=3, T=5, dtype="bfloat16")
+    path, ks, vs = write(tmp_path, "seg", meta)
+    for buf in (bytearray(path.read_bytes()), memoryview(bytearray(path.read_bytes())), path.read_bytes()):
+        seg = Segment.from_buffer("seg", buf)
+        try:
+            assert seg.meta == meta and seg.name == "seg" and seg.path is None
+            for layer in range(3):
+                assert torch.equal(seg.k(layer), ks[layer]) and torch.equal(seg.v(layer), vs[layer])
+            seg.k(0).fill_(1.0)  # writable views, even over read-only bytes
+        finally:
+            seg.close()
+
+
+def test_from_buffer_shares_the_buffer():
+    meta = make_meta()
+    buf = fill_buffer(meta, lambda layer, k, v: (k.fill_(layer), v.fill_(-layer)))
+    assert len(buf) == meta.nbytes and bytes(buf[:HEADER_BYTES]) == meta.encode()
+    seg = Segment.from_buffer("seg", buf)
+    try:
+        assert float(seg.v(1)[2, 1, 3]) == -1.0
+        seg.k(1).fill_(5.0)
+        start = HEADER_BYTES + meta.layer_nbytes  # layer 1's K
+        assert torch.equal(torch.frombuffer(buf, dtype=torch.float32, offset=start, count=1), torch.tensor([5.0]))
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize("cut", list(TORN_SIZES))
+def test_from_buffer_refuses_a_torn_segment(tmp_path, cut):
+    meta = make_meta()
+    path, _, _ = write(tmp_path, "seg", meta)
+    data = path.read_bytes()
+    buf = bytearray(data[:TORN_SIZES[cut](meta.nbytes)].ljust(TORN_SIZES[cut](meta.nbytes), b"\0"))
+    with pytest.raises(SegmentError):
+        Segment.from_buffer("seg", buf)
+
+
+def test_a_fill_buffer_that_raises_propagates():
+    def fill(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        fill_buffer(make_meta(), fill)
 
 
 # ------------------------------------------------------------------ token hash
