@@ -8,16 +8,29 @@ Loaded by a stock vLLM server (tested: vLLM 0.32.0, CPU and, by shape, the CUDA 
                            "kv_connector_extra_config": {"segment_dir": "/dev/shm"}}'
 
 A request names its segment in `kv_transfer_params: {"blendserve_kv": "<handle>"}` (Blendserve's
-`/v1/completions` call does). Per request:
+`/v1/completions` call does):
+
+- `<name>`: a shared-memory segment file `<segment_dir>/<name>` (Blendserve on this host);
+- `redis:<name>`: the same bytes under the Redis key `blendserve:segment:<name>` (Blendserve on
+  another host, `redis_handover`), in the server of the extra config's `redis_url`
+  (`redis://[[user]:password@]host[:port][/db]`; `redis_timeout_s`, default 5, bounds connecting
+  and each socket read or write). Without `redis_url` such a handle is 0 hits.
+
+    "kv_connector_extra_config": {"segment_dir": "/dev/shm", "redis_url": "redis://:pw@kv-host:6379/0"}
+
+Per request:
 
     | prompt tokens 0 .. T-2: from the segment (minus vLLM's own prefix hit) | last token: vLLM |
 
-- scheduler side: a handle whose segment exists, has the model's shape and whose token hash
-  matches the prompt's first T ids is an external hit of T-1 tokens less what vLLM's prefix cache
-  already holds; anything else is 0 hits (logged), never an error.
-- worker side: at each attention layer (`wait_for_layer_load`) that layer's rows are copied from
-  the segment into the request's blocks (`layouts`); after the step the segment is freed. A
-  segment gone between scheduling and loading reports its blocks as failed, and vLLM recomputes
+- scheduler side (the header alone: a file read, or GETRANGE + STRLEN): a handle whose segment
+  exists, has the model's shape and whose token hash matches the prompt's first T ids is an
+  external hit of T-1 tokens less what vLLM's prefix cache already holds; anything else (Redis
+  unreachable included) is 0 hits (logged), never an error.
+- worker side: a step's segments are opened at its start (a file mapped, or a Redis value read with
+  one GET into a host buffer); at each attention layer (`wait_for_layer_load`) that layer's rows are
+  copied from the segment into the request's blocks (`layouts`); after the step the segment is freed
+  (the file unlinked, the key DEL'd; `free_after_load`, default true). A segment gone between
+  scheduling and loading, or Redis unreachable, reports its blocks as failed, and vLLM recomputes
   them (`kv_load_failure_policy: recompute`).
 """
 
@@ -35,8 +48,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from blendserve_vllm import layouts
-from blendserve_vllm.segments import DEFAULT_DIR, Segment, SegmentError, SegmentMeta, remove, token_hash
+from blendserve_vllm import layouts, redis_handover
+from blendserve_vllm.redis_handover import RedisClient, RedisError, is_redis_handle, redis_name
+from blendserve_vllm.segments import DEFAULT_DIR, Segment, SegmentError, SegmentMeta, check_name, remove, token_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -105,6 +119,8 @@ class BlendserveConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._dir = str(extra.get("segment_dir", DEFAULT_DIR))
         self._free_after_load = bool(extra.get("free_after_load", True))
+        url = extra.get("redis_url")
+        self._redis = RedisClient(str(url), float(extra.get("redis_timeout_s", 5.0))) if url else None
         self._block_size = vllm_config.cache_config.block_size
         mc = vllm_config.model_config
         self._shape = ModelShape(mc.get_total_num_hidden_layers(), mc.get_total_num_kv_heads(), mc.get_head_size())
@@ -113,7 +129,37 @@ class BlendserveConnector(KVConnectorBase_V1):
         self._step: list[tuple[Segment, torch.Tensor, Load]] = []  # worker: this step's open loads
         self._failed_blocks: set[int] = set()
         self._cpu_write: layouts.CpuWrite | None = None
-        logger.info("Blendserve connector (%s): segments in %s, model %s", role.name, self._dir, self._shape)
+        logger.info("Blendserve connector (%s): segments in %s and %s, model %s", role.name, self._dir,
+                    self._redis.address if self._redis else "no Redis", self._shape)
+
+    # ================================================================== segments, wherever they are
+    def _redis_client(self) -> RedisClient:
+        if self._redis is None:
+            raise SegmentError("a Redis handle, but this connector has no redis_url")
+        return self._redis
+
+    def _read_meta(self, handle: object) -> SegmentMeta:
+        if is_redis_handle(handle):
+            return redis_handover.read_meta(self._redis_client(), redis_name(handle))
+        return Segment.read_meta(self._dir, handle)
+
+    def _open(self, handle: str) -> Segment:
+        if is_redis_handle(handle):
+            return redis_handover.open_segment(self._redis_client(), redis_name(handle))
+        return Segment.open(self._dir, handle)
+
+    def _free(self, handles: list[str]) -> None:
+        """Free loaded segments: unlink the files, DEL the Redis keys (one command; failures logged)."""
+        names = [redis_name(h) for h in handles if is_redis_handle(h)]
+        for handle in handles:
+            if not is_redis_handle(handle):
+                remove(self._dir, check_name(handle))
+        if names:
+            try:
+                redis_handover.free(self._redis_client(), names)
+            except SegmentError as exc:
+                logger.warning("could not free %d Blendserve segments in Redis (%s); they expire there",
+                               len(names), exc)
 
     # ================================================================== scheduler side
     def _segment_for(self, request: Request) -> tuple[str, SegmentMeta] | None:
@@ -123,9 +169,10 @@ class BlendserveConnector(KVConnectorBase_V1):
         if handle is None:
             return None
         try:
-            meta = Segment.read_meta(self._dir, handle)
+            meta = self._read_meta(handle)
         except SegmentError as exc:
-            logger.info("request %s: no Blendserve KV (%s); vLLM computes the prompt", request.request_id, exc)
+            level = logging.WARNING if isinstance(exc, RedisError) else logging.INFO
+            logger.log(level, "request %s: no Blendserve KV (%s); vLLM computes the prompt", request.request_id, exc)
             return None
         ids = list(request.prompt_token_ids or [])
         if not self._shape.fits(meta):
@@ -185,7 +232,7 @@ class BlendserveConnector(KVConnectorBase_V1):
         self._layers = getattr(forward_context, "no_compile_layers", {}) or {}
         for load in meta.loads:
             try:
-                seg = Segment.open(self._dir, load.handle)
+                seg = self._open(load.handle)
                 if not self._shape.fits(seg.meta) or seg.meta.n_tokens < load.end:
                     seg.close()
                     raise SegmentError(f"segment {load.handle} changed shape")
@@ -240,10 +287,9 @@ class BlendserveConnector(KVConnectorBase_V1):
         """After the step's forward: every load is in the cache; close (and free) its segments."""
         step, self._step = self._step, []
         for seg, _, _ in step:
-            name = seg.path.name
             seg.close()
-            if self._free_after_load:
-                remove(self._dir, name)
+        if self._free_after_load and step:
+            self._free([load.handle for _, _, load in step])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

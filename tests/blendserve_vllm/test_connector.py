@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import importlib
 import os
+import shutil
 import sys
 import types
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ import torch
 import blendserve_vllm
 from blendserve_vllm import layouts
 from blendserve_vllm.segments import SegmentError, SegmentMeta, token_hash, write_segment
+from tests.local_services import RedisProcess, free_port
 
 CONNECTOR = "blendserve_vllm.connector"
 L, H, D, N = 2, 2, 4, 16  # layers, kv heads, head dim, block size
@@ -553,6 +555,141 @@ def test_scheduler_to_worker_end_to_end(cx, tmp_path):
                                                                   (5, 2, 7), 0, 40))
     assert not (tmp_path / HANDLE).exists()
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # freed: a retry computes the prompt
+
+
+# ------------------------------------------------------------------ segments in Redis (another host)
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="redis-server binary not installed (apt-get install redis-server)")
+RHANDLE = "redis:" + HANDLE
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisProcess().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def raw(redis_server):
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+def publish_to_redis(raw, folder, **kw):
+    """The segment `publish` writes, its bytes SET under RHANDLE's key (the shm file removed)."""
+    ks, vs = publish(folder, **kw)
+    raw.set(f"blendserve:segment:{HANDLE}", (folder / HANDLE).read_bytes())
+    os.unlink(folder / HANDLE)
+    return ks, vs
+
+
+def scheduler_to_worker(cx, folder, handle: str, **extra) -> tuple[int, dict[str, torch.Tensor]]:
+    """One request through a scheduler and a worker connector: its hit count and the caches after."""
+    sched = make_connector(cx, folder, **extra)
+    worker = make_connector(cx, folder, role="WORKER", **extra)
+    caches = std_caches()
+    worker.register_kv_caches(caches)
+    req = request(handle=handle)
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, SimpleNamespace(), n)
+    run_step(worker, sched.build_connector_meta(sched_output(new=[("req-1", [5, 2, 7], n)])))
+    assert worker.get_block_ids_with_load_errors() == set()
+    return n, caches
+
+
+@needs_redis
+def test_a_redis_handle_loads_what_the_shm_handle_loads(cx, tmp_path, redis_server, raw):
+    shm_dir, redis_dir = tmp_path / "shm", tmp_path / "empty"
+    shm_dir.mkdir(), redis_dir.mkdir()
+    ks, vs = publish(shm_dir)
+    publish_to_redis(raw, redis_dir)  # the same bytes (same seed)
+    n_shm, by_shm = scheduler_to_worker(cx, shm_dir, HANDLE)
+    n_redis, by_redis = scheduler_to_worker(cx, redis_dir, RHANDLE, redis_url=redis_server.url)
+    assert n_shm == n_redis == 40
+    before = std_caches()
+    for i in range(L):
+        assert torch.equal(by_redis[LAYER.format(i)], by_shm[LAYER.format(i)])
+        assert torch.equal(by_redis[LAYER.format(i)], expected_cache(before[LAYER.format(i)], ks[i], vs[i],
+                                                                     (5, 2, 7), 0, 40))
+    assert raw.keys("*") == []  # freed once loaded
+
+
+@needs_redis
+def test_free_after_load_false_keeps_the_redis_key(cx, tmp_path, redis_server, raw):
+    publish_to_redis(raw, tmp_path)
+    n, _ = scheduler_to_worker(cx, tmp_path, RHANDLE, redis_url=redis_server.url, free_after_load=False)
+    assert n == 40 and raw.exists(f"blendserve:segment:{HANDLE}")
+
+
+@needs_redis
+def test_a_redis_segment_of_other_ids_is_no_hit(cx, tmp_path, redis_server, raw):
+    publish_to_redis(raw, tmp_path, ids=PROMPT[1:])
+    conn = make_connector(cx, tmp_path, redis_url=redis_server.url)
+    assert conn.get_num_new_matched_tokens(request(handle=RHANDLE), 0) == (0, False)
+
+
+@needs_redis
+def test_a_gone_redis_key_is_no_hit_and_failed_blocks(cx, tmp_path, redis_server, raw):
+    publish(tmp_path)  # a shm segment of the same name: never read for a Redis handle
+    sched = make_connector(cx, tmp_path, redis_url=redis_server.url)
+    assert sched.get_num_new_matched_tokens(request(handle=RHANDLE), 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(request(handle="redis:../x"), 0) == (0, False)
+    worker = make_connector(cx, tmp_path, role="WORKER", redis_url=redis_server.url)
+    caches = std_caches()
+    worker.register_kv_caches(caches)
+    run_step(worker, cx.BlendserveMetadata([cx.Load("req-1", RHANDLE, (4, 1, 3, 6), 20, 40)]))
+    assert worker.get_block_ids_with_load_errors() == {1, 3}
+    assert all(torch.equal(caches[name], c) for name, c in std_caches().items())
+    assert (tmp_path / HANDLE).exists()
+
+
+@needs_redis
+def test_redis_gone_after_the_load_still_ends_the_step(cx, tmp_path, redis_server, raw):
+    ks, vs = publish_to_redis(raw, tmp_path)
+    worker = make_connector(cx, tmp_path, role="WORKER", redis_url=redis_server.url, redis_timeout_s=1.0)
+    caches = std_caches()
+    worker.register_kv_caches(caches)
+    worker.bind_connector_metadata(cx.BlendserveMetadata([cx.Load("req-1", RHANDLE, (4, 1, 3), 16, 40)]))
+    worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
+    redis_server.stop()  # the DEL after the step fails: logged, the key expires
+    for i in range(L):
+        worker.wait_for_layer_load(LAYER.format(i))
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    before = std_caches()
+    for i in range(L):
+        want = expected_cache(before[LAYER.format(i)], ks[i], vs[i], (4, 1, 3), 16, 40)
+        assert torch.equal(caches[LAYER.format(i)], want)
+
+
+def test_redis_down_is_no_hit_and_failed_blocks(cx, tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    sched = make_connector(cx, tmp_path, redis_url=url, redis_timeout_s=1.0)
+    assert sched.get_num_new_matched_tokens(request(handle=RHANDLE), 0) == (0, False)
+    worker = make_connector(cx, tmp_path, role="WORKER", redis_url=url, redis_timeout_s=1.0)
+    worker.register_kv_caches(std_caches())
+    run_step(worker, cx.BlendserveMetadata([cx.Load("req-1", RHANDLE, (4, 1, 3), 0, 40)]))
+    assert worker.get_block_ids_with_load_errors() == {4, 1, 3}
+
+
+def test_a_redis_handle_without_redis_url_is_no_hit(cx, tmp_path):
+    publish(tmp_path)
+    conn = make_connector(cx, tmp_path)
+    assert conn.get_num_new_matched_tokens(request(handle=RHANDLE), 0) == (0, False)
+    assert conn.get_num_new_matched_tokens(request(), 0) == (40, False)  # the shm handle still works
+    worker = make_connector(cx, tmp_path, role="WORKER")
+    worker.register_kv_caches(std_caches())
+    run_step(worker, cx.BlendserveMetadata([cx.Load("req-1", RHANDLE, (4, 1, 3), 0, 40)]))
+    assert worker.get_block_ids_with_load_errors() == {4, 1, 3}
+
+
+def test_a_bad_redis_url_fails_at_start_up(cx, tmp_path):
+    with pytest.raises(SegmentError, match="scheme"):
+        make_connector(cx, tmp_path, redis_url="rediss://kv-host:6380")
 
 
 # ------------------------------------------------------------------ head_range (pure; lives in the connector)
