@@ -17,7 +17,7 @@ from app.vllm_decoder import VllmClient
 from app.worker import EngineWorker
 from blend_engine.client import EngineClient
 from blendserve_config.stack import Stack
-from blendserve_vllm.segments import SegmentPublisher
+from blendserve_vllm.segments import RedisPublisher, SegmentPublisher
 from corpus_tools.jobs import JobRunner
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,14 @@ class AppState:
 
     def _vllm_client(self, stack: Stack) -> VllmClient:
         d = self.settings.decoder
-        publisher = SegmentPublisher(d.segment_dir, d.handover_mb << 20, d.handover_ttl_s)
+        if d.handover == "redis":
+            url = d.handover_redis_url or self.settings.store.redis_url
+            if not url:
+                raise NotReady("BLENDSERVE_DECODER_HANDOVER=redis needs BLENDSERVE_DECODER_HANDOVER_REDIS_URL "
+                               "(or BLENDSERVE_STORE_REDIS_URL)")
+            publisher = RedisPublisher(url, d.handover_mb << 20, d.handover_ttl_s)
+        else:
+            publisher = SegmentPublisher(d.segment_dir, d.handover_mb << 20, d.handover_ttl_s)
         return VllmClient(EngineClient(stack.engine), d, publisher, stack.engine.runner.decode)
 
     async def decoder_problem(self) -> str | None:

@@ -41,7 +41,7 @@ from blend_engine.scheduler.admission import Ticket
 from blend_engine.scheduler.kv_blocks import recipes
 from blend_engine.types import BlendPlan, BlendReport, BlendResult, GenerationConfig, Mode, TokenLogprob
 from blendserve_config.groups import DecoderSettings
-from blendserve_vllm.segments import SegmentPublisher, token_hash
+from blendserve_vllm.segments import RedisPublisher, SegmentError, SegmentPublisher, token_hash
 
 logger = logging.getLogger(__name__)
 PARAM = "blendserve_kv"  # blendserve_vllm.connector.PARAM (that module needs vLLM to import)
@@ -106,7 +106,7 @@ class VllmClient:
     """The routes' engine client when `BLENDSERVE_DECODER_KIND=vllm`: the same `admit` / `submit`
     as `EngineClient`, whose stream `QueryRun` reads unchanged."""
 
-    def __init__(self, engine_client: EngineClient, settings: DecoderSettings, publisher: SegmentPublisher,
+    def __init__(self, engine_client: EngineClient, settings: DecoderSettings, publisher: SegmentPublisher | RedisPublisher,
                  tokenizer_decode: Any) -> None:
         self.engine_client, self.settings, self.publisher = engine_client, settings, publisher
         self.engine = engine_client.engine
@@ -248,6 +248,8 @@ class VllmStream:
         except (TimeoutError, asyncio.TimeoutError):
             self.abort()
             raise DeadlineExceeded(f"request exceeded its timeout of {self.timeout_s:g} s") from None
+        except (SegmentError, OSError) as exc:  # shared memory full, Redis down: not the caller's fault
+            raise DecoderUnavailable(f"the KV hand-over to vLLM failed: {exc}") from exc
         self.split.blend_ms = (time.perf_counter() - self.t0) * 1e3
         self.split.handover_ms, self.split.handover_bytes = handoff.exported.copy_ms, handoff.exported.nbytes
         return handoff
@@ -290,8 +292,8 @@ class VllmStream:
                         raise DecoderUnavailable(f"the vLLM decoder failed mid-stream: {chunk['error']}")
                     yield chunk
         except httpx.TimeoutException:
-            raise DeadlineExceeded(f"the vLLM decoder did not finish within the request's timeout of "
-                                   f"{self.timeout_s:g} s") from None
+            raise DecoderUnavailable(f"the vLLM decoder at {url} did not answer within the request's timeout of "
+                                     f"{self.timeout_s:g} s (overloaded or stalled)") from None
         except httpx.HTTPError as exc:
             raise DecoderUnavailable(f"the vLLM decoder at {url} does not answer: {exc or type(exc).__name__}") from exc
 

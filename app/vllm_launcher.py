@@ -28,21 +28,24 @@ SERVED_NAME = "blendserve-model"
 logger = logging.getLogger("app.vllm_launcher")
 
 
-def connector_config(segment_dir: Path) -> dict:
-    """The `--kv-transfer-config` that loads `blendserve_vllm.connector` (docs/deployment.md)."""
+def connector_config(segment_dir: Path, redis_url: str | None = None) -> dict:
+    """The `--kv-transfer-config` that loads `blendserve_vllm.connector` (docs/deployment.md); with
+    `redis_url` it also loads `redis:` handles from that Redis."""
+    extra: dict = {"segment_dir": str(segment_dir)}
+    if redis_url:
+        extra["redis_url"] = redis_url
     return {"kv_connector": "BlendserveConnector", "kv_connector_module_path": "blendserve_vllm.connector",
-            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"segment_dir": str(segment_dir)}}
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def vllm_command(python: Path, model_dir: Path, port: int, dtype: str, segment_dir: Path,
-                 max_model_len: int = 8192, host: str = "127.0.0.1") -> list[str]:
+                 max_model_len: int = 8192, host: str = "127.0.0.1", redis_url: str | None = None) -> list[str]:
     """vLLM's own OpenAI-compatible server with the connector, prefix caching and cached-token counts."""
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--max-logprobs", "20", "--generation-config", "vllm",
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-            "--kv-transfer-config", json.dumps(connector_config(segment_dir))]
+            "--kv-transfer-config", json.dumps(connector_config(segment_dir, redis_url))]
 
 
 def vllm_env(base: dict[str, str], venv: Path, cores: str, kv_gb: int) -> dict[str, str]:

@@ -219,13 +219,19 @@ class DecoderSettings(Group):
                                                    "kind=vllm")
     vllm_model: str | None = Field(None, description="the model name the vLLM server serves; unset = the first "
                                                      "one its /v1/models lists")
+    handover: Literal["shm", "redis"] = Field(
+        "shm", description="how the blended KV reaches vLLM: shm = a segment file in segment_dir (vLLM on this "
+                           "host, the same user); redis = a key in the Redis at handover_redis_url (vLLM on another "
+                           "host; its connector's redis_url names the same Redis)")
     segment_dir: Path = Field(Path("/dev/shm"), description="the shared-memory folder segments are handed over "
                                                             "in (the connector's segment_dir: the same folder)")
+    handover_redis_url: str | None = Field(None, description="redis://[:password@]host:port/db for handover=redis "
+                                                             "(unset: BLENDSERVE_STORE_REDIS_URL)")
     handover_mb: int = Field(2048, ge=1, description="segments waiting for vLLM to load them, at most (the oldest "
                                                      "freed first)")
     handover_ttl_s: float = Field(120.0, gt=0, description="a segment vLLM has not loaded by then is freed")
 
-    _empty = field_validator("vllm_url", "vllm_model", mode="before")(empty_is_none)
+    _empty = field_validator("vllm_url", "vllm_model", "handover_redis_url", mode="before")(empty_is_none)
 
     @model_validator(mode="after")
     def _url_for_vllm(self) -> DecoderSettings:

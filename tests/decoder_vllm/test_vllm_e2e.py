@@ -42,14 +42,29 @@ def _require_vllm() -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory, free_port):
+def redis_url():
+    """A throwaway Redis for the `redis:` hand-over (None where redis-server is missing: that test skips)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        yield None
+        return
+    from tests.local_services import RedisProcess
+
+    proc = RedisProcess().start()
+    yield proc.url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory, free_port, redis_url):
     """(base URL, segment folder) of a vLLM server with the connector, for the module."""
     _require_vllm()
     from blend_engine.hf_folder import vllm_folder
 
     segs = tmp_path_factory.mktemp("segments")
     port = free_port()
-    cmd = vllm_command(VENV / "bin" / "python", vllm_folder("default"), port, "float32", segs)
+    cmd = vllm_command(VENV / "bin" / "python", vllm_folder("default"), port, "float32", segs, redis_url=redis_url)
     log_path = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=vllm_env(dict(os.environ), VENV, "0-1", 2), stdout=log,
@@ -133,6 +148,30 @@ def test_handed_full_prefill_kv_decodes_as_vllms_own(vllm, engine):
     assert handed["tokens"] == own["tokens"]
     assert max(abs(a - b) for a, b in zip(handed["logprobs"], own["logprobs"])) < 2e-3
     assert not (segs / handle).exists()  # freed once loaded
+
+
+def test_kv_handed_over_through_redis_decodes_as_through_shared_memory(vllm, engine, redis_url):
+    """The hand-over for a vLLM on another host: the same segment as a Redis key (`redis:` handle),
+    loaded by the connector, freed once loaded; vLLM answers as it does from shared memory."""
+    if redis_url is None:
+        pytest.skip("redis-server is not installed")
+    import redis
+
+    from blendserve_vllm.segments import RedisPublisher
+
+    url, segs = vllm
+    plan = BlendPlan(("Madrid lies on the Manzanares.\n\n", "Lisbon lies on the Tagus.\n\n") * 2,
+                     "Which river flows through Lisbon?", mode=Mode.BLEND)
+    ids, own, state = blendserve(engine, plan)
+    with torch.inference_mode():
+        via_redis = export(state.cache, ids[:-1], RedisPublisher(redis_url)).handle
+        via_shm = export(state.cache, ids[:-1], SegmentPublisher(segs)).handle
+    assert via_redis.startswith("redis:")
+    a = ask(url, ids, via_redis, salt=uuid.uuid4().hex)
+    b = ask(url, ids, via_shm, salt=uuid.uuid4().hex)
+    assert a["cached"] == b["cached"] == len(ids) - 1
+    assert a["tokens"] == b["tokens"] == own
+    assert not redis.Redis.from_url(redis_url).exists("blendserve:segment:" + via_redis.removeprefix("redis:"))
 
 
 @requires_shared_data("musique_dev.jsonl")
