@@ -28,7 +28,8 @@ from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
 from retrieval.lexical import FUSIONS, RETRIEVAL_MODES, RRF_K, Fusion
 from retrieval.passages import PassageDB, PassageRow, passage_id, vec_id_of
-from retrieval.retriever import Retriever, embed_text
+from retrieval.retriever import Retriever
+from retrieval.vectors import embed_text
 
 KS = (5, 10)
 CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "retrieval-embeddings"  # git-ignored

@@ -47,7 +47,7 @@ from corpus_tools.corpus import Corpus
 from corpus_tools.documents import Document, resolve_doc_id
 from logsafe import has_control, printable
 from retrieval.passages import PassageRow, passage_id, vec_id_of
-from retrieval.retriever import embed_text, stored_or_embedded
+from retrieval.vectors import embed_text, stored_or_embedded
 
 logger = logging.getLogger(__name__)
 

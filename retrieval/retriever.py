@@ -13,7 +13,9 @@ from retrieval.embedder import Embedder
 from retrieval.index import IndexParams, VectorIndex
 from retrieval.lexical import NO_FILTERS, RETRIEVAL_MODES, TITLE_WEIGHT, Filters, Fusion, convex, fuse, query_terms
 from retrieval.passages import PassageRow, PassageStore
+from retrieval.sync import IndexSync
 from retrieval.text import format_passage
+from retrieval.vectors import stored_or_embedded
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +47,6 @@ def place(passages: list[RetrievedPassage], placement: str) -> list[RetrievedPas
         raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
     ranked = sorted(passages, key=lambda p: (-p.score, p.id))
     return ranked if placement == "score" else ranked[::-1]
-
-
-def embed_text(row_title: str, row_text: str) -> str:
-    """What is embedded for a passage: its title line and its text, as the engine sees it."""
-    return format_passage(row_text, row_title)
 
 
 class Retriever:
@@ -176,8 +173,6 @@ def open_index(folder: Path, db: PassageStore, embedder: Embedder, params: Index
     "caught_up", "added", "removed", "generation"}), generation being the store's change-log head
     read before reconciling (an `IndexSync` starts from it); saves the index when it changed.
     """
-    from retrieval.sync import IndexSync
-
     index = VectorIndex.load(folder, embedder.dim, params, embedder.name)
     loaded = index is not None
     caught_up = 0
@@ -211,18 +206,3 @@ def reconcile(index: VectorIndex, db: PassageStore, embedder: Embedder, batch_si
             ids = np.fromiter(vectors, dtype=np.int64, count=len(vectors))  # [N]
             added += index.add(ids, np.stack(list(vectors.values())))  # [N, dim]
     return added, removed
-
-
-def stored_or_embedded(db: PassageStore, embedder: Embedder, vec_ids: list[int]) -> dict[int, np.ndarray]:
-    """Embeddings of the present passages among `vec_ids`: stored ones, the others embedded now and
-    stored (rows from before embeddings were kept, or from another embedder's dimension)."""
-    stored = db.vectors(vec_ids)
-    out = {k: v for k, v in stored.items() if v is not None and v.shape == (embedder.dim,)}
-    lacking = [k for k in stored if k not in out]
-    if lacking:
-        rows = db.by_vec_ids(lacking)
-        vecs = embedder.encode([embed_text(r.title, r.text) for r in rows.values()])  # [N, dim]
-        fresh = dict(zip(rows, vecs))
-        db.set_vectors(fresh)
-        out.update(fresh)
-    return out

@@ -24,7 +24,7 @@ import numpy as np
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
 from retrieval.passages import Change, PassageStore
-from retrieval.retriever import stored_or_embedded
+from retrieval.vectors import stored_or_embedded
 
 logger = logging.getLogger(__name__)
 

@@ -190,6 +190,19 @@ def test_the_engine_modules_form_no_import_cycle():
     files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
              for p in source_files("blend_engine")}
     graph = {m: {d for d in _module_level_imports(p) if d in files and d != m} for m, p in files.items()}
+    _assert_acyclic(graph)
+
+
+def test_the_retrieval_modules_import_each_other_without_a_cycle():
+    """Not even through a function-level import (retriever <-> sync was one: the embedding helpers
+    they share live in retrieval/vectors.py)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in source_files("retrieval") if p.name != "__init__.py"}
+    graph = {m: {d for _, d in imported_modules(p) if d in files and d != m} for m, p in files.items()}
+    _assert_acyclic(graph)
+
+
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     state: dict[str, int] = {}
 
     def visit(m: str, path: list[str]) -> list[str] | None:
@@ -202,7 +215,7 @@ def test_the_engine_modules_form_no_import_cycle():
         state[m] = 2
         return None
 
-    cycles = [c for m in sorted(files) if m not in state and (c := visit(m, []))]
+    cycles = [c for m in sorted(graph) if m not in state and (c := visit(m, []))]
     assert cycles == [], " -> ".join(cycles[0])
 
 
