@@ -270,7 +270,8 @@ async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: l
 def server_p50(replies: Sequence[Reply]) -> dict[str, float] | None:
     """Blendserve's own `timings`, each field's median over the replies; None for vLLM (it reports none)."""
     timings = [r.body["timings"] for r in replies if r.body.get("timings")]
-    return {k: percentile([t[k] for t in timings], 50) for k in timings[0]} if timings else None
+    keys = [k for k in (timings[0] if timings else ()) if any(t.get(k) is not None for t in timings)]
+    return {k: percentile([t[k] for t in timings if t.get(k) is not None], 50) for k in keys} if keys else None
 
 
 async def run_load(http: httpx.AsyncClient, call: Call, system: str, levels: dict[int, list[LoadPrompt]],

@@ -138,6 +138,14 @@ def test_the_pairs_targets_compare_it_with_vllm_alone_per_kind_of_load():
     assert not any("Blendserve+vLLM" in name for name in (t["target"] for t in targets(Report({}, report.rag[:1]))))
 
 
+def test_server_timings_skip_the_fields_a_decoder_leaves_null():
+    """The own decoder's replies carry the vllm decoder's timings as null: the medians skip them."""
+    replies = [Reply(1, 1, "x", body={"timings": {"ttft_ms": v, "blend_ms": None}}) for v in (10.0, 30.0)]
+    assert peer_vllm.server_p50(replies) == {"ttft_ms": pytest.approx(20.0)}
+    both = replies + [Reply(1, 1, "x", body={"timings": {"ttft_ms": 50.0, "blend_ms": 7.0}})]
+    assert peer_vllm.server_p50(both) == {"ttft_ms": pytest.approx(30.0), "blend_ms": 7.0}
+
+
 def test_a_target_without_its_measurement_is_reported_unmet_as_none():
     got = targets(Report({}, [_rag(VLLM, "reordered", 9000)]))
     assert got[0]["value"] is None and got[0]["met"] is None
