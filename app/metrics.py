@@ -121,6 +121,12 @@ _LOOP_SERIES = (  # the engine loop's stats() as metric families: (family, name,
      "prefix_hit_tokens"),
     (GaugeMetricFamily, "blendserve_decode_graphs", "Decode steps captured as CUDA graphs (one per batch size and "
      "key-length bucket; 0 on the CPU)", "decode_graphs"),
+    (GaugeMetricFamily, "blendserve_kv_store_queued", "Missed passages queued for storing after their answers "
+     "(the engine loop's background work)", "store_queued"),
+    (CounterMetricFamily, "blendserve_kv_store_background", "Missed passages stored after their answers",
+     "store_done"),
+    (CounterMetricFamily, "blendserve_kv_store_background_failures", "Missed passages whose storing failed "
+     "(logged; their answers were out already)", "store_failed"),
 )
 
 

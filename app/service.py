@@ -1,11 +1,14 @@
 """What the routes ask of the engine: a query runs on the event loop and awaits the engine client.
 
-    route --> QueryRun.start: retrieval, the plan, its layout (once), admission  (event loop)
-          --> EngineClient: the engine loop prefills and decodes its n choices     (engine loop)
-          <-- QueryRun.deltas(): the sources, then each choice's text as decoded   (event loop)
+    route --> QueryRun.start: admission                                           (event loop)
+              retrieval (embedding, rerank), the layout (tokenizing), the plan    (a worker thread,
+              (chunk keys, block hashes)                                           awaited)
+          --> EngineClient: the engine loop prefills and decodes its n choices    (engine loop)
+          <-- QueryRun.deltas(): the sources, then each choice's text as decoded  (event loop)
 
-Two threads in all, for any n. A request that ends early (client gone, timeout) aborts its stream;
-the engine drops it at its next step."""
+Nothing slow runs on the event loop, so one request's retrieval never stalls another's stream. A
+request that ends early (client gone, timeout) aborts its stream; the engine drops it at its next
+step."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from starlette.concurrency import run_in_threadpool
 
 from app.conversation import exchanges_to_drop
 from app.worker import EngineWorker, Job
@@ -247,6 +252,14 @@ def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, 
     return plan, engine.layout(plan), (note,)
 
 
+def _prepared(engine, plan: BlendPlan, gens: list[GenerationConfig]):
+    """(plan, layout, notes, the engine's prep): the host work before submitting, on a worker thread:
+    tokenizing the layout (a conversation trimmed to fit), its chunk keys, mode plan and block hashes."""
+    longest = max(g.max_tokens for g in gens)
+    plan, layout, notes = fit_turns(engine, plan, longest)
+    return plan, layout, notes, engine.prepare(plan, longest, layout)
+
+
 GATE_CHECKING = "full_prefill: the start-up fidelity gate is still checking blend"
 
 
@@ -276,29 +289,29 @@ class QueryRun:
         self._retrieval_ms, self._fallback, self._notes = retrieval_ms, fallback, notes
 
     @classmethod
-    def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float) -> QueryRun:
+    async def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float) -> QueryRun:
         """Retrieve (unless documents are given), lay the prompt out once and submit its `spec.n`
         choices. Raises the service's errors (400, 503 Busy / NoPassagesYet, storage faults)."""
         t0 = time.perf_counter()
         with _service_errors():
             ticket = client.admit(timeout_s)  # refused before any retrieval or tokenizing is spent on it
             try:
-                return cls._submit(stack, client, spec, timeout_s, ticket, t0)
+                return await cls._submit(stack, client, spec, timeout_s, ticket, t0)
             finally:
                 ticket.release()  # a no-op once the engine took it
 
     @classmethod
-    def _submit(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float, ticket: Ticket,
-                t0: float) -> QueryRun:
-        texts, passages = _passages(stack, spec)
+    async def _submit(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float, ticket: Ticket,
+                      t0: float) -> QueryRun:
+        texts, passages = await run_in_threadpool(_passages, stack, spec)
         retrieval_ms = (time.perf_counter() - t0) * 1e3
         mode, fallback = _gated_mode(stack, spec.mode)
         plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
                          explain=spec.explain, turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
-        plan, layout, notes = fit_turns(stack.engine, plan, spec.gen.max_tokens)
         gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
-        stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout, ticket)
+        plan, layout, notes, prep = await run_in_threadpool(_prepared, stack.engine, plan, gens)
+        stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout, ticket, prep=prep)
         return cls(spec, passages, plan, stream, retrieval_ms, fallback, notes)
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:

@@ -62,15 +62,15 @@ def answered(stack, spec: QuerySpec, run: QueryRun) -> Answered:
                    logprobs=spec.gen.logprobs is not None)
 
 
-def start(svc: AppState, spec: QuerySpec) -> tuple[object, QueryRun]:
+async def start(svc: AppState, spec: QuerySpec) -> tuple[object, QueryRun]:
     """(the stack, the query submitted to the engine client): the service's errors raise here."""
     stack = svc.require_stack()
-    return stack, QueryRun.start(stack, svc.require_client(), spec, svc.settings.service.request_timeout_s)
+    return stack, await QueryRun.start(stack, svc.require_client(), spec, svc.settings.service.request_timeout_s)
 
 
 async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str) -> Answered:
     """A query awaited whole; counted and logged under `endpoint`."""
-    stack, run = start(svc, spec)
+    stack, run = await start(svc, spec)
     try:
         await run.finish()
     finally:
@@ -82,7 +82,7 @@ async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str) -> An
 
 async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Frames) -> StreamingResponse:
     """A streaming query as an SSE response written by `frames`."""
-    stack, run = start(svc, spec)
+    stack, run = await start(svc, spec)
     deltas = run.deltas()
     try:
         first = await anext(deltas, None)  # an error before any token is still a plain HTTP error

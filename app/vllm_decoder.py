@@ -138,7 +138,7 @@ class VllmClient:
         return self.engine_client.admit(timeout_s)
 
     def submit(self, plan: BlendPlan, gens: Sequence[GenerationConfig], timeout_s: float | None = None,
-               layout: PromptLayout | None = None, ticket: Ticket | None = None) -> VllmStream:
+               layout: PromptLayout | None = None, ticket: Ticket | None = None, prep: Any = None) -> VllmStream:
         """Start the blend (when the mode needs one and vLLM does not hold the prompt) and return the
         stream that hands it to vLLM. InputError for what vLLM cannot do."""
         layout = layout if layout is not None else self.engine.layout(plan)
@@ -150,7 +150,7 @@ class VllmClient:
                              "mode blend or full_reuse on a prompt vLLM does not already hold")
         stream = VllmStream(self, plan, list(gens), ids, key, timeout_s, repeat)
         if plan.mode in BLENDED and not repeat:
-            stream.start_blend(layout, ticket)
+            stream.start_blend(layout, ticket)  # planned for its one token (prep is the caller's, for its n)
         return stream
 
     def remember(self, key: tuple[str, str]) -> None:

@@ -102,12 +102,12 @@ class EngineClient:
 
     def submit(self, plan: BlendPlan, gens: Sequence[GenerationConfig], timeout_s: float | None = None,
                layout: PromptLayout | None = None, ticket: Ticket | None = None,
-               export: Callable[[Any, Any], None] | None = None) -> RequestStream:
+               export: Callable[[Any, Any], None] | None = None, prep: Any = None) -> RequestStream:
         """Plan the request here (on the event loop: host work only) and queue its n sequences on
         `ticket` (`admit`; one is taken now when None). Raises `errors.InputError` (the prompt
         cannot be served as asked) or `errors.Overloaded` (refused at admission) before anything
-        is queued."""
+        is queued. `prep`: the engine's `prepare` of this plan, made earlier on another thread."""
         stream = RequestStream(len(gens), timeout_s)
         stream.handles = self.engine.start(plan, gens, stream.sink, timeout_s=timeout_s, layout=layout, ticket=ticket,
-                                           export=export)
+                                           export=export, prep=prep)
         return stream

@@ -224,7 +224,8 @@ class BlendEngine:
     def start(self, plan: BlendPlan, gens: Sequence[GenerationConfig], sink: Callable[[int, object], None],
               should_stop: StopCheck = never, timeout_s: float | None = None,
               layout: PromptLayout | None = None, ticket: Ticket | None = None,
-              export: Callable[[KVCache, PrefillState], None] | None = None) -> list[Generation]:
+              export: Callable[[KVCache, PrefillState], None] | None = None,
+              prep: Prepared | None = None) -> list[Generation]:
         """The n sequences of one request (one per `GenerationConfig`), laid out (unless `layout` is
         given) and planned once and submitted together; sequence i's items go to `sink(i, item)`
         from the engine loop's thread (`generation.Generation`). They stop at the next step once
@@ -232,8 +233,9 @@ class BlendEngine:
         the KV pool cannot hold) and admission's refusal (`errors.Overloaded`) raise here, before
         any is queued; a `ticket` taken earlier (`scheduler.admission`) is used, and stays its
         taker's to release when this raises (`Ticket.release` is a no-op once used). `export(cache,
-        state)` is called on the loop's thread once the prefill is done (`Generation.export`)."""
-        prep = self.prepare(plan, max(g.max_tokens for g in gens), layout)
+        state)` is called on the loop's thread once the prefill is done (`Generation.export`); `prep`,
+        this plan's `prepare` made earlier (on a worker thread), is taken as it is."""
+        prep = prep if prep is not None else self.prepare(plan, max(g.max_tokens for g in gens), layout)
         handles = [Generation(None, plan, g, sink=functools.partial(sink, i)) for i, g in enumerate(gens)]
         handles[0].export = export  # `Generation.export`: the first sequence's KV, once prefilled
         self.loop.submit(handles, prep, should_stop, timeout_s, ticket)

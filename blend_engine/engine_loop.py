@@ -15,9 +15,10 @@
 Every request's KV lives in a run of the paged pool (`executor.kv_pool.KVPool`): the scheduler
 decides the blocks, the loop applies its plan to the tensors. Per request the loop keeps its
 prefill run, cache view, sampler, stop decoder and tokens (`_Request`); a failed or cancelled
-request leaves the batch at the next step without touching the others. A finished request whose
-passages missed the store precomputes their alone-KV one passage per loop turn (`_Storing`), so the
-batch keeps decoding; its result is handed over once the last one is stored. A preempted request is
+request leaves the batch at the next step without touching the others. A finished request's result
+is handed over at once; the alone-KV of its passages that missed the store is background work
+(`storing.PassageStoring`): one passage a loop turn (fewer while prefill work waits), and a new
+request that needs one still queued stores it first and is planned again. A preempted request is
 prefilled again later and its tokens so far are fed again (not sampled), so it ends as it would
 have. A decode step reads the device once (`sampling.read_logits`); a prefix_cache request's save
 is issued after its first token.
@@ -52,6 +53,7 @@ from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits, 
 from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, PrefillBudget, SeqSpec
 from blend_engine.scheduler.kv_blocks import blocks_for
 from blend_engine.scheduler.plans import ModePlan, continue_prefix
+from blend_engine.storing import PassageStoring
 from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -143,17 +145,6 @@ class _Request:
         return DeadlineExceeded(f"request exceeded its timeout of {self.group.timeout_s:g} s")
 
 
-@dataclass
-class _Storing:
-    """A finished request storing the alone-KV of the passages that missed (one a loop turn)."""
-
-    req: _Request
-    finish: str
-    total_ms: float  # the answer's own time, storing excluded
-    todo: deque[int]  # segment indices still to store
-    store_s: float = 0.0  # precompute time spent on it so far
-
-
 class EngineLoop:
     """Started on first use; `close()` fails what is still queued or running."""
 
@@ -169,7 +160,9 @@ class EngineLoop:
         self._incoming: deque[_Request] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Callable[[], bool] | None, concurrent.futures.Future]] = deque()
         self._requests: dict[int, _Request] = {}
-        self._storing: deque[_Storing] = deque()
+        # missed passages' alone-KV, stored after their answers (through the engine's chunk cache, looked up
+        # at each call)
+        self.storing = PassageStoring(lambda layout, missing, salt: engine.chunks.store_missing(layout, missing, salt))
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -239,7 +232,7 @@ class EngineLoop:
                 "prefix_hit_tokens": s.prefix_hit_tokens,
                 "decode_graphs": 0 if self._graphs is None else len(self._graphs.graphs),
                 "steps_by_kind": dict(self.step_counts), "step_seconds_by_kind": dict(self.step_seconds),
-                "step_cpu_seconds": self.step_cpu_seconds}
+                "step_cpu_seconds": self.step_cpu_seconds, **self.storing.stats()}
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.admission.close()
@@ -267,17 +260,16 @@ class EngineLoop:
         use_cores()  # the one thread that computes on every core (`cpu_threads`)
         while True:
             with self._cond:
-                while (not self._closed and not self._incoming and not self._tasks and not self._storing
+                while (not self._closed and not self._incoming and not self._tasks and not self.storing.has_work
                        and not self.scheduler.has_work):
                     self._cond.wait()
                 if self._closed:
                     break
-                while self._incoming:
-                    req = self._incoming.popleft()
-                    self._requests[req.rid] = req
-                    self.scheduler.add(req.prep.seq(req.rid))
+                incoming = list(self._incoming)
+                self._incoming.clear()
                 task = self._tasks.popleft() if self._tasks else None
             with torch.inference_mode():  # no autograd graph: the weights of a loaded model require grad
+                self._enter_batch(incoming)
                 batch, t0, c0 = self._batch_groups(), time.perf_counter(), time.process_time()
                 kind = None
                 try:
@@ -289,8 +281,33 @@ class EngineLoop:
                 self._timed(kind, seconds, time.process_time() - c0)
                 if task is not None:
                     self._run_task(*task)
-                self._store_one()
+                self.storing.step(busy=self._prefill_waits())
         self._fail_all(Cancelled("the engine is shutting down"))
+
+    def _enter_batch(self, incoming: list[_Request]) -> None:
+        """Submitted requests join the scheduler. Passages one misses that an earlier answer queued
+        for storing are stored first, and its group's sequences planned again to load them."""
+        replanned: dict[int, Prepared] = {}  # id of a group's shared prep -> its new plan
+        for req in incoming:
+            self._requests[req.rid] = req
+            if self._guard(req, lambda r: self._replan(r, incoming, replanned)) is not None:
+                self.scheduler.add(req.prep.seq(req.rid))
+
+    def _replan(self, req: _Request, incoming: list[_Request], replanned: dict[int, Prepared]) -> Prepared:
+        """`req`'s prep, planned again (once per group) when storing its queued passages first made
+        them hits."""
+        prep = req.prep
+        if id(prep) not in replanned:
+            replanned[id(prep)] = prep
+            if self.storing.store_now(prep.keys[i] for i in prep.mp.missing):
+                longest = max(r.handle.gen.max_tokens for r in incoming if r.group is req.group)
+                replanned[id(prep)] = self.engine.prepare(req.handle.plan, longest, prep.layout)
+        req.prep = replanned[id(prep)]
+        return req.prep
+
+    def _prefill_waits(self) -> bool:
+        """Prefill work is queued or running: background storing takes a smaller share of the turns."""
+        return bool(self.scheduler.waiting) or any(r.state is None for r in self._requests.values())
 
     def _step(self) -> str | None:
         """One step; its kind (`STEP_PREFILL`: it carried prefill rows, `STEP_DECODE`: decode rows only), or
@@ -594,7 +611,8 @@ class EngineLoop:
         return (TokenLogprob(tok, text([tok]), float(logp[tok]), alts),)
 
     def _end(self, req: _Request, finish: str) -> None:
-        """The answer is complete: hand it over, or first store the chunks that missed (`_store_one`)."""
+        """The answer is complete: hand it over now; the passages that missed the store are queued
+        for storing after it (`storing.PassageStoring`)."""
         tail = req.decoder.flush()
         if tail:
             req.handle.emit(Delta(tail))
@@ -603,39 +621,15 @@ class EngineLoop:
         self.scheduler.finish(req.rid)  # after the save read its KV: the blocks may be taken from here on
         self._requests.pop(req.rid, None)
         self._ended(req, completed=True)
-        job = _Storing(req, finish, total_ms, deque(req.state.missing))
-        if job.todo:
-            self._storing.append(job)
-        else:  # nothing to store: no wait behind the rest of the step or a queued task
-            self._hand_over(job)
+        self._hand_over(req, finish, total_ms)
+        self.storing.add(req.state.layout, req.prep.keys, req.state.missing, req.handle.plan.cache_salt)
 
-    def _store_one(self) -> None:
-        """Store one missed passage of the oldest finished request (a step of the batch runs between
-        two of them); hand its result over once nothing is left."""
-        if not self._storing:
-            return
-        job = self._storing[0]
-        if job.todo:
-            t0 = time.perf_counter()
-            i = job.todo.popleft()
-            try:
-                self.engine.chunks.store_missing(job.req.state.layout, [i], job.req.handle.plan.cache_salt)
-            except BaseException as exc:  # noqa: BLE001 - a storage fault is the request's error, as before
-                self._storing.popleft()
-                logger.warning("request %d: storing a missed passage's KV failed: %s", job.req.rid, exc)
-                job.req.handle.fail(exc)
-                return
-            job.store_s += time.perf_counter() - t0
-        if not job.todo:
-            self._storing.popleft()
-            self._hand_over(job)
-
-    def _hand_over(self, job: _Storing) -> None:
-        req, state = job.req, job.req.state
+    def _hand_over(self, req: _Request, finish: str, total_ms: float) -> None:
+        state = req.state
         req.handle.end(BlendResult(
-            text=req.decoder.text, token_ids=tuple(req.tokens), finish_reason=job.finish, report=state.report,
-            ttft_ms=req.handle.ttft_ms if req.handle.ttft_ms is not None else job.total_ms, total_ms=job.total_ms,
-            store_ms=job.store_s * 1e3, explanation=state.explanation, logprobs=tuple(req.logprobs),
+            text=req.decoder.text, token_ids=tuple(req.tokens), finish_reason=finish, report=state.report,
+            ttft_ms=req.handle.ttft_ms if req.handle.ttft_ms is not None else total_ms, total_ms=total_ms,
+            store_ms=0.0, explanation=state.explanation, logprobs=tuple(req.logprobs),
             queue_ms=req.group.queue_s * 1e3))
 
     # ------------------------------------------------------------------ endings
@@ -662,8 +656,9 @@ class EngineLoop:
         for req in pending:  # never reached the loop
             self._drop(req, exc)
             self._ended(req, completed=False)
-        while self._storing:  # answered already: handed over without the stores left
-            self._hand_over(self._storing.popleft())
+        dropped = self.storing.clear()  # answered already; a later request that misses one queues it again
+        if dropped:
+            logger.info("shutting down: %d missed passages left unstored", dropped)
         for _, _, fut in tasks:
             fut.set_exception(exc)
 

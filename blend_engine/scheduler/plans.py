@@ -101,8 +101,8 @@ def plan_prefill(env: PlanEnv, plan: BlendPlan, layout: PromptLayout, keys: Sequ
                  policy: SelectionPolicy) -> ModePlan:
     """The plan of one request; `keys[i]` is segment i's chunk key (None: never cached, the question)."""
     ratio, source = choose_ratio(env, plan)
-    if plan.mode is Mode.FULL_PREFILL:
-        return ModePlan(Mode.FULL_PREFILL, ratio, source, env.store)
+    if plan.mode is Mode.FULL_PREFILL:  # nothing loaded; the passages the store lacks are stored after it
+        return ModePlan(Mode.FULL_PREFILL, ratio, source, env.store, missing=_lacking(env, keys))
     if plan.mode is Mode.PREFIX_CACHE:
         cached, prefix_tokens = env.prefix.match(layout.segments, keys)
         hits = len(cached)
@@ -110,6 +110,11 @@ def plan_prefill(env: PlanEnv, plan: BlendPlan, layout: PromptLayout, keys: Sequ
                         ((prefix_tokens, layout.n_tokens),), in_context=True, hits=hits,
                         misses=sum(1 for k in keys if k is not None) - hits, prefix_tokens=prefix_tokens)
     return _chunk_plan(env, plan.mode, layout, keys, policy, ratio, source)
+
+
+def _lacking(env: PlanEnv, keys: Sequence[str | None]) -> tuple[int, ...]:
+    """Segment indices whose chunk the store does not hold (never the question's: key None)."""
+    return tuple(i for i, k in enumerate(keys) if k is not None and not env.store.contains(k))
 
 
 def continue_prefix(mp: ModePlan, prefix_tokens: int, n_tokens: int) -> ModePlan:

@@ -309,7 +309,7 @@ def test_an_aborted_query_stops_between_layers_of_prefill(client):
                      recompute_ratio=None, gen=GenerationConfig(max_tokens=4))
 
     async def query() -> None:
-        run = QueryRun.start(s.stack, s.require_client(), spec, 30.0)
+        run = await QueryRun.start(s.stack, s.require_client(), spec, 30.0)
         holder.append(run)
         await run.finish()
 

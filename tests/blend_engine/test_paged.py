@@ -17,7 +17,7 @@ from blend_engine.errors import InputError
 from blend_engine.kv_store import MemoryStore
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
-from tests.helpers import run_threads
+from tests.helpers import poll, run_threads
 
 PASSAGES = [f"Passage {i}: the river {w} flows past {i * 7} old mills and a bridge named {w.upper()}."
             for i, w in enumerate(["Arno", "Tiber", "Po", "Adige", "Brenta", "Piave"])]
@@ -199,10 +199,10 @@ def test_the_pool_settings_reach_the_engine(runner):
         eng.close()
 
 
-def test_storing_missed_passages_interleaves_with_the_batch(runner):
-    """A finished request whose passages missed the store precomputes their alone-KV one passage per
-    loop turn: a running request decodes between two of them (the batch no longer stalls for the whole
-    store), and the result, with every missed passage stored, comes after the last one."""
+def test_storing_missed_passages_waits_for_nothing_and_interleaves_with_the_batch(runner):
+    """A finished request's result is handed over at once; the alone-KV of its passages that missed
+    the store is stored afterwards, one passage per loop turn, so a running request decodes between
+    two of them (the batch never stalls for the whole store)."""
     engine = _engine(runner)
     try:
         busy = _plan(0)
@@ -210,10 +210,13 @@ def test_storing_missed_passages_interleaves_with_the_batch(runner):
         cold = BlendPlan(tuple(f"Cold note {i}: the ferry {w} leaves at {i + 5} and stops at the {w} pier."
                                for i, w in enumerate(["Alba", "Bora", "Cima"])), "When does Bora leave?",
                          recompute_ratio=0.3)
+        keys = [engine.chunks.key_of(s.token_ids, None) for s in engine.layout(cold).segments[1:-1]]
         at_steps: list[int] = []
         store = engine.chunks.store_missing
+        release = threading.Event()
 
         def recording(*args, **kwargs):
+            release.wait(60)  # held until the result is out: storing runs after the answer
             at_steps.append(engine.loop.steps)
             return store(*args, **kwargs)
 
@@ -231,11 +234,55 @@ def test_storing_missed_passages_interleaves_with_the_batch(runner):
         t.start()
         assert decoding.wait(60)
         result = engine.run(cold, GenerationConfig(max_tokens=1, ignore_eos=True))
-        keys = [engine.chunks.key_of(s.token_ids, None) for s in engine.layout(cold).segments[1:-1]]
-        assert len(keys) == 3 and all(engine.store.contains(k) for k in keys)  # stored before the result
-        assert result.store_ms > 0
-        assert len(at_steps) >= 3 and all(b > a for a, b in zip(at_steps, at_steps[1:])), at_steps
+        assert len(keys) == 3 and not any(engine.store.contains(k) for k in keys)  # the answer did not wait
+        assert result.store_ms == 0
+        release.set()
+        poll(lambda: all(engine.store.contains(k) for k in keys))
+        assert len(at_steps) == 3 and all(b > a for a, b in zip(at_steps, at_steps[1:])), at_steps
         t.join(60)
         assert len(busy_tokens[0]) == 60
+        assert engine.loop.stats()["store_done"] == 3
+    finally:
+        engine.close()
+
+
+def test_a_request_needing_a_queued_passage_stores_it_first_and_loads_it(runner):
+    """A passage still queued for storing is stored (once) before a request that misses it is
+    planned: that request loads it (a hit), it is not computed twice."""
+    engine = _engine(runner)
+    try:
+        plan = BlendPlan(("Queued note: the lighthouse keeper is Ines.", "Another note: the bell rings at 9."),
+                         "Who keeps the lighthouse?", recompute_ratio=0.3)
+        stored: list[int] = []
+        store = engine.chunks.store_missing
+
+        def counting(layout, missing, salt=None):
+            stored.append(len(missing))
+            return store(layout, missing, salt)
+
+        engine.chunks.store_missing = counting
+        engine.loop.storing.paused = True  # no background turn stores them before the second request
+        first = engine.run(plan, GenerationConfig(max_tokens=1))
+        misses = first.report.cache_misses  # its passages (and the system prompt, on a fresh store)
+        assert misses >= 2 and stored == []
+        again = engine.run(BlendPlan(plan.passages[::-1], plan.question, recompute_ratio=0.3),
+                           GenerationConfig(max_tokens=1))
+        assert again.report.cache_misses == 0 and again.report.cache_hits >= 2
+        assert sum(stored) == misses  # each stored once, by the second request, before it was planned again
+    finally:
+        engine.close()
+
+
+def test_a_full_prefill_answer_also_stores_its_new_passages(runner):
+    """Served by full prefill (asked, or the fidelity gate's fallback), a request still leaves its
+    new passages stored for later blends."""
+    engine = _engine(runner)
+    try:
+        plan = BlendPlan(("Full note: the orchard has 40 trees.",), "How many trees?", mode=Mode.FULL_PREFILL)
+        keys = [engine.chunks.key_of(s.token_ids, None) for s in engine.layout(plan).segments[1:-1]]
+        engine.run(plan, GenerationConfig(max_tokens=1))
+        poll(lambda: all(engine.store.contains(k) for k in keys))
+        blend = engine.run(BlendPlan(plan.passages, plan.question, recompute_ratio=0.3), GenerationConfig(max_tokens=1))
+        assert blend.report.cache_misses == 0
     finally:
         engine.close()
