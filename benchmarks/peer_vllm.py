@@ -119,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="phases to leave out: rag, load, prefix_cache")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, of {', '.join(SYSTEMS)}")
     p.add_argument("--cores", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--pair-cores", default="", metavar="BLENDSERVE:VLLM",
+                   help="Blendserve + vLLM on cores of their own, e.g. 0:1 (Blendserve under taskset with that "
+                        "many OpenMP threads, vLLM bound to the rest); default: both on --cores")
     p.add_argument("--kv-space-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds each server may take to come up")
     p.add_argument("--out-dir", type=Path, default=OUT)
@@ -275,11 +278,12 @@ def server_p50(replies: Sequence[Reply]) -> dict[str, float] | None:
 
 
 async def run_load(http: httpx.AsyncClient, call: Call, system: str, levels: dict[int, list[LoadPrompt]],
-                   body: Callable[[LoadPrompt, bool, int], dict[str, Any]]) -> list[LoadRow]:
+                   body: Callable[[LoadPrompt, bool, int], dict[str, Any]], settle: Settle) -> list[LoadRow]:
     rows = []
     for clients, prompts in levels.items():
         warm = [body(p, True, 1) for p in prompts]
         await load_level(http, call, system, warm, min(4, clients), "warm pass")  # passages seen in another order
+        await settle(http)  # Blendserve stores the warm pass's passages after answering: wait for it
         level = [body(p, False, 0) for p in prompts]
         rows.append(await load_level(http, call, system, level, clients, NEW_COMBINATION))
         rows.append(await load_level(http, call, system, level, clients, REPEATED, REPEATED))  # each again
@@ -306,10 +310,32 @@ def blend_cases(p: RagPrompt, prefix_cache: bool) -> list[tuple[str, dict[str, A
     return cases
 
 
+Settle = Callable[[httpx.AsyncClient], Awaitable[None]]
+
+
+async def settled(http: httpx.AsyncClient) -> None:
+    """vLLM: nothing runs after its answers."""
+
+
+def store_settled(url: str, timeout_s: float = 900.0) -> Settle:
+    """Blendserve: wait until the passages its answers queued for storing are stored (its /metrics
+    `blendserve_kv_store_queued` is 0), so that each case starts on an idle engine."""
+    async def wait(http: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = (await http.get(f"{url}/metrics")).text
+            queued = [ln for ln in text.splitlines() if ln.startswith("blendserve_kv_store_queued ")]
+            if not queued or float(queued[0].rpartition(" ")[2]) == 0:
+                return
+            await asyncio.sleep(0.2)
+        raise PeerSetupError(f"Blendserve's store queue did not drain within {timeout_s:.0f} s")
+    return wait
+
+
 async def run_system(url: str, call: Call, system: str, rag: list[RagPrompt],
                      cases: Callable[[RagPrompt], list[tuple[str, dict[str, Any]]]], warm: dict[str, Any],
                      levels: dict[int, list[LoadPrompt]],
-                     load_body: Callable[[LoadPrompt, bool, int], dict[str, Any]]) -> SystemRun:
+                     load_body: Callable[[LoadPrompt, bool, int], dict[str, Any]], settle: Settle = settled) -> SystemRun:
     async with httpx.AsyncClient(timeout=3600) as http:
         await _sequential(http, call, [warm, warm])
         replies: dict[tuple[int, str], Reply] = {}
@@ -318,9 +344,10 @@ async def run_system(url: str, call: Call, system: str, rag: list[RagPrompt],
             for case, body in cases(prompt):
                 replies[i, case] = await call(http, body)
                 load_avg[i, case] = os.getloadavg()[0]
+                await settle(http)
                 logger.info("%s %s ~%d (%s): TTFT %.0f ms (load %.1f)", system, case, prompt.size, prompt.dataset,
                             replies[i, case].ttft_ms, load_avg[i, case])
-        return SystemRun(replies, await run_load(http, call, system, levels, load_body), load_avg)
+        return SystemRun(replies, await run_load(http, call, system, levels, load_body, settle), load_avg)
 
 
 # ----------------------------------------------------------------------------- the two systems
@@ -343,7 +370,8 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, rag: list[RagPrompt], le
 
 
 def run_blendserve(args: argparse.Namespace, rag: list[RagPrompt], levels: dict[int, list[LoadPrompt]],
-                   log_dir: Path, system: str = BLEND, decoder_env: dict[str, str] | None = None) -> SystemRun:
+                   log_dir: Path, system: str = BLEND, decoder_env: dict[str, str] | None = None,
+                   wrapper: list[str] | None = None) -> SystemRun:
     async def call(http: httpx.AsyncClient, body: dict[str, Any]) -> Reply:
         return await blend_call(http, url, body)
 
@@ -355,22 +383,34 @@ def run_blendserve(args: argparse.Namespace, rag: list[RagPrompt], levels: dict[
     prefix_cache = "prefix_cache" not in args.skip and system == BLEND
     log = log_dir / ("blendserve.log" if system == BLEND else "blendserve-pair.log")
     with tempfile.TemporaryDirectory(prefix="blendserve-peer-vllm-") as data_dir:
-        with blendserve_server(Path(data_dir), log, free_port(), args.start_timeout, decoder_env) as url:
+        with blendserve_server(Path(data_dir), log, free_port(), args.start_timeout, decoder_env, wrapper) as url:
             return asyncio.run(run_system(url, call, system, rag, lambda p: blend_cases(p, prefix_cache), warm,
-                                          levels, load_body))
+                                          levels, load_body, store_settled(url)))
 
 
 def run_pair(args: argparse.Namespace, model_dir: Path, rag: list[RagPrompt], levels: dict[int, list[LoadPrompt]],
              log_dir: Path) -> SystemRun:
     """Blendserve with BLENDSERVE_DECODER_KIND=vllm in front of a vLLM server that loads its KV through
     `blendserve_vllm.connector` (what `make run-vllm` starts), both on the same cores."""
-    settings = VllmSettings(cores=args.cores, kv_space_gb=args.kv_space_gb)
+    ours, theirs = args.pair_cores.split(":") if args.pair_cores else ("", args.cores)
+    settings = VllmSettings(cores=theirs, kv_space_gb=args.kv_space_gb)
     with tempfile.TemporaryDirectory(prefix="blendserve-segments-", dir="/dev/shm") as segments:
         with pair_vllm_server(model_dir, settings, Path(segments), log_dir / "vllm-pair.log", free_port(),
                               args.start_timeout) as url:
             env = {"BLENDSERVE_DECODER_KIND": "vllm", "BLENDSERVE_DECODER_VLLM_URL": url,
                    "BLENDSERVE_DECODER_SEGMENT_DIR": segments, "BLENDSERVE_DECODER_VLLM_MODEL": SERVED_NAME}
-            return run_blendserve(args, rag, levels, log_dir, PAIR, env)
+            if ours:
+                env["OMP_NUM_THREADS"] = str(len(_cpu_list(ours)))
+            return run_blendserve(args, rag, levels, log_dir, PAIR, env, ["taskset", "-c", ours] if ours else [])
+
+
+def _cpu_list(spec: str) -> list[int]:
+    """"0-2,5" -> [0, 1, 2, 5]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 # ----------------------------------------------------------------------------- the report
@@ -436,7 +476,7 @@ def settings_of(args: argparse.Namespace, model_dir: Path, argv: Sequence[str]) 
             "blendserve": "python -m app, defaults, scratch BLENDSERVE_DATA_DIR, no sample corpus, DTYPE=float32",
             "blendserve+vllm": "the same Blendserve with BLENDSERVE_DECODER_KIND=vllm, and vLLM as above with "
                                "--kv-transfer-config blendserve_vllm.connector (app.vllm_launcher.vllm_command)",
-            "systems": args.systems,
+            "systems": args.systems, "pair_cores": args.pair_cores or f"shared {args.cores}",
             "sizes": args.sizes, "datasets": args.datasets, "questions_per_dataset_and_size": args.questions,
             "clients": args.clients, "load_rounds": args.rounds, "load_max_tokens": args.max_tokens,
             "group_words": GROUP_WORDS, "greedy": "temperature 0", "skip": sorted(args.skip)}

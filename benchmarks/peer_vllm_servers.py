@@ -175,10 +175,11 @@ def vllm_server(model_dir: Path, s: VllmSettings, log_path: Path, port: int, tim
 
 
 def blendserve_server(data_dir: Path, log_path: Path, port: int, timeout_s: float,
-                      extra_env: dict[str, str] | None = None) -> Iterator[str]:
+                      extra_env: dict[str, str] | None = None, wrapper: list[str] | None = None) -> Iterator[str]:
+    """`python -m app` (under `wrapper`, e.g. taskset, when given) on a scratch data dir."""
     env = blendserve_env(dict(os.environ), data_dir, port) | (extra_env or {})
-    return server([sys.executable, "-m", "app"], env, log_path, "Blendserve (python -m app)", "/readyz", port,
-                  timeout_s, blendserve_ready)
+    return server([*(wrapper or []), sys.executable, "-m", "app"], env, log_path, "Blendserve (python -m app)",
+                  "/readyz", port, timeout_s, blendserve_ready)
 
 
 def pair_vllm_server(model_dir: Path, s: VllmSettings, segments: Path, log_path: Path, port: int,
