@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from app.vllm_launcher import stop
 from app.vllm_launcher import vllm_command as vllm_command_with_connector
 
 logger = logging.getLogger(__name__)
@@ -135,18 +135,6 @@ def blendserve_ready(url: str) -> Callable[[], bool]:
         except (httpx.HTTPError, ValueError):
             return False
     return probe
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
-    """SIGTERM to the server's own process group (vLLM runs its engine in child processes), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 @contextmanager

@@ -264,38 +264,37 @@ class Published:
     token_hash: str
 
 
-class SegmentPublisher:
-    """Blendserve's side: writes segments into `folder`, at most `budget_bytes` of them at once
-    (the oldest freed first) and none older than `ttl_s` (a segment vLLM never loaded: its request
-    failed or was cancelled before it was scheduled). vLLM frees a segment once it loaded it."""
+class _Publisher:
+    """What both publishers share: the byte budget (the oldest freed first), the TTL, unique handles,
+    the records of what is outstanding and the counters. A subclass writes (`_write`), tells which
+    segments vLLM freed (`_gone`) and frees (`_free`)."""
 
-    def __init__(self, folder: str | Path = DEFAULT_DIR, budget_bytes: int = 2 << 30, ttl_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.folder, self.budget_bytes, self.ttl_s, self.clock = Path(folder), budget_bytes, ttl_s, clock
-        if not self.folder.is_dir():
-            raise SegmentError(f"segment folder {self.folder} does not exist")
-        self._live: OrderedDict[str, Published] = OrderedDict()
+    prefix = ""  # a handle's prefix: how the connector knows where to look
+
+    def __init__(self, budget_bytes: int, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
+        self._live: OrderedDict[str, Published] = OrderedDict()  # handle -> record, oldest first
         self._lock = threading.Lock()
         self._ids = iter(range(1 << 62))
-        self._tag = f"{os.getpid()}{secrets.token_hex(4)}"
+        self._tag = f"{os.getpid()}{secrets.token_hex(4)}"  # pids coincide across containers and hosts
         self.published = self.evicted = self.expired = 0
 
     def new_name(self, ids_hash: str) -> str:
-        """A handle unique across processes and containers sharing the folder (their pids may coincide)."""
+        """A handle unique across processes, containers and hosts sharing the hand-over."""
         with self._lock:
-            return f"blendserve-{ids_hash[:16]}-{self._tag}-{next(self._ids)}"
+            return f"{self.prefix}blendserve-{ids_hash[:16]}-{self._tag}-{next(self._ids)}"
 
     def publish(self, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Published:
-        """Write one segment (see `write_segment`), after making room for it; its `Published` record."""
+        """Write one segment (`fill(layer, k, v)` fills each layer's views), after making room for it."""
         if meta.nbytes > self.budget_bytes:
             raise SegmentError(f"a segment of {meta.nbytes} bytes exceeds the hand-over budget of "
                                f"{self.budget_bytes} bytes")
         self.sweep(room=meta.nbytes)
-        name = self.new_name(meta.token_hash)
-        write_segment(self.folder, name, meta, fill)
-        rec = Published(name, meta.nbytes, self.clock(), meta.token_hash)
+        handle = self.new_name(meta.token_hash)
+        self._write(handle, meta, fill)
+        rec = Published(handle, meta.nbytes, self.clock(), meta.token_hash)
         with self._lock:
-            self._live[name] = rec
+            self._live[handle] = rec
             self.published += 1
         return rec
 
@@ -303,15 +302,18 @@ class SegmentPublisher:
         """Forget segments vLLM freed, free the expired, then the oldest until `room` bytes fit."""
         now = self.clock()
         with self._lock:
-            for name in [n for n in self._live if not (self.folder / n).exists()]:
-                del self._live[name]
-            for name, rec in list(self._live.items()):
-                if now - rec.created > self.ttl_s:
-                    del self._live[name]
-                    self.expired += remove(self.folder, name)
+            handles = list(self._live)
+            for handle, gone in zip(handles, self._gone(handles)):
+                if gone:
+                    del self._live[handle]
+            expired = [h for h, rec in self._live.items() if now - rec.created > self.ttl_s]
+            for handle in expired:
+                del self._live[handle]
+            evicted = []
             while self._live and self.live_bytes + room > self.budget_bytes:
-                name, _ = self._live.popitem(last=False)
-                self.evicted += remove(self.folder, name)
+                evicted.append(self._live.popitem(last=False)[0])
+            self.expired += self._free(expired)
+            self.evicted += self._free(evicted)
 
     @property
     def live_bytes(self) -> int:
@@ -325,12 +327,43 @@ class SegmentPublisher:
     def close(self) -> None:
         """Free every segment this publisher still holds."""
         with self._lock:
-            for name in list(self._live):
-                remove(self.folder, name)
+            handles = list(self._live)
             self._live.clear()
+        self._free(handles)
+
+    def _write(self, handle: str, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        raise NotImplementedError
+
+    def _gone(self, handles: Sequence[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def _free(self, handles: Sequence[str]) -> int:
+        raise NotImplementedError
 
 
-class RedisPublisher:
+class SegmentPublisher(_Publisher):
+    """Blendserve's side: writes segments into `folder`, at most `budget_bytes` of them at once
+    (the oldest freed first) and none older than `ttl_s` (a segment vLLM never loaded: its request
+    failed or was cancelled before it was scheduled). vLLM frees a segment once it loaded it."""
+
+    def __init__(self, folder: str | Path = DEFAULT_DIR, budget_bytes: int = 2 << 30, ttl_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(budget_bytes, ttl_s, clock)
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise SegmentError(f"segment folder {self.folder} does not exist")
+
+    def _write(self, handle: str, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        write_segment(self.folder, handle, meta, fill)
+
+    def _gone(self, handles: Sequence[str]) -> list[bool]:
+        return [not (self.folder / h).exists() for h in handles]
+
+    def _free(self, handles: Sequence[str]) -> int:
+        return sum(remove(self.folder, h) for h in handles)
+
+
+class RedisPublisher(_Publisher):
     """Blendserve's side for a vLLM server on another host: the same segments, each filled in a host
     buffer and SET under `blendserve:segment:<name>` with EX `ttl_s` (Redis drops one vLLM never
     loaded); its handle is "redis:<name>" (`redis_handover`). At most `budget_bytes` of this
@@ -341,77 +374,29 @@ class RedisPublisher:
                  clock: Callable[[], float] = time.monotonic, timeout_s: float = 5.0) -> None:
         from blendserve_vllm import redis_handover  # it imports this module
 
+        super().__init__(budget_bytes, ttl_s, clock)
         self._rh = redis_handover
+        self.prefix = redis_handover.HANDLE_PREFIX
         self.client: RedisClient = redis_handover.RedisClient(url, timeout_s)
-        self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
-        self._live: OrderedDict[str, Published] = OrderedDict()  # handle -> record, oldest first
-        self._lock = threading.Lock()
-        self._ids = iter(range(1 << 62))
-        self._tag = f"{os.getpid()}{secrets.token_hex(4)}"
-        self._tag = secrets.token_hex(4)  # publishers on other hosts may share a pid
-        self.published = self.evicted = self.expired = 0
 
-    def new_name(self, ids_hash: str) -> str:
-        """A new handle, "redis:blendserve-<hash>-<pid>-<tag>-<n>"."""
-        with self._lock:
-            name = f"blendserve-{ids_hash[:16]}-{os.getpid()}-{self._tag}-{next(self._ids)}"
-        return self._rh.HANDLE_PREFIX + name
-
-    def publish(self, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Published:
-        """Fill one segment in memory (see `fill_buffer`) and SET it, after making room for it."""
-        if meta.nbytes > self.budget_bytes:
-            raise SegmentError(f"a segment of {meta.nbytes} bytes exceeds the hand-over budget of "
-                               f"{self.budget_bytes} bytes")
-        self.sweep(room=meta.nbytes)
-        handle = self.new_name(meta.token_hash)
+    def _write(self, handle: str, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
         buf = fill_buffer(meta, fill)
         self.client.set(self._key(handle), memoryview(buf), ex_s=max(1, math.ceil(self.ttl_s)))
-        rec = Published(handle, meta.nbytes, self.clock(), meta.token_hash)
-        with self._lock:
-            self._live[handle] = rec
-            self.published += 1
-        return rec
 
-    def sweep(self, room: int = 0) -> None:
-        """Forget keys vLLM deleted, DEL the expired, then the oldest until `room` bytes fit."""
-        now = self.clock()
-        with self._lock:
-            handles = list(self._live)
-            for handle, there in zip(handles, self.client.exists_each([self._key(h) for h in handles])):
-                if not there:
-                    del self._live[handle]
-            expired = [h for h, rec in self._live.items() if now - rec.created > self.ttl_s]
-            for handle in expired:
-                del self._live[handle]
-            evicted = []
-            while self._live and self.live_bytes + room > self.budget_bytes:
-                evicted.append(self._live.popitem(last=False)[0])
-            self.expired += self._delete(expired)
-            self.evicted += self._delete(evicted)
+    def _gone(self, handles: Sequence[str]) -> list[bool]:
+        return [not there for there in self.client.exists_each([self._key(h) for h in handles])]
+
+    def _free(self, handles: Sequence[str]) -> int:
+        return self.client.delete(*(self._key(h) for h in handles)) if handles else 0
 
     def _key(self, handle: str) -> str:
         return self._rh.segment_key(self._rh.redis_name(handle))
 
-    def _delete(self, handles: Sequence[str]) -> int:
-        return self.client.delete(*(self._key(h) for h in handles))
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(r.nbytes for r in self._live.values())
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {"segments": len(self._live), "bytes": self.live_bytes, "published": self.published,
-                    "evicted": self.evicted, "expired": self.expired}
-
     def close(self) -> None:
         """DEL every segment this publisher still holds (Redis down: they expire there), and disconnect."""
-        with self._lock:
-            handles = list(self._live)
-            self._live.clear()
         try:
-            self._delete(handles)
+            super().close()
         except SegmentError as exc:
-            logger.warning("could not free %d hand-over segments in Redis (%s); they expire there", len(handles), exc)
+            logger.warning("could not free the hand-over segments in Redis (%s); they expire there", exc)
         finally:
             self.client.close()

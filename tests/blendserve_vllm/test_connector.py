@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import importlib
 import os
-import shutil
 import sys
 import types
 from abc import ABC, abstractmethod
@@ -23,7 +22,8 @@ import torch
 import blendserve_vllm
 from blendserve_vllm import layouts
 from blendserve_vllm.segments import SegmentError, SegmentMeta, token_hash, write_segment
-from tests.local_services import RedisProcess, free_port
+from tests.blendserve_vllm.conftest import needs_redis
+from tests.local_services import free_port
 
 CONNECTOR = "blendserve_vllm.connector"
 L, H, D, N = 2, 2, 4, 16  # layers, kv heads, head dim, block size
@@ -558,25 +558,7 @@ def test_scheduler_to_worker_end_to_end(cx, tmp_path):
 
 
 # ------------------------------------------------------------------ segments in Redis (another host)
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server binary not installed (apt-get install redis-server)")
 RHANDLE = "redis:" + HANDLE
-
-
-@pytest.fixture
-def redis_server():
-    server = RedisProcess().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def raw(redis_server):
-    import redis
-
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
 
 
 def publish_to_redis(raw, folder, **kw):

@@ -3,7 +3,6 @@ redis-py (the project's own client) reads back what the RESP2 client wrote, and 
 
 from __future__ import annotations
 
-import shutil
 import socket
 import threading
 import time
@@ -13,27 +12,9 @@ import torch
 
 from blendserve_vllm import redis_handover as rh
 from blendserve_vllm.segments import HEADER_BYTES, RedisPublisher, SegmentError, token_hash
+from tests.blendserve_vllm.conftest import needs_redis
 from tests.blendserve_vllm.test_segments import FakeClock, make_meta, random_kv
-from tests.local_services import RedisProcess, free_port
-
-REDIS = shutil.which("redis-server")
-needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server binary not installed (apt-get install redis-server)")
-
-
-@pytest.fixture
-def redis_server():
-    server = RedisProcess().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def raw(redis_server):
-    import redis
-
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
+from tests.local_services import free_port
 
 
 def fill_from(ks: list[torch.Tensor], vs: list[torch.Tensor]):
