@@ -250,6 +250,7 @@ def test_service_blends_and_vllm_decodes_like_the_own_engine(vllm, real_runner, 
                 assert again["answer"] == out["answer"]
                 chunks = _stream(client, body | {"documents": docs[::-1], "stream": True})
                 assert "".join(chunks) == out["answer"]
+                _chat_through_vllm(client, docs)
     assert answers["vllm"] == answers["own"]
 
 
@@ -264,3 +265,22 @@ def _stream(client, body: dict) -> list[str]:
                 if isinstance(frame, dict) and frame.get("text"):
                     out.append(frame["text"])
     return out
+
+
+def _chat_through_vllm(client, docs: list[dict]) -> None:
+    """A conversation's second turn with n=2, a stop string, a seed and logprobs, decoded by vLLM in
+    OpenAI's shapes; a tenant's salt keeps its KV apart (a fresh blend, not the other's repeat)."""
+    messages = [{"role": "user", "content": "Name one place these passages mention."},
+                {"role": "assistant", "content": "One of them is named in the first passage."},
+                {"role": "user", "content": "Which one, and why?"}]
+    body = {"model": "blendserve", "messages": messages, "documents": docs, "max_tokens": 8, "n": 2, "seed": 7,
+            "temperature": 0.8, "stop": ["\n\n"], "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(len(c["logprobs"]["content"]) >= 1 for c in out["choices"])
+    assert out["usage"]["completion_tokens"] >= 2 and out["blend"]["turns"] == 2
+    assert out["blend"]["stats"]["decoder"] == "vllm"
+    salted = client.post("/v1/chat/completions", json=body | {"cache_salt": "tenant-b"}).json()
+    assert salted["blend"]["timings"]["blend_ms"] > 0  # not served as the unsalted prompt's repeat
