@@ -116,6 +116,8 @@ _LOOP_SERIES = (  # the engine loop's stats() as metric families: (family, name,
      "kv_blocks_in_use"),
     (GaugeMetricFamily, "blendserve_kv_pool_blocks_cached", "KV pool blocks holding cached prefixes (evictable)",
      "kv_blocks_cached"),
+    (CounterMetricFamily, "blendserve_kv_pool_evictions", "Cached prefix blocks of the KV pool taken for other "
+     "requests (the least recently released or reused first)", "kv_blocks_evicted"),
     (CounterMetricFamily, "blendserve_preemptions", "Requests preempted because the KV pool was full", "preemptions"),
     (CounterMetricFamily, "blendserve_prefix_hit_tokens", "Prompt tokens taken from the KV pool's prefix cache",
      "prefix_hit_tokens"),

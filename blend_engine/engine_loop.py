@@ -228,7 +228,7 @@ class EngineLoop:
                 "fused_steps": self.fused_steps, "max_prefills_seen": self.max_prefills_seen,
                 "prefill_token_layers": self.prefill_token_layers,
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
-                "kv_block_tokens": pool.block_tokens, "preemptions": s.preemptions,
+                "kv_block_tokens": pool.block_tokens, "kv_blocks_evicted": pool.evictions, "preemptions": s.preemptions,
                 "prefix_hit_tokens": s.prefix_hit_tokens,
                 "decode_graphs": 0 if self._graphs is None else len(self._graphs.graphs),
                 "steps_by_kind": dict(self.step_counts), "step_seconds_by_kind": dict(self.step_seconds),

@@ -779,6 +779,7 @@ def test_metrics_after_queries(client):
                    "blendserve_recompute_ratio_last", "blendserve_queue_depth 0.0",
                    "blendserve_batch_running 0.0", "blendserve_batch_kv_bytes 0.0", "blendserve_decode_steps_total",
                    "blendserve_kv_store_queued", "blendserve_kv_store_background_total",
+                   "blendserve_kv_pool_evictions_total",
                    'blendserve_requests_total{endpoint="/v1/query",status="200"}']:
         assert needle in text, needle
 

@@ -286,3 +286,17 @@ def test_a_full_prefill_answer_also_stores_its_new_passages(runner):
         assert blend.report.cache_misses == 0
     finally:
         engine.close()
+
+
+def test_evicted_prefix_blocks_are_counted(runner):
+    """A pool too small to keep every finished prompt's blocks cached evicts the least recently used;
+    the loop's stats (and so /metrics) count them."""
+    engine = _engine(runner, pool_tokens=256)
+    try:
+        assert engine.loop.stats()["kv_blocks_evicted"] == 0
+        for i in range(6):  # distinct prompts, each larger than a third of the pool
+            engine.run(_plan(i, mode=Mode.FULL_PREFILL), GenerationConfig(max_tokens=1))
+        evicted = engine.loop.stats()["kv_blocks_evicted"]
+        assert evicted > 0 and evicted == engine.loop.scheduler.pool.evictions
+    finally:
+        engine.close()
