@@ -252,12 +252,12 @@ def fit_turns(engine, plan: BlendPlan, max_new_tokens: int) -> tuple[BlendPlan, 
     return plan, engine.layout(plan), (note,)
 
 
-def _prepared(engine, plan: BlendPlan, gens: list[GenerationConfig]):
-    """(plan, layout, notes, the engine's prep): the host work before submitting, on a worker thread:
-    tokenizing the layout (a conversation trimmed to fit), its chunk keys, mode plan and block hashes."""
-    longest = max(g.max_tokens for g in gens)
-    plan, layout, notes = fit_turns(engine, plan, longest)
-    return plan, layout, notes, engine.prepare(plan, longest, layout)
+def _prepared(engine, client, plan: BlendPlan, gens: list[GenerationConfig]):
+    """(plan, layout, notes, the client's prep): the host work before submitting, on a worker thread:
+    tokenizing the layout (a conversation trimmed to fit), then what the client plans from it (the
+    engine's chunk keys, mode plan and block hashes; `client.prepare`)."""
+    plan, layout, notes = fit_turns(engine, plan, max(g.max_tokens for g in gens))
+    return plan, layout, notes, client.prepare(plan, gens, layout)
 
 
 GATE_CHECKING = "full_prefill: the start-up fidelity gate is still checking blend"
@@ -310,7 +310,7 @@ class QueryRun:
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
                          explain=spec.explain, turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
         gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
-        plan, layout, notes, prep = await run_in_threadpool(_prepared, stack.engine, plan, gens)
+        plan, layout, notes, prep = await run_in_threadpool(_prepared, stack.engine, client, plan, gens)
         stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout, ticket, prep=prep)
         return cls(spec, passages, plan, stream, retrieval_ms, fallback, notes)
 

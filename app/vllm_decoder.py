@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 PARAM = "blendserve_kv"  # blendserve_vllm.connector.PARAM (that module needs vLLM to import)
 BLENDED = (Mode.BLEND, Mode.FULL_REUSE)  # the modes Blendserve's engine computes for vLLM
 RECENT = 4096  # prompts remembered as handed over (exact repeats go to vLLM's prefix cache)
+BLEND_ONLY = (GenerationConfig(max_tokens=1),)  # the blend's own request: prefill, then one token nobody reads
 
 
 class DecoderUnavailable(ServiceError):
@@ -137,21 +138,38 @@ class VllmClient:
     def admit(self, timeout_s: float | None) -> Ticket:
         return self.engine_client.admit(timeout_s)
 
+    def prepare(self, plan: BlendPlan, gens: Sequence[GenerationConfig], layout: PromptLayout) -> Any:
+        """The blend's engine plan (for its one token), on any thread; None when nothing is blended
+        (an exact mode, or a repeat vLLM holds): `submit` decides again and plans what it still needs."""
+        if not self._blends(plan, self._key(plan, layout.token_ids())):
+            return None
+        return self.engine_client.prepare(plan, BLEND_ONLY, layout)
+
     def submit(self, plan: BlendPlan, gens: Sequence[GenerationConfig], timeout_s: float | None = None,
                layout: PromptLayout | None = None, ticket: Ticket | None = None, prep: Any = None) -> VllmStream:
         """Start the blend (when the mode needs one and vLLM does not hold the prompt) and return the
         stream that hands it to vLLM. InputError for what vLLM cannot do."""
         layout = layout if layout is not None else self.engine.layout(plan)
         ids = layout.token_ids()
-        key = (vllm_salt(plan), token_hash(ids))
-        repeat = plan.mode in BLENDED and key in self._recent
-        if plan.explain and (plan.mode not in BLENDED or repeat):
+        key = self._key(plan, ids)
+        blends = self._blends(plan, key)
+        if plan.explain and not blends:
             raise InputError("explain needs Blendserve's prefill: with BLENDSERVE_DECODER_KIND=vllm it is served for "
                              "mode blend or full_reuse on a prompt vLLM does not already hold")
-        stream = VllmStream(self, plan, list(gens), ids, key, timeout_s, repeat)
-        if plan.mode in BLENDED and not repeat:
-            stream.start_blend(layout, ticket)  # planned for its one token (prep is the caller's, for its n)
+        stream = VllmStream(self, plan, list(gens), ids, key, timeout_s,
+                            repeat=plan.mode in BLENDED and not blends)
+        if blends:
+            stream.start_blend(layout, ticket, prep)
         return stream
+
+    @staticmethod
+    def _key(plan: BlendPlan, ids: list[int]) -> tuple[str, str]:
+        """The prompt as vLLM's prefix cache knows it: its salt (`vllm_salt`) and token ids' hash."""
+        return vllm_salt(plan), token_hash(ids)
+
+    def _blends(self, plan: BlendPlan, key: tuple[str, str]) -> bool:
+        """Blendserve computes the KV: a blended mode, and not a prompt handed over recently."""
+        return plan.mode in BLENDED and key not in self._recent
 
     def remember(self, key: tuple[str, str]) -> None:
         self._recent[key] = None
@@ -179,7 +197,7 @@ class VllmStream:
         self._aborted = False
 
     # ------------------------------------------------------------------ the blend (engine loop)
-    def start_blend(self, layout: PromptLayout, ticket: Ticket | None) -> None:
+    def start_blend(self, layout: PromptLayout, ticket: Ticket | None, prep: Any = None) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Handoff] = loop.create_future()
         publisher = self.client.publisher
@@ -189,9 +207,8 @@ class VllmStream:
             handoff = Handoff(exported, state.report, state.explanation)
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(handoff))
 
-        one = [GenerationConfig(max_tokens=1)]
-        self._engine = self.client.engine_client.submit(self.plan, one, self.timeout_s, layout, ticket,
-                                                        export=on_prefilled)
+        self._engine = self.client.engine_client.submit(self.plan, BLEND_ONLY, self.timeout_s, layout, ticket,
+                                                        export=on_prefilled, prep=prep)
         self._handoff = fut
         self._drain = asyncio.ensure_future(self._drain_engine(fut))
 
@@ -344,10 +361,6 @@ class VllmStream:
                 # the choices ran together in one vLLM request: the first carries the time (QueryRun sums them)
                 total_ms=self.split.total_ms if i == 0 else 0.0, store_ms=0.0,
                 explanation=None if handoff is None else handoff.explanation, logprobs=tuple(logprobs[i]))
-
-    @property
-    def done(self) -> bool:
-        return all(r is not None for r in self.results)
 
     def abort(self) -> None:
         """Stop the blend (if running) and stop reading vLLM (closing the response cancels it there)."""

@@ -100,6 +100,11 @@ class EngineClient:
         `errors.Overloaded` at once: a refused request costs nothing more."""
         return self.engine.loop.admission.admit(timeout_s)
 
+    def prepare(self, plan: BlendPlan, gens: Sequence[GenerationConfig], layout: PromptLayout) -> Any:
+        """The engine's host work for `submit` (chunk keys, mode plan, block hashes), on any thread:
+        the caller may run it off the event loop and pass it to `submit` as `prep`."""
+        return self.engine.prepare(plan, max(g.max_tokens for g in gens), layout)
+
     def submit(self, plan: BlendPlan, gens: Sequence[GenerationConfig], timeout_s: float | None = None,
                layout: PromptLayout | None = None, ticket: Ticket | None = None,
                export: Callable[[Any, Any], None] | None = None, prep: Any = None) -> RequestStream:

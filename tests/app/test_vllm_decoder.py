@@ -73,3 +73,29 @@ def test_vllm_prefix_cache_is_salted_by_tenant_and_kv_recipe():
     assert salts[None, Mode.BLEND] != salts[None, Mode.FULL_PREFILL]
     assert salts[None, Mode.FULL_REUSE] not in (salts[None, Mode.BLEND], salts[None, Mode.FULL_PREFILL])
     assert salts["tenant-a", Mode.BLEND] != salts[None, Mode.BLEND]
+
+
+def test_the_blend_is_planned_once_off_the_event_loop_and_exact_modes_not_at_all(down_client, monkeypatch):
+    """With the vllm decoder the engine plans a blend once, for its one token, on a worker thread;
+    a full_prefill query (vLLM computes it) plans nothing on Blendserve's engine."""
+    import asyncio
+
+    engine = svc(down_client).stack.engine
+    calls: list[tuple[int, str]] = []
+    real = engine.prepare
+
+    def spy(plan, max_new_tokens, layout=None):
+        try:
+            asyncio.get_running_loop()
+            where = "event loop"
+        except RuntimeError:
+            where = "worker"
+        calls.append((max_new_tokens, where))
+        return real(plan, max_new_tokens, layout)
+
+    monkeypatch.setattr(engine, "prepare", spy)
+    query = {"question": "Which river flows through Paris?", "documents": DOCS, "max_tokens": 32}
+    assert down_client.post("/v1/query", json=query | {"mode": "full_prefill"}).status_code == 503
+    assert calls == []
+    assert down_client.post("/v1/query", json=query | {"mode": "blend"}).status_code == 503
+    assert calls == [(1, "worker")]
