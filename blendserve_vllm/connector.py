@@ -127,6 +127,7 @@ class BlendserveConnector(KVConnectorBase_V1):
         self._pending: dict[str, tuple[str, int]] = {}  # scheduler: req id -> (handle, external tokens)
         self._caches: dict[str, torch.Tensor] = {}  # worker: layer name -> [B, H, N, C]
         self._step: list[tuple[Segment, torch.Tensor, Load]] = []  # worker: this step's open loads
+        self._layers: dict[str, Any] = {}  # worker: this step's attention layers (the CPU backend's `isa`)
         self._failed_blocks: set[int] = set()
         self._cpu_write: layouts.CpuWrite | None = None
         logger.info("Blendserve connector (%s): segments in %s and %s, model %s", role.name, self._dir,
@@ -198,20 +199,17 @@ class BlendserveConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads: each newly scheduled request with external tokens, its rows being
         the `n` tokens before its computed count."""
+        scheduled = [(new.req_id, new.block_ids, new.num_computed_tokens)
+                     for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs  # resumed after a preemption with external tokens again
+        scheduled += [(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i])
+                      for i, req_id in enumerate(cached.req_ids) if cached.new_block_ids[i] is not None]
         meta = BlendserveMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            pending = self._pending.pop(new.req_id, None)
+        for req_id, block_ids, computed in scheduled:
+            pending = self._pending.pop(req_id, None)
             if pending is not None:
                 handle, n = pending
-                end = new.num_computed_tokens
-                meta.loads.append(Load(new.req_id, handle, tuple(new.block_ids[0]), end - n, end))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):  # resumed after a preemption with external tokens again
-            pending = self._pending.pop(req_id, None)
-            if pending is not None and cached.new_block_ids[i] is not None:
-                handle, n = pending
-                end = cached.num_computed_tokens[i]
-                meta.loads.append(Load(req_id, handle, tuple(cached.new_block_ids[i][0]), end - n, end))
+                meta.loads.append(Load(req_id, handle, tuple(block_ids[0]), computed - n, computed))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -145,9 +145,8 @@ def _chunk_plan(env: PlanEnv, mode: Mode, layout: PromptLayout, keys: Sequence[s
                 policy: SelectionPolicy, ratio: float | None, source: RatioSource) -> ModePlan:
     """full_reuse and blend: every chunk found in the chunk store is loaded."""
     segs = layout.segments
-    cached = [(s, k) for s, k in zip(segs, keys) if k is not None and env.store.contains(k)]
-    found = {s.offset for s, _ in cached}
-    missing = tuple(i for i, (s, k) in enumerate(zip(segs, keys)) if k is not None and s.offset not in found)
+    missing = _lacking(env, keys)
+    cached = [(s, k) for i, (s, k) in enumerate(zip(segs, keys)) if k is not None and i not in missing]
     hits, misses = len(cached), len(missing)
     if mode is Mode.FULL_REUSE:
         uncached = tuple((s.offset, s.end) for i, s in enumerate(segs) if keys[i] is None or i in missing)
