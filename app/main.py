@@ -34,6 +34,7 @@ from app.routes.page import STATIC_DIR
 from app.settings import ServiceSettings
 from app.startup import build_and_warm
 from app.state import AppState
+from app.timing import ArrivalMiddleware
 from app.worker import EngineWorker
 from blendserve_config.stack import Stack, build_stack
 
@@ -92,8 +93,9 @@ def create_app(settings: ServiceSettings | None = None, stack_factory: StackFact
     for router in ROUTERS:
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    # outermost first: size limit, then auth (both pure ASGI, streaming untouched)
+    # added innermost first: auth, the size limit, then the arrival stamp (all pure ASGI, streaming untouched)
     app.add_middleware(BearerAuthMiddleware, keyring=Keyring(settings.auth.api_key, settings.auth.tenant_keys))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes,
                        per_path={UPLOAD_PATH: settings.limits.max_upload_body_bytes})
+    app.add_middleware(ArrivalMiddleware)  # outermost: timings count from here (`app.timing`)
     return app

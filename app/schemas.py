@@ -137,12 +137,18 @@ class ChoiceLogprobs(BaseModel):
 
 
 class Timings(BaseModel):
+    """From the request's arrival at the HTTP server (`app.timing`): ttft_ms = retrieval_ms + plan_ms +
+    queue_ms + prefill_ms; total_ms = ttft_ms + decode_ms; kv_load_ms and recompute_ms are prefill's parts."""
+
     retrieval_ms: float
     kv_load_ms: float
     recompute_ms: float
     ttft_ms: float
     total_ms: float
     queue_ms: float = 0.0
+    plan_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
     kv_store_ms: float = 0.0
     # BLENDSERVE_DECODER_KIND=vllm: Blendserve's prefill until the KV was handed over (0: not blended), the
     # copy into shared memory (part of it), vLLM's first token and whole request (from when it was sent)

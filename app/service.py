@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -23,6 +22,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from app.conversation import exchanges_to_drop
+from app.timing import clock
 from app.worker import EngineWorker, Job
 from blend_engine.cancel import DeadlineExceeded
 from blend_engine.client import EngineClient, RequestStream
@@ -186,11 +186,14 @@ class QueryOutcome:
     report: BlendReport
     finish_reason: str
     completion_tokens: int
-    retrieval_ms: float
-    ttft_ms: float
-    total_ms: float
+    retrieval_ms: float  # arrival until the passages are known (`app.timing`: the parts add up)
+    ttft_ms: float  # arrival until the first token: retrieval + plan + queue + prefill
+    total_ms: float  # arrival until the last token: ttft + decode
     queue_ms: float
     store_ms: float
+    plan_ms: float = 0.0  # layout, tokenizing, chunk keys, mode plan, block hashes, submit
+    prefill_ms: float = 0.0  # admitted to the batch until the first token
+    decode_ms: float = 0.0  # first token until the last
     explanation: Explanation | None = None  # the engine's, when the request asked for explain
     fallback: str | None = None  # why a blend request was answered another way (fidelity gate)
     choices: tuple[Choice, ...] = ()  # every completion (n of them); the first is `answer`
@@ -260,6 +263,15 @@ def _prepared(engine, client, plan: BlendPlan, gens: list[GenerationConfig]):
     return plan, layout, notes, client.prepare(plan, gens, layout)
 
 
+@dataclass(frozen=True)
+class _Marks:
+    """A query's instants on `clock`: arrival at the HTTP server, passages known, submitted to the engine."""
+
+    arrival: float
+    retrieved: float
+    submitted: float
+
+
 GATE_CHECKING = "full_prefill: the start-up fidelity gate is still checking blend"
 
 
@@ -284,15 +296,19 @@ class QueryRun:
     first token) and then each choice's text; `outcome()` once they ended. `abort()` stops it."""
 
     def __init__(self, spec: QuerySpec, passages: tuple[PassageRef, ...], plan: BlendPlan, stream: RequestStream,
-                 retrieval_ms: float, fallback: str | None, notes: tuple[str, ...]) -> None:
+                 marks: _Marks, fallback: str | None, notes: tuple[str, ...]) -> None:
         self.spec, self.passages, self.plan, self.stream = spec, passages, plan, stream
-        self._retrieval_ms, self._fallback, self._notes = retrieval_ms, fallback, notes
+        self._marks, self._fallback, self._notes = marks, fallback, notes
+        self._ended: float | None = None  # when the last token reached the event loop
 
     @classmethod
-    async def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float) -> QueryRun:
+    async def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float,
+                    arrival: float | None = None) -> QueryRun:
         """Retrieve (unless documents are given), lay the prompt out once and submit its `spec.n`
-        choices. Raises the service's errors (400, 503 Busy / NoPassagesYet, storage faults)."""
-        t0 = time.perf_counter()
+        choices. Raises the service's errors (400, 503 Busy / NoPassagesYet, storage faults).
+        `arrival`: when the HTTP server got the request (`app.timing`; default now): timings and the
+        deadline count from it."""
+        t0 = arrival if arrival is not None else clock()
         with _service_errors():
             ticket = client.admit(timeout_s)  # refused before any retrieval or tokenizing is spent on it
             try:
@@ -304,15 +320,16 @@ class QueryRun:
     async def _submit(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float, ticket: Ticket,
                       t0: float) -> QueryRun:
         texts, passages = await run_in_threadpool(_passages, stack, spec)
-        retrieval_ms = (time.perf_counter() - t0) * 1e3
+        retrieved = clock()
         mode, fallback = _gated_mode(stack, spec.mode)
         plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
                          explain=spec.explain, turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
         gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
         plan, layout, notes, prep = await run_in_threadpool(_prepared, stack.engine, client, plan, gens)
-        stream = client.submit(plan, gens, timeout_s - retrieval_ms / 1e3, layout, ticket, prep=prep)
-        return cls(spec, passages, plan, stream, retrieval_ms, fallback, notes)
+        submitted = clock()
+        stream = client.submit(plan, gens, timeout_s - (submitted - t0), layout, ticket, prep=prep)
+        return cls(spec, passages, plan, stream, _Marks(t0, retrieved, submitted), fallback, notes)
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         """The sources first, then every piece of text (or logprobs) as the engine decodes it."""
@@ -325,6 +342,7 @@ class QueryRun:
                     sent_sources = True
                     yield StreamDelta(index, "", sources=self.passages)
                 yield StreamDelta(index, delta.text, delta.logprobs)
+        self._ended = clock()
 
     async def finish(self) -> None:
         """Run to the end without streaming (then `outcome()`)."""
@@ -336,12 +354,15 @@ class QueryRun:
 
     def outcome(self) -> QueryOutcome:
         results: list[BlendResult] = list(self.stream.results)
-        result, ms = results[0], self._retrieval_ms
+        result, m = results[0], self._marks
         choices = tuple(Choice(i, r.text, r.finish_reason, len(r.token_ids), r.logprobs) for i, r in enumerate(results))
+        ttft_ms = (m.submitted - m.arrival) * 1e3 + result.ttft_ms  # the engine's clock is `clock` too
+        total_ms = max(((self._ended or clock()) - m.arrival) * 1e3, ttft_ms)
         return QueryOutcome(
             answer=result.text, passages=self.passages, report=result.report, finish_reason=result.finish_reason,
-            completion_tokens=len(result.token_ids), retrieval_ms=ms, ttft_ms=ms + result.ttft_ms,
-            total_ms=ms + sum(r.total_ms + r.store_ms for r in results) - results[-1].store_ms,
+            completion_tokens=len(result.token_ids), retrieval_ms=(m.retrieved - m.arrival) * 1e3, ttft_ms=ttft_ms,
+            total_ms=total_ms, plan_ms=(m.submitted - m.retrieved) * 1e3, prefill_ms=result.ttft_ms - result.queue_ms,
+            decode_ms=total_ms - ttft_ms,
             queue_ms=result.queue_ms, store_ms=results[-1].store_ms, explanation=result.explanation,
             fallback=self._fallback, choices=choices, search=self.spec.search or self.spec.question,
             turns=len(self.plan.turns), notes=self._notes, decoder=self._decoder())

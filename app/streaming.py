@@ -62,15 +62,17 @@ def answered(stack, spec: QuerySpec, run: QueryRun) -> Answered:
                    logprobs=spec.gen.logprobs is not None)
 
 
-async def start(svc: AppState, spec: QuerySpec) -> tuple[object, QueryRun]:
-    """(the stack, the query submitted to the engine client): the service's errors raise here."""
+async def start(svc: AppState, spec: QuerySpec, arrival: float | None = None) -> tuple[object, QueryRun]:
+    """(the stack, the query submitted to the engine client): the service's errors raise here.
+    `arrival`: when the HTTP server got it (`app.timing`)."""
     stack = svc.require_stack()
-    return stack, await QueryRun.start(stack, svc.require_client(), spec, svc.settings.service.request_timeout_s)
+    return stack, await QueryRun.start(stack, svc.require_client(), spec, svc.settings.service.request_timeout_s,
+                                       arrival)
 
 
-async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str) -> Answered:
+async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str, arrival: float | None = None) -> Answered:
     """A query awaited whole; counted and logged under `endpoint`."""
-    stack, run = await start(svc, spec)
+    stack, run = await start(svc, spec, arrival)
     try:
         await run.finish()
     finally:
@@ -80,9 +82,10 @@ async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str) -> An
     return done
 
 
-async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Frames) -> StreamingResponse:
+async def stream_query(svc: AppState, spec: QuerySpec, endpoint: str, frames: Frames,
+                       arrival: float | None = None) -> StreamingResponse:
     """A streaming query as an SSE response written by `frames`."""
-    stack, run = await start(svc, spec)
+    stack, run = await start(svc, spec, arrival)
     deltas = run.deltas()
     try:
         first = await anext(deltas, None)  # an error before any token is still a plain HTTP error

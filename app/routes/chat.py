@@ -16,6 +16,7 @@ from app.service import QuerySpec, StreamDelta
 from app.settings import ServiceSettings
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
+from app.timing import Arrival
 from app.validation import check_limits, field_error, reject_surrogates
 
 router = APIRouter(tags=["query"])
@@ -78,14 +79,14 @@ def _chat_spec(s: ServiceSettings, req: ChatCompletionRequest, tenant: str | Non
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}, 400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
-async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenant):
+async def chat_completions(req: ChatCompletionRequest, svc: State, tenant: Tenant, arrival: Arrival):
     reject_surrogates(req)  # every field, `model` included, before anything is generated
     spec = _chat_spec(svc.settings, req, tenant)
     head = Head.new("chatcmpl", req.model or svc.settings.model.name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_query(svc, spec, ENDPOINT, ChatFrames(head, spec.n, include_usage))
-    answered = await run_to_completion(svc, spec, ENDPOINT)
+        return await stream_query(svc, spec, ENDPOINT, ChatFrames(head, spec.n, include_usage), arrival)
+    answered = await run_to_completion(svc, spec, ENDPOINT, arrival)
     return chat_response(answered, head.fields("chat.completion"), logprobs=spec.gen.logprobs is not None)
 
 

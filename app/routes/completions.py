@@ -15,6 +15,7 @@ from app.schemas import CompletionRequest, CompletionResponse
 from app.service import StreamDelta
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
+from app.timing import Arrival
 from app.validation import check_limits, field_error, reject_surrogates
 
 router = APIRouter(tags=["query"])
@@ -69,7 +70,7 @@ def _prompt(req: CompletionRequest) -> str:
 
 @router.post("/v1/completions", response_model=CompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}, 400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
-async def completions(req: CompletionRequest, svc: State, tenant: Tenant):
+async def completions(req: CompletionRequest, svc: State, tenant: Tenant, arrival: Arrival):
     reject_surrogates(req)
     refuse_unsupported(req)
     s = svc.settings
@@ -79,6 +80,6 @@ async def completions(req: CompletionRequest, svc: State, tenant: Tenant):
     head = Head.new("cmpl", req.model or s.model.name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_query(svc, spec, ENDPOINT, CompletionFrames(head, include_usage))
-    answered = await run_to_completion(svc, spec, ENDPOINT)
+        return await stream_query(svc, spec, ENDPOINT, CompletionFrames(head, include_usage), arrival)
+    answered = await run_to_completion(svc, spec, ENDPOINT, arrival)
     return completion_response(answered, head.fields("text_completion"), logprobs=spec.gen.logprobs is not None)

@@ -13,6 +13,7 @@ from app.schemas import QueryExplainedResponse, QueryRequest, QueryResponse
 from app.service import StreamDelta
 from app.state import State
 from app.streaming import run_to_completion, sse, stream_query
+from app.timing import Arrival
 from app.validation import check_limits, field_error, reject_surrogates
 
 router = APIRouter(tags=["query"])
@@ -42,7 +43,7 @@ class QueryFrames:
 @router.post("/v1/query", response_model=QueryExplainedResponse | QueryResponse,
              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
                         400: {}, 413: {}, 422: {}, 503: {}, 504: {}})
-async def query(req: QueryRequest, svc: State, tenant: Tenant):
+async def query(req: QueryRequest, svc: State, tenant: Tenant, arrival: Arrival):
     reject_surrogates(req)
     s = svc.settings
     check_limits(s, question=req.question, top_k=req.top_k, max_tokens=req.max_tokens, documents=req.documents)
@@ -52,6 +53,6 @@ async def query(req: QueryRequest, svc: State, tenant: Tenant):
     spec = build_spec(s, req, question=req.question, max_tokens=req.max_tokens, temperature=req.temperature,
                       logprobs=logprobs, tenant=tenant, ignore_eos=req.ignore_eos)
     if req.stream:
-        return await stream_query(svc, spec, ENDPOINT, QueryFrames())
-    answered = await run_to_completion(svc, spec, ENDPOINT)
+        return await stream_query(svc, spec, ENDPOINT, QueryFrames(), arrival)
+    answered = await run_to_completion(svc, spec, ENDPOINT, arrival)
     return answered.body

@@ -428,7 +428,8 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
                           "explain"]
     assert [list(p) for p in body["passages"]] == [["id", "title", "score", "doc_id", "location"]] * 2
     assert list(body["timings"]) == ["retrieval_ms", "kv_load_ms", "recompute_ms", "ttft_ms", "total_ms", "queue_ms",
-                                     "kv_store_ms", "blend_ms", "handover_ms", "decoder_ttft_ms", "decoder_ms"]
+                                     "plan_ms", "prefill_ms", "decode_ms", "kv_store_ms", "blend_ms", "handover_ms",
+                                     "decoder_ttft_ms", "decoder_ms"]
     assert [body["timings"][k] for k in ("blend_ms", "handover_ms", "decoder_ttft_ms", "decoder_ms")] == [None] * 4
     assert list(body["stats"]) == ["context_tokens", "recomputed_tokens", "recompute_ratio", "cache_hits",
                                    "cache_misses", "ratio_source", "completion_tokens", "fallback", "decoder",

@@ -70,6 +70,39 @@ def test_concurrent_clients_without_errors(tiny_server):
     admission = tiny_server.app.state.svc.stack.engine.loop.admission
     assert admission.queued == 0 and admission.running == 0
 
+def test_timings_count_from_arrival_add_up_and_match_what_the_client_waited(tiny_server):
+    """Over real HTTP: ttft_ms = retrieval + plan + queue + prefill, total_ms = ttft + decode; the server's
+    times never exceed what the client measured (they start later: at arrival, and end earlier), and
+    the client waits little past total_ms (serialization and the local socket, not stored work)."""
+    docs = [{"title": d["title"], "text": d["text"]} for d in DOCS]
+    body = {"question": "What is the capital of Kenya?", "documents": docs, "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as http:
+        for stream in (False, True):
+            t0 = time.perf_counter()
+            if stream:
+                first = None
+                with http.stream("POST", "/v1/query", json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("event: delta") and first is None:
+                            first = (time.perf_counter() - t0) * 1e3
+                        if line.startswith("data:"):
+                            last = line
+                t = json.loads(last[len("data:"):])["timings"]
+                assert first is not None and first >= t["ttft_ms"] - 0.01
+            else:
+                r = http.post("/v1/query", json=body)
+                assert r.status_code == 200, r.text
+                t = r.json()["timings"]
+            waited = (time.perf_counter() - t0) * 1e3
+            parts = t["retrieval_ms"] + t["plan_ms"] + t["queue_ms"] + t["prefill_ms"]
+            assert parts == pytest.approx(t["ttft_ms"], abs=0.01)
+            assert t["ttft_ms"] + t["decode_ms"] == pytest.approx(t["total_ms"], abs=0.01)
+            assert min(t["retrieval_ms"], t["plan_ms"], t["prefill_ms"], t["decode_ms"]) > 0
+            assert t["total_ms"] <= waited
+            assert waited - t["total_ms"] <= 0.25 * waited + 250, (waited, t)
+
+
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_client_disconnect_mid_stream_frees_the_engine_state(tiny_server, n):
