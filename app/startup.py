@@ -1,6 +1,8 @@
 """Start-up work done on a thread started by the lifespan: build the stack, start the ingestion job runner
-(resuming unfinished jobs); /readyz turns true then. The fidelity gate runs on a thread of its own from
-that moment: until it has decided, blend requests are answered by full prefill (under
+(resuming unfinished jobs); /readyz turns true then. The fidelity gate starts from that moment: its
+prefills are background work of the engine loop, a layer a loop turn (`EngineLoop.run_stepped`; a thread
+of its own only waits for them), so requests meanwhile run at their normal speed. Until it has decided,
+blend requests are answered by full prefill (under
 BLENDSERVE_FIDELITY_GATE=enforce) and /readyz says `blend: checking`. On the first start (no passage
 ingested yet) the bundled sample corpus is then ingested as a background job: questions are answered
 meanwhile from what is indexed so far, and /readyz reports the job's progress (`ingestion`)."""
@@ -26,8 +28,11 @@ def run_fidelity_gate(stack, metrics) -> GateDecision:
 
     A probe that cannot be read (sample corpus missing) leaves blend enabled, with the error shown."""
     mode = stack.settings.engine.fidelity_gate
+    loop = stack.engine.loop
     try:
-        decision = decide(mode, stack.runner, stack.engine.config, stack.settings.data_dir)
+        if mode != "off":
+            loop.start()  # its prefills run on the loop's thread, never beside it
+        decision = decide(mode, stack.runner, stack.engine.config, stack.settings.data_dir, run_stepped=loop.run_stepped)
     except (OSError, ValueError) as exc:
         logger.warning("fidelity gate could not run (%s); blend is served unchecked", exc)
         decision = GateDecision(mode, None, error=f"{type(exc).__name__}: {exc}")

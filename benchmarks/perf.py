@@ -63,7 +63,6 @@ def ttft(engine: BlendEngine, plans: list[BlendPlan]) -> tuple[float, float, flo
     results = []
     for plan in plans:
         results.append(engine.run(plan, gen))
-        engine.prefix_cache.drain()  # prefix_cache's save, issued after the first token, not in the next trial
     best = sorted(results, key=lambda r: r.ttft_ms)[len(results) // 2]
     return statistics.median(r.ttft_ms for r in results), best.report.load_ms, best.report.recompute_ms
 
@@ -83,7 +82,7 @@ def measure_context(runner: ModelRunner, ctx: Context, target: int, tiers: tuple
             for name, mode, ratio in PERF_MODES:
                 orders = [ctx.passages] * trials
                 if mode is Mode.PREFIX_CACHE:  # warm in the original order, measure new shuffled ones
-                    engine.prefill(BlendPlan(ctx.passages, ctx.question, mode=mode))
+                    engine.run(BlendPlan(ctx.passages, ctx.question, mode=mode), GenerationConfig(max_tokens=1))
                     orders = [shuffled(ctx.passages, f"perf{target}" + (f"-{t}" if t else "")) for t in range(trials)]
                 plans = [BlendPlan(order, ctx.question, mode=mode, recompute_ratio=ratio) for order in orders]
                 ms, load, rec = ttft(engine, plans)

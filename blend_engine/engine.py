@@ -12,9 +12,9 @@ Token layout of every prompt::
 - `chunk_cache`: keys, precompute, storing chunks that missed.
 - `engine_loop`: the thread that owns the model and batches requests; `generate` goes through it.
 
-Modes: full_prefill (nothing loaded), prefix_cache (the longest exact prefix of an earlier
-prefix_cache request, `prefix_cache`), full_reuse (cached chunks concatenated, only uncached
-tokens recomputed), blend (CacheBlend: every token up to the check layer, then the selected).
+Modes: full_prefill (nothing loaded), prefix_cache (vLLM's: the longest exact prefix the KV pool
+holds, the rest computed), full_reuse (cached chunks concatenated, only uncached tokens recomputed),
+blend (CacheBlend: every token up to the check layer, then the selected).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from blend_engine.kv_store.codec import layer_nbytes
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, build_layout
 from blend_engine.model import ModelRunner
-from blend_engine.prefix_cache import PrefixCache
 from blend_engine.scheduler.admission import Ticket
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.scheduler.kv_blocks import NO_PREFIX, chain_hashes, chain_root, min_prefix, recipes
@@ -51,7 +50,6 @@ from blend_engine.types import BlendPlan, BlendResult, GenerationConfig, Mode, S
 __all__ = ["BlendEngine", "EngineConfig", "Generation", "KVCache", "PrefillState", "RatioController"]
 
 T = TypeVar("T")
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,6 @@ class EngineConfig:
     policy: SelectionPolicy = field(default_factory=default_policy)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     kv_format: str = "fp16"
-    prefix_cache_bytes: int = 1 << 30  # budget of the prefix_cache mode's in-context entries
     # how a prefill's rows attend: "auto" (the C++ kernel on the CPU where it takes the cache, else
     # position-ordered SDPA blocks; one boolean-mask SDPA on a device), "blocks" (the SDPA blocks on the
     # CPU), "sdpa_mask" (the boolean mask everywhere), "flex" (FlexAttention, `executor.attention`)
@@ -68,8 +65,8 @@ class EngineConfig:
     decode_attention: str = "auto"  # `executor.decode.decode_attention`: pooled / per_sequence / auto
     decode_graphs: str = "auto"  # "auto": pooled decode steps replayed as CUDA graphs on CUDA; "off": eager
     batch: BatchLimits = field(default_factory=BatchLimits)  # continuous batching (`scheduler.batch`)
-    # automatic prefix caching over the KV pool: off, every request computes its whole prompt (a benchmark
-    # comparing modes on one prompt must not let one mode take another's KV)
+    # automatic prefix caching over the KV pool: off, every request but prefix_cache mode's computes its
+    # whole prompt (a benchmark comparing modes on one prompt must not let one mode take another's KV)
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -79,12 +76,10 @@ class EngineConfig:
             raise ValueError(f"decode_graphs must be auto or off, not {self.decode_graphs!r}")
         if not 0 <= self.default_ratio <= 1:
             raise ValueError("default_ratio must be within [0, 1]")
-        if self.prefix_cache_bytes < 0:
-            raise ValueError("prefix_cache_bytes must be >= 0")
 
 
 class BlendEngine:
-    """Holds the model, the chunk cache, the prefix cache and the engine loop; per-request state
+    """Holds the model, the chunk cache and the engine loop; per-request state
     lives in `Generation`, the loop's request and `PrefillState`, never here."""
 
     def __init__(self, runner: ModelRunner, store: KVStore, config: EngineConfig | None = None,
@@ -96,8 +91,7 @@ class BlendEngine:
         self.controller = controller
         self.fingerprint = store_fingerprint(runner.fingerprint, self.config.kv_format)
         self.chunks = ChunkCache(runner, store, self.fingerprint)
-        self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes, _DTYPE_NAMES.get(runner.dtype, "fp32"), store)
-        self.env = PlanEnv(store, self.prefix_cache, controller, self.config.default_ratio, runner.shape.n_layers,
+        self.env = PlanEnv(store, controller, self.config.default_ratio, runner.shape.n_layers,
                            self.bytes_per_layer)
         self.loop = EngineLoop(self, self.config.batch)
         self._close_lock = threading.Lock()
@@ -173,9 +167,8 @@ class BlendEngine:
         chains = {r: chain_hashes(chain_root(self.fingerprint, plan.cache_salt, r), ids, bt) for r in {*take, own}}
         context_end = next((s.offset for s in layout.segments if s.kind in ("turn", "question")), layout.n_tokens)
         floor = min_prefix(mp.mode, context_end, bt)
-        if mp.mode is Mode.PREFIX_CACHE:  # its own prefix cache found mp.prefix_tokens: take more, or none
-            floor = max(floor, mp.prefix_tokens + 1)
-        if plan.explain or not self.config.prefix_caching:  # explain shows the check layer's scores
+        apc = self.config.prefix_caching or mp.mode is Mode.PREFIX_CACHE  # that mode is the pool's prefix cache
+        if plan.explain or not apc:  # explain shows the check layer's scores
             floor = NO_PREFIX
         return tuple(chains[r] for r in take), chains[own], floor
 
@@ -191,24 +184,16 @@ class BlendEngine:
             self.controller.observe(state.report, self.bytes_per_layer(prep.mp.cached_tokens), compute=not run.shared)
         return state
 
-    def save_prefix(self, plan: BlendPlan, prep: Prepared, state: PrefillState) -> None:
-        """prefix_cache mode: keep this prompt's leading segments' in-context KV. The engine loop
-        calls it after the first token; the copies complete off the critical path (`PrefixCache.save`)."""
-        if plan.mode is Mode.PREFIX_CACHE:
-            self.prefix_cache.save(prep.layout.segments, prep.keys, state.cache)
-
     @torch.inference_mode()
     def prefill(self, plan: BlendPlan, max_new_tokens: int = 0, hooks: LayerHooks = SERVING) -> PrefillState:
-        """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests); the
-        prefix cache's save is issued once the logits are there. `hooks`: a research run's seam
+        """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests), outside
+        the KV pool (so it takes no cached prefix). `hooks`: a research run's seam
         (`executor.layers.LayerHooks`, overridden in benchmarks/)."""
         prep = self.prepare(plan, max_new_tokens)
         run = self.start_run(plan, prep, max_new_tokens, hooks)
         for _ in run.steps():
             pass
-        state = self.complete_run(plan, prep, run)
-        self.save_prefix(plan, prep, state)
-        return state
+        return self.complete_run(plan, prep, run)
 
     @torch.inference_mode()
     def decode_step(self, cache: KVCache, token_id: int, input_pos: int | None = None) -> torch.Tensor:
@@ -254,4 +239,3 @@ class BlendEngine:
         """Stop the engine loop (queued and running requests fail with Cancelled). Safe to call twice."""
         with self._close_lock:
             self.loop.close()
-            self.prefix_cache.close()

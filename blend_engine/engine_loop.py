@@ -20,13 +20,11 @@ is handed over at once; the alone-KV of its passages that missed the store is ba
 (`storing.PassageStoring`): one passage a loop turn (fewer while prefill work waits), and a new
 request that needs one still queued stores it first and is planned again. A preempted request is
 prefilled again later and its tokens so far are fed again (not sampled), so it ends as it would
-have. A decode step reads the device once (`sampling.read_logits`); a prefix_cache request's save
-is issued after its first token.
+have. A decode step reads the device once (`sampling.read_logits`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import threading
@@ -38,7 +36,8 @@ from typing import Any
 
 import torch
 
-from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never, stop_if
+from blend_engine.background import Background
+from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never
 from blend_engine.cpu_threads import use_cores
 from blend_engine.errors import InputError
 from blend_engine.executor.decode import DecodeRows, check_rows, decode_batch, eager_rows, written
@@ -53,7 +52,6 @@ from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits, 
 from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, PrefillBudget, SeqSpec
 from blend_engine.scheduler.kv_blocks import blocks_for
 from blend_engine.scheduler.plans import ModePlan, continue_prefix
-from blend_engine.storing import PassageStoring
 from blend_engine.types import BlendResult, SelectionPolicy, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -126,7 +124,6 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     next_token: int = 0
-    prefix_saved: bool = False  # prefix_cache mode: its save was issued (after the first token)
     replay: int | None = None  # after a preemption: the index of the generated token fed again
     waited: set[str] = field(default_factory=set)  # why it waited in the queue (counted once each)
 
@@ -158,13 +155,14 @@ class EngineLoop:
         self._graphs: DecodeGraphs | None = None  # CUDA graphs of the decode step over the pool (first use)
         self._cond = threading.Condition()
         self._incoming: deque[_Request] = deque()
-        self._tasks: deque[tuple[Callable[[], Any], Callable[[], bool] | None, concurrent.futures.Future]] = deque()
         self._requests: dict[int, _Request] = {}
-        # missed passages' alone-KV, stored after their answers (through the engine's chunk cache, looked up
-        # at each call)
-        self.storing = PassageStoring(lambda layout, missing, salt: engine.chunks.store_missing(layout, missing, salt))
-        self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        # tasks, missed passages' alone-KV stored after their answers (through the engine's chunk cache, looked
+        # up at each call), stepped jobs (the fidelity gate)
+        self.background = Background(self._cond, lambda: self._thread,
+                                     lambda layout, missing, salt: engine.chunks.store_missing(layout, missing, salt))
+        self.storing = self.background.storing
+        self._ids = itertools.count()
         self._closed = False
         self.clock: Callable[[], float] = time.monotonic  # deadlines and admission's timing (a seam for tests)
         self.steps = 0  # decode steps run (for stats and tests)
@@ -207,18 +205,13 @@ class EngineLoop:
 
     def run_task(self, fn: Callable[[], Any], should_stop: StopCheck | None = None) -> Any:
         """Run `fn` on the loop thread between steps (ingestion's precompute); directly when called
-        from the loop itself or before the loop started. Raises `Cancelled` instead of starting `fn`
-        once `should_stop()` is true (`fn` checks it itself once started)."""
-        if self._thread is None or threading.current_thread() is self._thread:
-            stop_if(should_stop, "before the task started")
-            return fn()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            if self._closed:
-                raise Cancelled("the engine is shutting down")
-            self._tasks.append((fn, should_stop, fut))
-            self._cond.notify()
-        return fut.result()
+        from the loop itself or before the loop started (`background.Background.run_task`)."""
+        return self.background.run_task(fn, should_stop)
+
+    def run_stepped(self, make: Callable[[], Any]) -> Any:
+        """Advance the generator `make()` one unit a loop turn until it returns (the fidelity gate's
+        prefills, a layer at a time: `background.Background.run_stepped`); its return value."""
+        return self.background.run_stepped(make)
 
     def stats(self) -> dict:
         s, pool = self.scheduler, self.scheduler.pool
@@ -232,7 +225,7 @@ class EngineLoop:
                 "prefix_hit_tokens": s.prefix_hit_tokens,
                 "decode_graphs": 0 if self._graphs is None else len(self._graphs.graphs),
                 "steps_by_kind": dict(self.step_counts), "step_seconds_by_kind": dict(self.step_seconds),
-                "step_cpu_seconds": self.step_cpu_seconds, **self.storing.stats()}
+                "step_cpu_seconds": self.step_cpu_seconds, **self.background.stats()}
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.admission.close()
@@ -260,14 +253,13 @@ class EngineLoop:
         use_cores()  # the one thread that computes on every core (`cpu_threads`)
         while True:
             with self._cond:
-                while (not self._closed and not self._incoming and not self._tasks and not self.storing.has_work
+                while (not self._closed and not self._incoming and not self.background.has_work
                        and not self.scheduler.has_work):
                     self._cond.wait()
                 if self._closed:
                     break
                 incoming = list(self._incoming)
                 self._incoming.clear()
-                task = self._tasks.popleft() if self._tasks else None
             with torch.inference_mode():  # no autograd graph: the weights of a loaded model require grad
                 self._enter_batch(incoming)
                 batch, t0, c0 = self._batch_groups(), time.perf_counter(), time.process_time()
@@ -279,9 +271,7 @@ class EngineLoop:
                 seconds = time.perf_counter() - t0
                 self._share(batch | self._batch_groups(), seconds)
                 self._timed(kind, seconds, time.process_time() - c0)
-                if task is not None:
-                    self._run_task(*task)
-                self.storing.step(busy=self._prefill_waits())
+                self.background.turn(busy=self._prefill_waits())
         self._fail_all(Cancelled("the engine is shutting down"))
 
     def _enter_batch(self, incoming: list[_Request]) -> None:
@@ -451,19 +441,6 @@ class EngineLoop:
         req.decoder = StreamDecoder(self.engine.runner.tokenizer, gen.stop)
         host = self._read([req], req.state.logits[None, :])  # [1, V]
         self._take(req, host.top[0], host.rows.get(0))  # the first token is out (it may also be the last)
-        self._save_prefix(req)
-
-    def _save_prefix(self, req: _Request) -> None:
-        """prefix_cache mode: issue the save once, after the first token and before the result is
-        handed over (so the caller's next request finds it); a failure to issue it is logged, never
-        the request's (its answer does not depend on it)."""
-        if req.prefix_saved:
-            return
-        req.prefix_saved = True
-        try:
-            self.engine.save_prefix(req.handle.plan, req.prep, req.state)
-        except Exception:  # noqa: BLE001
-            logger.exception("request %d: saving its prefix cache entries failed", req.rid)
 
     # ------------------------------------------------------------------ the step's pass over the layers
     def _fused(self, decoding: list[_Request], prefilling: list[_Request], budget: PrefillBudget) -> None:
@@ -617,8 +594,7 @@ class EngineLoop:
         if tail:
             req.handle.emit(Delta(tail))
         total_ms = (time.perf_counter() - req.t0) * 1e3
-        self._save_prefix(req)  # a first token that ended the request: its save still precedes the result
-        self.scheduler.finish(req.rid)  # after the save read its KV: the blocks may be taken from here on
+        self.scheduler.finish(req.rid)  # its prompt blocks stay cached in the pool (automatic prefix caching)
         self._requests.pop(req.rid, None)
         self._ended(req, completed=True)
         self._hand_over(req, finish, total_ms)
@@ -649,27 +625,11 @@ class EngineLoop:
         with self._cond:
             pending = list(self._incoming)
             self._incoming.clear()
-            tasks = list(self._tasks)
-            self._tasks.clear()
         for req in list(self._requests.values()):
             self._drop(req, exc)
         for req in pending:  # never reached the loop
             self._drop(req, exc)
             self._ended(req, completed=False)
-        dropped = self.storing.clear()  # answered already; a later request that misses one queues it again
-        if dropped:
-            logger.info("shutting down: %d missed passages left unstored", dropped)
-        for _, _, fut in tasks:
-            fut.set_exception(exc)
+        self.background.close(exc)
 
-    @staticmethod
-    def _run_task(fn: Callable[[], Any], should_stop: StopCheck | None, fut: concurrent.futures.Future) -> None:
-        """One queued task: not started when its caller stopped while it waited."""
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            stop_if(should_stop, "while the task was queued")
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            fut.set_exception(exc)
 

@@ -37,11 +37,13 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from blend_engine.background import Steps, drain
 from blend_engine.cpu_threads import cores_here
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
@@ -49,6 +51,7 @@ from blend_engine.model import ModelRunner
 from blend_engine.types import BlendPlan, Mode
 
 logger = logging.getLogger(__name__)
+RunStepped = Callable[[Callable[[], Steps]], object]  # `EngineLoop.run_stepped`
 
 PROBE_VERSION = 3  # 2: the long-passage probe; 3: blend judged against blend@1.0, dtype tolerances
 MAX_KL_FRACTION = 0.25  # blend passes when KL(blend) <= this x KL(full_reuse); calibrated on SmolLM2 (docs/models.md)
@@ -272,11 +275,13 @@ def _kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> float:
     return float((ref_logp.exp() * (ref_logp - logp)).sum().clamp_min(0.0))
 
 
-def _cache_segments(engine: BlendEngine, plan: BlendPlan) -> None:
-    """Store the alone-KV of the system prefix and every passage, as the service has them after use."""
+def _cache_segments(engine: BlendEngine, plan: BlendPlan) -> Steps[None]:
+    """Store the alone-KV of the system prefix and every passage, as the service has them after use:
+    one chunk a unit (on the calling thread: this engine's loop never starts)."""
     for seg in engine.layout(plan).segments:
         if seg.kind != "question":
-            engine.cache_ids(seg.token_ids)
+            engine.chunks.cache_ids(seg.token_ids)
+            yield
 
 
 @dataclass(frozen=True)
@@ -290,11 +295,18 @@ class ProbeMeans:
 
 
 def _logits(engine: BlendEngine, passages: tuple[str, ...], question: str, mode: Mode,
-            ratio: float | None = None) -> torch.Tensor:
-    return engine.prefill(BlendPlan(passages, question, mode=mode, recompute_ratio=ratio)).logits  # [V]
+            ratio: float | None = None) -> Steps[torch.Tensor]:
+    """One prefill's first-token logits [V], a layer a unit."""
+    plan = BlendPlan(passages, question, mode=mode, recompute_ratio=ratio)
+    prep = engine.prepare(plan, 0)
+    run = engine.start_run(plan, prep, 0)
+    with torch.inference_mode():  # also when drained on a caller's thread (the loop's turns are in it)
+        for _ in run.steps():
+            yield
+        return engine.complete_run(plan, prep, run).logits  # [V]
 
 
-def _probe_means(engine: BlendEngine, probe: Probe, ratio: float) -> ProbeMeans:
+def _probe_means(engine: BlendEngine, probe: Probe, ratio: float) -> Steps[ProbeMeans]:
     """Per mode (blend, full_reuse): mean first-token KL to its reference and top-1 agreement over a
     probe. full_reuse's reference is full prefill; blend's is blend@1.0 (the same kernels), itself
     checked against full prefill within the compute dtype's tolerance. In fp32 (the CPU service)
@@ -305,15 +317,15 @@ def _probe_means(engine: BlendEngine, probe: Probe, ratio: float) -> ProbeMeans:
     agree: dict[Mode, list[float]] = {Mode.BLEND: [], Mode.FULL_REUSE: []}
     kernels: list[Agreement] = []
     for passages, question in probe:
-        _cache_segments(engine, BlendPlan(passages, question))
-        full = _logits(engine, passages, question, Mode.FULL_PREFILL)  # [V]
+        yield from _cache_segments(engine, BlendPlan(passages, question))
+        full = yield from _logits(engine, passages, question, Mode.FULL_PREFILL)  # [V]
         if dtype == torch.float32:  # the kernels agree to ~1e-7 nats in fp32: the extra prefill buys nothing
             same_kernels = full
         else:
-            same_kernels = _logits(engine, passages, question, Mode.BLEND, 1.0)  # [V]
+            same_kernels = yield from _logits(engine, passages, question, Mode.BLEND, 1.0)  # [V]
             kernels.append(compare(full, same_kernels, dtype))
         for mode, ref in ((Mode.BLEND, same_kernels), (Mode.FULL_REUSE, full)):
-            got = _logits(engine, passages, question, mode, ratio if mode is Mode.BLEND else None)  # [V]
+            got = yield from _logits(engine, passages, question, mode, ratio if mode is Mode.BLEND else None)  # [V]
             verdict = compare(ref, got, dtype)
             kls[mode].append(verdict.kl)
             agree[mode].append(float(verdict.top1_agrees))
@@ -328,13 +340,21 @@ def _passes(kl_blend: float, kl_full_reuse: float) -> bool:
 
 def measure(runner: ModelRunner, config: EngineConfig, probe: Probe | None = None,
             long_probe: Probe | None = None) -> GateResult:
-    """Run the short and the long probe on a private in-memory store (the service's store is never touched)."""
+    """`measure_steps` run whole on this thread (the command line, tests)."""
+    return drain(measure_steps(runner, config, probe, long_probe))
+
+
+def measure_steps(runner: ModelRunner, config: EngineConfig, probe: Probe | None = None,
+                  long_probe: Probe | None = None) -> Steps[GateResult]:
+    """Run the short and the long probe on a private in-memory store (the service's store is never
+    touched), a layer of one prefill (or one chunk cached) a unit: the service advances it on its
+    engine loop between steps (`EngineLoop.run_stepped`), so the model has one thread."""
     t0 = time.perf_counter()
     probe = probe if probe is not None else load_probe()
     long_probe = long_probe if long_probe is not None else load_long_probe()
     engine = BlendEngine(runner, MemoryStore(1 << 30, kv_format=config.kv_format), config)
-    short = _probe_means(engine, probe, config.default_ratio)
-    long = _probe_means(engine, long_probe, config.default_ratio)
+    short = yield from _probe_means(engine, probe, config.default_ratio)
+    long = yield from _probe_means(engine, long_probe, config.default_ratio)
     (kl_b, top1_b), (kl_r, top1_r) = short.modes[Mode.BLEND], short.modes[Mode.FULL_REUSE]
     (kl_bl, top1_bl), (kl_rl, top1_rl) = long.modes[Mode.BLEND], long.modes[Mode.FULL_REUSE]
     kernels_agree = short.kernels_agree and long.kernels_agree
@@ -382,29 +402,34 @@ def _threads(n: int | None, device: torch.device) -> contextlib.AbstractContextM
 
 
 def run_gate(runner: ModelRunner, config: EngineConfig, data_dir: Path | None, refresh: bool = False,
-             threads: int | None = GATE_THREADS) -> GateResult:
-    """The cached result for this model and configuration, or a fresh measurement (then cached)."""
+             threads: int | None = GATE_THREADS, run_stepped: RunStepped | None = None) -> GateResult:
+    """The cached result for this model and configuration, or a fresh measurement (then cached):
+    through `run_stepped` (the service's engine loop) when given, else on this thread with `threads` cores."""
     key = gate_key(runner, config)
     path = cache_path(data_dir, key) if data_dir is not None else None
     if path is not None and not refresh:
         cached = _read_cached(path)
         if cached is not None:
             return cached
-    with _threads(threads, runner.device):
-        result = measure(runner, config)
+    if run_stepped is not None:
+        result = run_stepped(lambda: measure_steps(runner, config))
+    else:
+        with _threads(threads, runner.device):
+            result = measure(runner, config)
     if path is not None:
         _write_cached(path, result)
     return result
 
 
-def decide(mode: str, runner: ModelRunner, config: EngineConfig, data_dir: Path | None) -> GateDecision:
-    """Run the gate per the operator's setting (enforce | warn | off) and log the outcome."""
+def decide(mode: str, runner: ModelRunner, config: EngineConfig, data_dir: Path | None,
+           run_stepped: RunStepped | None = None) -> GateDecision:
+    """Run the gate per the operator's setting (enforce | warn | off) and log the outcome (`run_gate`)."""
     if mode not in GATE_MODES:
         raise ValueError(f"fidelity gate mode must be one of {', '.join(GATE_MODES)}, not {mode!r}")
     if mode == "off":
         logger.info("fidelity gate off: blend requests are served without a start-up check")
         return GateDecision(mode, None)
-    result = run_gate(runner, config, data_dir)
+    result = run_gate(runner, config, data_dir, run_stepped=run_stepped)
     decision = GateDecision(mode, result)
     if result.passed:
         logger.info("%s", result.summary())

@@ -38,6 +38,14 @@ OTHER_TOOLS = frozenset(f"{PREFIX}{n}" for n in ("SHARED_DATA", "TAG", "PUBLISH_
                                                   "REQUIRE_VLLM", "VLLM_MODEL_DIR", "HANDOVER_SIZE"))
 
 
+# Settings that are gone, with what replaced them: named at start-up rather than ignored.
+RETIRED = {
+    f"{PREFIX}ENGINE_PREFIX_CACHE_MB": "prefix_cache mode now takes its prefixes from the KV pool's automatic "
+                                        f"prefix caching, sized by {PREFIX}ENGINE_BATCH_KV_MB; remove the setting",
+}
+RETIRED[f"{PREFIX}PREFIX_CACHE_MB"] = RETIRED[f"{PREFIX}ENGINE_PREFIX_CACHE_MB"]
+
+
 class SettingsNameError(ValueError):
     """An unknown `BLENDSERVE_*` name (the message names the closest valid one)."""
 
@@ -132,6 +140,9 @@ def read_names(values: Mapping[str, str]) -> dict[str, Any]:
     """`BLENDSERVE_*` variables -> the nested settings dict; deprecated names warn, unknown ones raise."""
     valid, by_old = fields_by_env(), {a.env: a for a in aliases()}
     ours = {k.upper(): v for k, v in values.items() if k.upper().startswith(PREFIX) and v is not None}
+    retired = sorted(set(ours) & set(RETIRED))
+    if retired:
+        raise SettingsNameError("; ".join(f"{n} is no longer a setting: {RETIRED[n]}" for n in retired))
     unknown = sorted(set(ours) - set(valid) - set(by_old) - OTHER_TOOLS)
     if unknown:
         hints = [f"{n} (did you mean {_suggest(n, valid, by_old)}?)" for n in unknown]

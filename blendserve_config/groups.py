@@ -75,9 +75,11 @@ class EngineSettings(Group):
     max_batch: int = Field(16, ge=1, le=256, description="requests the engine loop prefills and decodes at once "
                                                          "(continuous batching; 16 measured best on a 2-core CPU, "
                                                          "64 for a GPU); more wait in its queue")
-    batch_kv_mb: int = Field(2048, ge=1, description="the paged KV pool: every running request's KV (blocks taken "
-                                                     "as tokens arrive) and the cached prefixes, in the model's dtype; "
-                                                     "a request that cannot fit it alone is refused (400)")
+    batch_kv_mb: int | None = Field(None, ge=1, description="the paged KV pool: every running request's KV (blocks "
+                                    "taken as tokens arrive) and the cached prefixes, in the model's dtype; a request "
+                                    "that cannot fit it alone is refused (400). Unset = automatic: on the CPU 30% of "
+                                    "the memory available at start-up (after the model, less the memory tier), within "
+                                    "256 and 8192 blocks; on CUDA 2048 MiB (or kv_pool_gpu_fraction)")
     kv_pool_gpu_fraction: float | None = Field(None, gt=0, lt=1, description="on CUDA: size the KV pool as this "
                                                "share of the device memory free after the model (overrides "
                                                "batch_kv_mb there); unset = batch_kv_mb")
@@ -88,12 +90,10 @@ class EngineSettings(Group):
                                                              "layers until they computed this many tokens (summed "
                                                              "over layers) per step, sharing each layer's pass with "
                                                              "the decode rows")
-    prefix_cache_mb: int = Field(1024, ge=0, description="in-memory budget of prefix_cache mode's in-context "
-                                                         "entries, per engine (LRU); 0 = never reuse a prefix")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
 
-    _empty = field_validator("recompute_ratio", "kv_pool_gpu_fraction", mode="before")(empty_is_none)
+    _empty = field_validator("recompute_ratio", "kv_pool_gpu_fraction", "batch_kv_mb", mode="before")(empty_is_none)
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> EngineSettings:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from blend_engine.cancel import Cancelled, StopCheck, never
 from blend_engine.engine import BlendEngine, EngineConfig
-from blend_engine.executor.kv_pool import pool_bytes
+from blend_engine.executor.kv_pool import DEFAULT_POOL_BYTES, block_bytes, pool_bytes
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.codec import resolve_format
@@ -82,7 +82,7 @@ def build_store_from(settings: Settings, fingerprint: str = "", device: str | No
         from blend_engine.kv_store.device import device_cache_bytes
 
         device_bytes = device_cache_bytes(settings.store.device_cache_gb, device,
-                                          reserved_bytes=settings.engine.batch_kv_mb << 20)
+                                          reserved_bytes=(settings.engine.batch_kv_mb or DEFAULT_POOL_BYTES >> 20) << 20)
     return build_store(
         kv_format=settings.store.kv_format,
         memory_bytes=settings.store.memory_cache_bytes,
@@ -119,9 +119,21 @@ def queue_limit(settings: Settings) -> int | None:
     return None if service is None else service.max_queue
 
 
+def kv_pool_mb(settings: Settings, runner: ModelRunner) -> int:
+    """The KV pool's size in MiB: BLENDSERVE_ENGINE_BATCH_KV_MB, or the automatic size (`kv_pool.pool_bytes`)."""
+    e = settings.engine
+    auto = e.batch_kv_mb is None or (runner.device.type == "cuda" and e.kv_pool_gpu_fraction is not None)
+    mb = pool_bytes(runner.device, None if e.batch_kv_mb is None else e.batch_kv_mb << 20, e.kv_pool_gpu_fraction,
+                    block_bytes(runner, e.kv_block_tokens), set_aside=settings.store.memory_cache_bytes) >> 20
+    logger.info("KV pool: %d MiB (%s)", mb, "automatic" if auto else "BLENDSERVE_ENGINE_BATCH_KV_MB")
+    return max(mb, 1)
+
+
 def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> BlendEngine:
     e = settings.engine
-    config = EngineConfig(kv_format=settings.store.kv_format, prefix_cache_bytes=e.prefix_cache_mb << 20,
+    if e.batch_kv_mb is None:
+        e = e.model_copy(update={"batch_kv_mb": kv_pool_mb(settings, runner)})
+    config = EngineConfig(kv_format=settings.store.kv_format,
                           default_ratio=e.recompute_ratio if e.recompute_ratio is not None else e.ratio_floor,
                           selected_attention=e.selected_attention, decode_attention=e.decode_attention,
                           decode_graphs=e.decode_graphs,
@@ -156,7 +168,7 @@ def build_stack(settings: Settings, runner: ModelRunner | None = None, embedder:
                                           settings.model.cache_dir, settings.model.linear_dtype,
                                           settings.model.packed_weights)
     fmt = resolve_format(settings.store.kv_format, runner.dtype, runner.device.type)
-    pool_mb = pool_bytes(runner.device, settings.engine.batch_kv_mb << 20, settings.engine.kv_pool_gpu_fraction) >> 20
+    pool_mb = kv_pool_mb(settings, runner)
     settings = settings.model_copy(update={"store": settings.store.model_copy(update={"kv_format": fmt}),
                                            "engine": settings.engine.model_copy(update={"batch_kv_mb": pool_mb})})
     store = store or build_store_from(settings, store_fingerprint(runner.fingerprint, settings.store.kv_format),

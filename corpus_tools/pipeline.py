@@ -84,8 +84,7 @@ class IngestPipeline(Corpus):
                       "dim": self.index.dim, "embedder": self.embedder.name},
             "kv": {"format": self.engine.config.kv_format, "bytes_per_token": self.kv_bytes_per_token(),
                    "bytes_estimate": self.kv_estimate(counts["passages"], counts["tokens"]),
-                   "store": self.store.stats().as_dict(),
-                   "prefix_cache": self.engine.prefix_cache.stats().as_dict()},
+                   "store": self.store.stats().as_dict()},
             "model": self.engine.runner.name,
             "chunk_tokens": self.chunk_tokens,
         }

@@ -7,6 +7,5 @@
 - `prefill`: one prefill from a scheduler's plan to logits and report;
 - `decode`: the batched decode step with explicit positions and ragged attention;
 - `uploads`: host-built tensors to the device, pinned and non-blocking (no host wait);
-- `offload`: a segment's KV back to pinned host memory in one non-blocking copy (prefix_cache);
 - `dispatch_count`: a pass's ops per layer and its host reads, counted (issue #57).
 """

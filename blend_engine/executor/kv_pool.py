@@ -14,6 +14,7 @@ replayed at a padded batch size write their K/V there (`decode_graphs`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -111,12 +112,55 @@ def _stretches(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def pool_bytes(device: torch.device, budget_bytes: int, gpu_fraction: float | None) -> int:
-    """The pool's size: `budget_bytes` (a setting), or on CUDA with `gpu_fraction` set that share of
-    the device memory free now (call it after the weights are loaded, before any other tier)."""
-    if gpu_fraction is None or device.type != "cuda":
+DEFAULT_POOL_BYTES = 2 << 30  # on CUDA without a share of free memory
+CPU_POOL_SHARE = 0.3  # of the memory available after the model, less the memory tier (vLLM's CPU build: 0.9)
+MIN_AUTO_BLOCKS, MAX_AUTO_BLOCKS = 256, 8192  # the scheduler's window search is linear in blocks (~1 us each)
+
+
+def pool_bytes(device: torch.device, budget_bytes: int | None, gpu_fraction: float | None, block_bytes: int,
+               set_aside: int = 0) -> int:
+    """The pool's size. On CUDA: that share of the device memory free now with `gpu_fraction` set,
+    else `budget_bytes` (a setting; unset: 2 GiB). Elsewhere: `budget_bytes`, or unset
+    `CPU_POOL_SHARE` of the memory available now less `set_aside` (the memory tier's budget), within
+    256 and 8192 blocks of `block_bytes`. Call it after the weights are loaded, before any other tier."""
+    if device.type == "cuda" and gpu_fraction is not None:
+        if not 0 < gpu_fraction < 1:
+            raise ValueError("the KV pool's share of free device memory must be within (0, 1)")
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * gpu_fraction)
+    if budget_bytes is not None:
         return budget_bytes
-    if not 0 < gpu_fraction < 1:
-        raise ValueError("the KV pool's share of free device memory must be within (0, 1)")
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * gpu_fraction)
+    if device.type == "cuda":
+        return DEFAULT_POOL_BYTES
+    share = int(max(available_memory() - set_aside, 0) * CPU_POOL_SHARE)
+    return min(max(share, MIN_AUTO_BLOCKS * block_bytes), MAX_AUTO_BLOCKS * block_bytes)
+
+
+def available_memory() -> int:
+    """Bytes this process could still take: the kernel's MemAvailable, bounded by the cgroup's limit
+    (a container's `memory.max` less what it uses), as vLLM's CPU build sizes its KV space."""
+    avail = _meminfo_available()
+    limit = _cgroup_headroom()
+    return avail if limit is None else min(avail, limit)
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
+    """cgroup v2: memory.max - memory.current; None without a limit (or without cgroup v2)."""
+    try:
+        limit = open(os.path.join(root, "memory.max")).read().strip()
+        if limit == "max":
+            return None
+        return max(int(limit) - int(open(os.path.join(root, "memory.current")).read()), 0)
+    except (OSError, ValueError):
+        return None

@@ -68,7 +68,7 @@ class PrefillRun:
         self.stream = _stream(runner, loader, mp, rebuild)
         recompute = None if mp.recompute is None else span_positions(mp.recompute, runner.device)  # [S]
         self.job = LayerJob(ids, extra, tuple(s for s, _ in mp.cached), self.stream, recompute, mp.check_layer,
-                            mp.ratio, policy, layout, rotate=not mp.in_context, probe=self.probe, attention=attention,
+                            mp.ratio, policy, layout, probe=self.probe, attention=attention,
                             hooks=hooks, cache=cache)
         self.loop = LayerLoop(runner, self.job)
 
@@ -133,8 +133,6 @@ def _stream(runner: ModelRunner, loader: LayerLoader, mp: ModePlan, rebuild: Cal
     seg_of_key = {k: s for s, k in mp.cached}
 
     def repair(key: str) -> ChunkKV:
-        if mp.in_context:  # a prefix entry vanished mid-stream: cannot rebuild it alone
-            raise RuntimeError(f"prefix cache entry {key} vanished while loading")
         logger.warning("chunk %s missing or corrupt; recomputing from its tokens", key)
         return rebuild(seg_of_key[key].token_ids)
 

@@ -4,7 +4,7 @@ positions are integer spans; the executor turns them into tensors.
     | sys | chunk_1 .. chunk_k | question |
 
     full_prefill  nothing loaded             every token recomputed, causal
-    prefix_cache  the longest cached leading run, in context (prefix cache)   the rest
+    prefix_cache  nothing loaded; the KV pool's longest cached exact prefix   the rest
     full_reuse    every cached chunk, moved by RoPE     only uncached tokens
     blend         every cached chunk, moved by RoPE     all tokens up to the check layer, then the
                                                         selected ones (`budget.kept` of them)
@@ -50,20 +50,11 @@ class RatioController(Protocol):
     def observe(self, report: Any, bytes_per_layer: int) -> None: ...
 
 
-class PrefixMatcher(Protocol):
-    """prefix_cache mode's in-context entries (`blend_engine.prefix_cache.PrefixCache`)."""
-
-    store: KVStore
-
-    def match(self, segs: Sequence[Segment], keys: Sequence[str | None]) -> tuple[list[tuple[Segment, str]], int]: ...
-
-
 @dataclass(frozen=True)
 class PlanEnv:
-    """What planning reads: the chunk store, the prefix cache, the controller and model numbers."""
+    """What planning reads: the chunk store, the controller and model numbers."""
 
     store: KVStore
-    prefix: PrefixMatcher
     controller: RatioController | None
     default_ratio: float
     n_layers: int
@@ -81,7 +72,6 @@ class ModePlan:
     cached: tuple[tuple[Segment, str], ...] = ()  # loaded segments with their key in `store`
     recompute: tuple[Span, ...] | None = None  # positions recomputed at every layer; None: see check_layer
     check_layer: int | None = None  # blend: every token up to here, then the selected ones
-    in_context: bool = False  # prefix entries sit where computed: not moved by RoPE, not rebuildable alone
     hits: int = 0
     misses: int = 0
     prefix_tokens: int = 0
@@ -103,12 +93,8 @@ def plan_prefill(env: PlanEnv, plan: BlendPlan, layout: PromptLayout, keys: Sequ
     ratio, source = choose_ratio(env, plan)
     if plan.mode is Mode.FULL_PREFILL:  # nothing loaded; the passages the store lacks are stored after it
         return ModePlan(Mode.FULL_PREFILL, ratio, source, env.store, missing=_lacking(env, keys))
-    if plan.mode is Mode.PREFIX_CACHE:
-        cached, prefix_tokens = env.prefix.match(layout.segments, keys)
-        hits = len(cached)
-        return ModePlan(Mode.PREFIX_CACHE, ratio, source, env.prefix.store, tuple(cached),
-                        ((prefix_tokens, layout.n_tokens),), in_context=True, hits=hits,
-                        misses=sum(1 for k in keys if k is not None) - hits, prefix_tokens=prefix_tokens)
+    if plan.mode is Mode.PREFIX_CACHE:  # vLLM's way: what the KV pool's prefix cache holds (`continue_prefix`)
+        return ModePlan(Mode.PREFIX_CACHE, ratio, source, env.store, recompute=((0, layout.n_tokens),))
     return _chunk_plan(env, plan.mode, layout, keys, policy, ratio, source)
 
 

@@ -105,7 +105,7 @@ def test_get_passage_needs_a_key(tmp_path, tiny_stack_factory):
 def test_ready_while_the_gate_checks_blend_served_by_full_prefill(tmp_path, tiny_stack_factory, monkeypatch):
     release, started = threading.Event(), threading.Event()
 
-    def slow_decide(mode, runner, config, data_dir):
+    def slow_decide(mode, runner, config, data_dir, **_):
         started.set()
         assert release.wait(30)
         return GateDecision(mode, None)
@@ -163,7 +163,7 @@ def test_first_start_gate_waits_for_the_first_searchable_passages(tmp_path, tiny
     seen: list[int] = []
     stacks: list = []
 
-    def decide(mode, runner, config, data_dir):
+    def decide(mode, runner, config, data_dir, **_):
         seen.append(stacks[0].pipeline.db.counts()["passages"])  # passages searchable when the gate starts
         decided.set()
         return GateDecision(mode, None)

@@ -89,6 +89,15 @@ def test_an_unknown_name_fails_fast_with_the_closest_valid_name(monkeypatch, nam
         Settings(_env_file=None)
 
 
+@pytest.mark.parametrize("name", ["BLENDSERVE_ENGINE_PREFIX_CACHE_MB", "BLENDSERVE_PREFIX_CACHE_MB"])
+def test_a_retired_setting_fails_fast_naming_what_replaced_it(monkeypatch, name):
+    """prefix_cache mode's own budget is gone (the KV pool serves that mode): a deployment that still sets
+    it is told so at start-up, never silently ignored."""
+    monkeypatch.setenv(name, "512")
+    with pytest.raises(SettingsNameError, match=f"{name} is no longer a setting: .*BLENDSERVE_ENGINE_BATCH_KV_MB"):
+        Settings(_env_file=None)
+
+
 def test_an_unknown_name_in_the_env_file_fails_too(tmp_path):
     env = tmp_path / ".env"
     env.write_text("BLENDSERVE_SERVICE_PORTS=8000\nOTHER_TOOL=1\n")

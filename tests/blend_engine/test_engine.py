@@ -103,38 +103,37 @@ def test_cached_passages_around_a_miss_are_placed_from_fp16(tokenizer):
     assert (st.logits - full.logits).abs().max().item() < 2e-2
 
 
-def test_prefix_cache_reuses_exact_prefix_only_in_same_order(tiny_engine):
+def _first(engine, plan):
+    """One request through the engine loop (where the KV pool and its prefix cache live): its state."""
+    gen = engine.generate(plan, GenerationConfig(max_tokens=1))
+    for _ in gen:
+        pass
+    return gen.state
+
+
+def test_prefix_cache_mode_is_the_pools_prefix_cache_exact_prefixes_only(tiny_engine):
+    """prefix_cache mode takes the longest exact prefix the KV pool holds (whole blocks, never the last
+    token): what an exact request of the same prompt (prefix_cache or full prefill) left there, not what a
+    blend left (approximate KV), and in another passage order only the shared system prompt."""
     _cache_all(tiny_engine)
+    bt = tiny_engine.config.batch.block_tokens
+    blended = _first(tiny_engine, BlendPlan(PASSAGES, QUESTION))
+    n = blended.layout.n_tokens
+    first = _first(tiny_engine, BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    assert first.report.prefix_tokens_reused == 0  # the blend's blocks are not exact
     full = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="full_prefill"))
-    first = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
-    again = tiny_engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
-    assert again.report.prefix_tokens_reused == again.layout.segments[-2].end
+    again = _first(tiny_engine, BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
+    assert again.report.prefix_tokens_reused == (n - 1) // bt * bt
+    assert again.report.recomputed_tokens == n - again.report.prefix_tokens_reused
     assert (again.logits - full.logits).abs().max().item() < 1e-3
     assert (first.logits - full.logits).abs().max().item() < 1e-3
-    shuffled = tiny_engine.prefill(BlendPlan(PASSAGES[::-1], QUESTION, mode="prefix_cache"))
-    assert shuffled.report.prefix_tokens_reused == shuffled.layout.segments[0].end  # the system prefix
+    shuffled = _first(tiny_engine, BlendPlan(PASSAGES[::-1], QUESTION, mode="prefix_cache"))
+    assert shuffled.report.prefix_tokens_reused == shuffled.layout.segments[0].end // bt * bt  # the system prefix
+    served = _first(tiny_engine, BlendPlan(PASSAGES[1:], QUESTION, mode="full_prefill"))
+    hit = _first(tiny_engine, BlendPlan(PASSAGES[1:], QUESTION, mode="prefix_cache"))
+    assert hit.report.prefix_tokens_reused == (served.layout.n_tokens - 1) // bt * bt
+    assert (hit.logits - served.logits).abs().max().item() < 1e-3
 
-
-
-def test_prefix_cache_budget_is_a_setting_and_its_use_is_reported(tokenizer):
-    runner = _tiny("llama", tokenizer)
-    store = MemoryStore(1 << 30, kv_format="fp32")
-    engine = BlendEngine(runner, store, EngineConfig(kv_format="fp32", prefix_cache_bytes=1 << 24))
-    _cache_all(engine)
-    sys_seg = engine.layout(BlendPlan(PASSAGES, QUESTION)).segments[0]
-    store.put(engine.key_of(sys_seg.token_ids), engine.precompute(sys_seg.token_ids))
-    engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
-    again = engine.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
-    assert again.report.prefix_tokens_reused == again.layout.segments[-2].end
-    st = engine.prefix_cache.stats()
-    assert st.name == "prefix" and st.bytes_budget == 1 << 24
-    assert st.entries == len(PASSAGES) + 1 and 0 < st.bytes_used <= st.bytes_budget  # sys + each passage
-    none = BlendEngine(runner, store, EngineConfig(kv_format="fp32", prefix_cache_bytes=0))
-    none.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache"))
-    assert none.prefill(BlendPlan(PASSAGES, QUESTION, mode="prefix_cache")).report.prefix_tokens_reused == 0
-    assert none.prefix_cache.stats().entries == 0
-    with pytest.raises(ValueError):
-        EngineConfig(prefix_cache_bytes=-1)
 
 def test_gradual_filtering_narrows_the_set(tiny_engine):
     _cache_all(tiny_engine)

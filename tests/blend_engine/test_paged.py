@@ -199,6 +199,51 @@ def test_the_pool_settings_reach_the_engine(runner):
         eng.close()
 
 
+def test_prefix_caching_off_still_serves_prefix_cache_mode_from_the_pool(runner):
+    """prefix_cache mode is the pool's prefix cache: switching automatic prefix caching off for the other
+    modes (benchmarks comparing modes on one prompt) leaves that mode its hits."""
+    eng = BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(prefix_caching=False))
+    try:
+        p = _plan(5, Mode.PREFIX_CACHE)
+        first, again = eng.run(p, GEN), eng.run(p, GEN)
+        assert first.report.prefix_tokens_reused == 0 and again.report.prefix_tokens_reused > 0
+        assert again.token_ids == first.token_ids
+    finally:
+        eng.close()
+
+
+def test_an_unset_pool_size_comes_from_available_memory_within_bounds(runner, monkeypatch, tmp_path):
+    """BLENDSERVE_ENGINE_BATCH_KV_MB unset: on the CPU 30% of the memory available after the model, less the
+    memory tier, clamped to 256..8192 blocks; a container's cgroup limit bounds what is available."""
+    import torch
+
+    from blend_engine.executor import kv_pool
+    from blendserve_config.settings import Settings
+    from blendserve_config.stack import build_engine
+
+    bb = kv_pool.block_bytes(runner, 16)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kv_pool, "available_memory", lambda: 1000 * bb + (1 << 30))
+    assert kv_pool.pool_bytes(cpu, None, None, bb, set_aside=1 << 30) == int(1000 * bb * 0.3)
+    assert kv_pool.pool_bytes(cpu, 5 << 20, 0.5, bb) == 5 << 20  # set: as set (the GPU share is for CUDA)
+    monkeypatch.setattr(kv_pool, "available_memory", lambda: 0)
+    assert kv_pool.pool_bytes(cpu, None, None, bb) == 256 * bb
+    monkeypatch.setattr(kv_pool, "available_memory", lambda: 1 << 50)
+    assert kv_pool.pool_bytes(cpu, None, None, bb) == 8192 * bb
+    monkeypatch.setattr(kv_pool, "available_memory", lambda: 2000 * bb + (1 << 20))
+    eng = build_engine(Settings(_env_file=None, memory_cache_mb=1), runner, MemoryStore(1 << 20))
+    try:
+        assert eng.loop.scheduler.pool.n_blocks == (int(2000 * bb * 0.3) >> 20 << 20) // bb
+    finally:
+        eng.close()
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("400\n")
+    assert kv_pool._cgroup_headroom(str(tmp_path)) == 600
+    (tmp_path / "memory.max").write_text("max\n")
+    assert kv_pool._cgroup_headroom(str(tmp_path)) is None
+    assert kv_pool._cgroup_headroom(str(tmp_path / "absent")) is None
+
+
 def test_storing_missed_passages_waits_for_nothing_and_interleaves_with_the_batch(runner):
     """A finished request's result is handed over at once; the alone-KV of its passages that missed
     the store is stored afterwards, one passage per loop turn, so a running request decodes between

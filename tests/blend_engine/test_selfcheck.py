@@ -41,7 +41,7 @@ def test_gate_measures_on_a_tiny_model_and_caches_per_fingerprint(tiny_runner, t
     assert first.passed
     assert cache_path(tmp_path, gate_key(tiny_runner, config)).is_file()
 
-    monkeypatch.setattr(selfcheck, "measure", _no_measure)
+    monkeypatch.setattr(selfcheck, "measure_steps", _no_measure)
     again = run_gate(tiny_runner, config, tmp_path)
     assert again.cached and dataclasses.replace(again, cached=False) == first
     # another ratio is another measurement (its own cache file)
@@ -72,7 +72,11 @@ def test_a_failed_long_probe_fails_the_gate_though_the_short_one_passes(tiny_run
     good = selfcheck.ProbeMeans({Mode.BLEND: (0.01, 1.0), Mode.FULL_REUSE: (0.2, 0.5)})  # 0.05x: passes
     bad = selfcheck.ProbeMeans({Mode.BLEND: (0.05, 0.5), Mode.FULL_REUSE: (0.1, 0.5)})  # 0.5x: fails
     calls = iter([good, bad])
-    monkeypatch.setattr(selfcheck, "_probe_means", lambda *_a: next(calls))
+    def means(*_a):  # a stepped job (`background.Steps`) of no units
+        return next(calls)
+        yield
+
+    monkeypatch.setattr(selfcheck, "_probe_means", means)
     result = selfcheck.measure(tiny_runner, EngineConfig(kv_format="fp32"), probe=[], long_probe=[(("x",), "q")])
     assert not result.passed and result.kl_blend_long == 0.05 and result.kl_blend == 0.01
     assert "long passages KL 0.0500" in GateDecision("enforce", result).reason
@@ -87,10 +91,12 @@ def test_a_corrupt_cache_file_is_measured_again(tiny_runner, tmp_path):
     assert json.loads(path.read_text())["probes"] == len(selfcheck.PROBES)
 
 
-def _bad_result(runner, config, probe=None) -> GateResult:
+def _bad_result(runner, config, probe=None, long_probe=None):
+    """`selfcheck.measure_steps`' stand-in: a stepped job of no units returning a failed result."""
     return GateResult(kl_blend=0.4, kl_full_reuse=0.5, top1_blend=0.5, top1_full_reuse=0.5,
                       ratio=config.default_ratio, max_kl_fraction=0.25, passed=False, seconds=0.1, probes=3,
                       key=gate_key(runner, config))
+    yield
 
 
 def test_decision_modes():
@@ -110,7 +116,7 @@ QUERY = {"question": "Which river flows through Cairo?", "mode": "blend", "max_t
 
 
 def test_failed_gate_makes_blend_answer_with_full_prefill_and_says_so(tmp_path, tiny_stack_factory, monkeypatch):
-    monkeypatch.setattr(selfcheck, "measure", _bad_result)
+    monkeypatch.setattr(selfcheck, "measure_steps", _bad_result)
     data_dir = tmp_path / "data"
     with TestClient(create_app(make_settings(data_dir, fidelity_gate="enforce"), tiny_stack_factory)) as client:
         ready = wait_ready(client)
@@ -127,7 +133,7 @@ def test_failed_gate_makes_blend_answer_with_full_prefill_and_says_so(tmp_path, 
         assert 'blendserve_fidelity_kl{mode="full_reuse"} 0.5' in metrics
 
     # a restart reads the cached (bad) result instead of measuring; warn serves blend anyway
-    monkeypatch.setattr(selfcheck, "measure", _no_measure)
+    monkeypatch.setattr(selfcheck, "measure_steps", _no_measure)
     with TestClient(create_app(make_settings(data_dir, fidelity_gate="warn"), tiny_stack_factory)) as client:
         ready = wait_ready(client)
         assert ready["fidelity"]["result"]["cached"] is True and ready["fidelity"]["fallback"] is False
@@ -137,7 +143,7 @@ def test_failed_gate_makes_blend_answer_with_full_prefill_and_says_so(tmp_path, 
 
 
 def test_gate_off_reports_not_run(tmp_path, tiny_stack_factory, monkeypatch):
-    monkeypatch.setattr(selfcheck, "measure", _no_measure)
+    monkeypatch.setattr(selfcheck, "measure_steps", _no_measure)
     with TestClient(create_app(make_settings(tmp_path / "data", fidelity_gate="off"), tiny_stack_factory)) as client:
         assert wait_ready(client)["fidelity"] == {"gate": "off", "fallback": False, "reason": None, "error": None,
                                                    "result": None}
@@ -226,8 +232,8 @@ def test_an_engine_whose_blend_path_is_wrong_fails_the_gate_whatever_the_ratio(b
 
     real = selfcheck._logits
 
-    def broken(engine, passages, question, mode, ratio=None):
-        out = real(engine, passages, question, mode, ratio)
+    def broken(engine, passages, question, mode, ratio=None):  # a stepped job, as `_logits`
+        out = yield from real(engine, passages, question, mode, ratio)
         return out.roll(1) if mode is Mode.BLEND else out  # a wrong blend path, the same at every ratio
 
     monkeypatch.setattr(selfcheck, "_logits", broken)

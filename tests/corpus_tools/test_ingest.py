@@ -189,15 +189,6 @@ def test_kv_byte_counts_come_from_the_codec_with_the_int8_scales(tmp_path, runne
 
 
 
-def test_prefix_cache_budget_comes_from_settings_and_shows_in_stats(tmp_path, runner, embedder):
-    s = make_stack(tmp_path, runner, embedder, prefix_cache_mb=3)
-    try:
-        assert s.engine.config.prefix_cache_bytes == 3 << 20
-        prefix = s.pipeline.stats()["kv"]["prefix_cache"]
-        assert prefix["name"] == "prefix" and prefix["bytes_budget"] == 3 << 20 and prefix["entries"] == 0
-    finally:
-        s.close()
-
 def test_each_passage_is_tokenized_once_during_ingestion(stack, monkeypatch):
     """Chunking measures candidate texts; the final passage's ids are reused to key and precompute its KV."""
     calls: Counter[str] = Counter()
