@@ -24,7 +24,6 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 
-from blend_engine.cpu_threads import one_core
 from blend_engine.executor.layers import KVCache
 from blend_engine.executor.offload import HostCopy, copy_to_host
 from blend_engine.keys import chain_key
@@ -32,6 +31,7 @@ from blend_engine.kv_store import KVStore, MemoryStore
 from blend_engine.kv_store.base import StoreStats
 from blend_engine.kv_store.codec import layer_nbytes
 from blend_engine.layout import Segment
+from blend_engine.model.cpu_threads import one_core
 
 logger = logging.getLogger(__name__)
 
