@@ -29,7 +29,7 @@ def main() -> int:
     import uvicorn
 
     from app.main import create_app
-    from blend_engine.cpu_threads import single_core_default
+    from blend_engine.model.cpu_threads import single_core_default
 
     single_core_default()  # before any thread starts: only the engine loop computes on every core
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from blend_engine.cpu_threads import use_cores
+from blend_engine.model.cpu_threads import use_cores
 from blend_engine.selfcheck import GateDecision, decide
 from blendserve_config.stack import sample_to_ingest
 from corpus_tools.jobs import JobFile, JobRunner

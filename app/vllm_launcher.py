@@ -6,7 +6,7 @@ connector, and Blendserve in front of it with `BLENDSERVE_DECODER_KIND=vllm`.
 
 Blendserve reads its usual settings (BLENDSERVE_HOST, BLENDSERVE_PORT, BLENDSERVE_DATA_DIR, ...);
 the launcher only adds the decoder's. vLLM serves the same model (a GGUF is written out once as a
-Hugging Face folder: `blend_engine.hf_folder`) in the same dtype. /readyz is ready once both are.
+Hugging Face folder: `blend_engine.model.hf_folder`) in the same dtype. /readyz is ready once both are.
 Stopping the launcher (Ctrl-C, SIGTERM) stops vLLM too. Variables of the launcher alone:
 
     BLENDSERVE_VLLM_PORT (8001), BLENDSERVE_VLLM_VENV (.venv-vllm), BLENDSERVE_VLLM_CORES (all of this
@@ -67,7 +67,7 @@ def vllm_dtype(dtype: str) -> str:
 
 def start_vllm(settings, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """Start vLLM for `settings`' model; its process (own session) and base URL."""
-    from blend_engine.hf_folder import vllm_folder
+    from blend_engine.model.hf_folder import vllm_folder
 
     venv = Path(env.get("BLENDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
     python = venv / "bin" / "python"

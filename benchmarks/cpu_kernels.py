@@ -1,9 +1,9 @@
-"""Blendserve's CPU kernels (`blend_engine.cpu_kernels`) against torch's at the engine's shapes.
+"""Blendserve's CPU kernels (`blend_engine.model.cpu_kernels`) against torch's at the engine's shapes.
 
     python -m benchmarks.cpu_kernels [--rows 1,2,4,8,16,32,64,128,256] [--repeat 7]
 
 - projections: the default model's 211 projections of one decode step (every layer's q, k, v, o,
-  gate, up, down and the lm_head, real weights) at T rows, through `model.rows_linear` as it runs
+  gate, up, down and the lm_head, real weights) at T rows, through `runner.rows_linear` as it runs
   without the kernel (MKL: W @ x^T on padded rows up to 96, nn.Linear beyond) and through
   `cpu_kernels.rows_linear`; the kernel is used for `cpu_kernels.ROWS`.
 - decode attention: see `python -m benchmarks.decode_attention` (per-sequence SDPA, the pool read in
@@ -24,13 +24,13 @@ import torch
 
 from benchmarks.decode_profile import step_linears
 from benchmarks.gpu_common import Setup, median_ms
-from blend_engine import cpu_kernels
-from blend_engine.model import ModelRunner, rows_linear
+from blend_engine.model import cpu_kernels
+from blend_engine.model.runner import ModelRunner, rows_linear
 
 
 @contextlib.contextmanager
 def without_kernel():
-    """`model.rows_linear` as it runs where the kernel is not built (MKL)."""
+    """`runner.rows_linear` as it runs where the kernel is not built (MKL)."""
     rows = cpu_kernels.ROWS
     cpu_kernels.ROWS = range(0)
     try:

@@ -1,4 +1,4 @@
-"""Why the service has one compute thread (`blend_engine.cpu_threads`): the decode step's projections
+"""Why the service has one compute thread (`blend_engine.model.cpu_threads`): the decode step's projections
 (SmolLM2-135M's 211 weight shapes, random values, fp32, as `ModelRunner.linear` runs them) timed on
 a compute thread, alone and beside idle helper threads that once ran a parallel torch op.
 
@@ -35,7 +35,7 @@ def weights() -> list[torch.nn.Linear]:
 
 
 def projections_ms(linears: list[torch.nn.Linear], rows: int, reps: int) -> tuple[float, float]:
-    from blend_engine.model import rows_linear
+    from blend_engine.model.runner import rows_linear
 
     xs = {n: torch.randn(rows, n) for n in {m.in_features for m in linears}}  # [B, in] each
     with torch.inference_mode():
@@ -51,7 +51,7 @@ def projections_ms(linears: list[torch.nn.Linear], rows: int, reps: int) -> tupl
 
 def one_case(case: str, rows: list[int], helpers: int, reps: int) -> dict:
     """Runs in its own process: the case's helper threads, then the compute thread."""
-    from blend_engine import cpu_threads
+    from blend_engine.model import cpu_threads
 
     hold = threading.Event()
 

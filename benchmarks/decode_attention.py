@@ -24,7 +24,7 @@ import torch
 
 from blend_engine.executor.decode import decode_batch, pooled_kernel
 from blend_engine.executor.kv_pool import KVPool
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.kv_blocks import Run, blocks_for
 
 logger = logging.getLogger(__name__)

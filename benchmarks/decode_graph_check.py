@@ -42,7 +42,7 @@ from benchmarks.gpu_common import Setup, median_ms
 from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.decode_graphs import DecodeGraphs
 from blend_engine.executor.kv_pool import KVPool
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 
 logger = logging.getLogger("decode_graph_check")
 

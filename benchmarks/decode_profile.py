@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.decode_attention import pool_runs
 from benchmarks.gpu_common import Setup, median_ms
 from blend_engine.executor.decode import decode_batch
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 
 GEMM = ("aten::mm", "aten::addmm")
 

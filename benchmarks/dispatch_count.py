@@ -35,7 +35,7 @@ from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.dispatch_count import DispatchCount
 from blend_engine.executor.kv_pool import KVPool
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.kv_blocks import Run, blocks_for
 from blend_engine.types import BlendPlan
 
@@ -169,7 +169,7 @@ def load_runner(model: str) -> ModelRunner:
         return ModelRunner.load()
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from blend_engine.model import _gguf_cache_dir, default_gguf_path
+    from blend_engine.model.files import _gguf_cache_dir, default_gguf_path
 
     cached = _gguf_cache_dir(default_gguf_path())
     tokenizer = (AutoTokenizer.from_pretrained(cached) if (cached / "tokenizer.json").exists()

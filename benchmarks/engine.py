@@ -38,7 +38,7 @@ from benchmarks.policies import PREVIOUS_DEFAULT, plain
 from benchmarks.scoring import kl, max_over_golds, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
 from retrieval.text import format_passage
 

@@ -31,7 +31,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.decode import decode_batch, eager_rows, written
 from blend_engine.executor.layers import layer_pass
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan
 
 logger = logging.getLogger(__name__)

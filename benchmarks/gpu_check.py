@@ -50,7 +50,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.selfcheck import compare, tolerance
 from blend_engine.types import BlendPlan
 

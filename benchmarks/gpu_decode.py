@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.gpu_common import QUESTIONS, HeldStore, Setup, make_passages, median_ms
 from blend_engine.engine import BlendEngine, EngineConfig
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan
 
 logger = logging.getLogger("gpu_check")

@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--sdpa", choices=("restricted", "any"), default="restricted",
-                    help="any: every SDPA kernel eligible, cuDNN's included (model.CUDA_SDPA_BACKENDS = None)")
+                    help="any: every SDPA kernel eligible, cuDNN's included (runner.CUDA_SDPA_BACKENDS = None)")
     ap.add_argument("--only", default=None, help="comma-separated parts (growing,step,hf,profile,batch)")
     args = ap.parse_args(argv)
     if args.sdpa == "any":
-        import blend_engine.model
+        import blend_engine.model.runner
 
-        blend_engine.model.CUDA_SDPA_BACKENDS = None
+        blend_engine.model.runner.CUDA_SDPA_BACKENDS = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cuda = torch.cuda.is_available() and not args.smoke
     setup = Setup(torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, args.smoke)

@@ -56,7 +56,7 @@ def pack_model(out: Path, runner=None) -> dict:
     """Pack `runner`'s model and tokenizer (default: SmolLM2 from the local GGUF, fp32) into `out`."""
     from safetensors.torch import save_file
 
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
 
     runner = runner or ModelRunner.load(dtype="float32", device="cpu")
     model, tok = runner.model, runner.tokenizer

@@ -29,7 +29,7 @@ import torch
 from benchmarks.gpu_common import Setup
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.selfcheck import compare
 from blend_engine.types import BlendPlan, Mode
 

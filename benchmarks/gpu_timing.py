@@ -28,7 +28,7 @@ from blend_engine.kv_store import KVStore, MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.factory import build_store
 from blend_engine.kv_store.loader import LayerLoader
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.controller import BandwidthController
 from blend_engine.types import BlendPlan
 

@@ -24,7 +24,7 @@ from benchmarks.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import ChunkKV, MemoryStore
 from blend_engine.kv_store.codec import decode_chunk, encode_chunk
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from benchmarks.data import load_examples, passages_of
 from benchmarks.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
-from blend_engine.model_files import pick_linear_dtype
+from blend_engine.model.files import pick_linear_dtype
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 
 

@@ -34,7 +34,7 @@ from blend_engine.engine import BlendEngine
 from blend_engine.executor.layers import KVCache
 from blend_engine.executor.selection import RankSpace
 from blend_engine.layout import PromptLayout
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.budget import kept, narrowing
 from blend_engine.types import BlendPlan
 

@@ -30,7 +30,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from benchmarks.data import Context, shuffled
-from blend_engine.model import ModelRunner, default_gguf_path
+from blend_engine.model.files import default_gguf_path
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.peer_vllm import ExamplePool, rag_prompt
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from benchmarks.data import Context, Example, build_context, shuffled
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store.factory import build_loader, build_store
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ import statistics
 import torch
 
 from benchmarks.gpu_common import Setup, median_ms
-from blend_engine import cpu_kernels
 from blend_engine.executor.selection import Selection
-from blend_engine.model import ModelRunner
+from blend_engine.model import cpu_kernels
+from blend_engine.model.runner import ModelRunner
 
 
 def main(argv: list[str] | None = None) -> int:

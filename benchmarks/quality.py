@@ -10,7 +10,7 @@ from benchmarks.data import Example, passages_of, shuffled
 from benchmarks.scoring import bootstrap_ci, exact_match, kl, max_over_golds, paired_bootstrap, token_f1
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store.factory import build_loader, build_store
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.controller import BandwidthController
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 

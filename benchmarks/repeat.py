@@ -17,7 +17,7 @@ import time
 from benchmarks.data import load_examples, passages_of
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 
 ONE = GenerationConfig(max_tokens=1)

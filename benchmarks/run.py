@@ -31,7 +31,7 @@ from benchmarks.plots import plot_f1_vs_ratio, plot_ttft_vs_context
 from benchmarks.quality import records_as_dicts, run_quality, summarize
 from benchmarks.report import render, update_readme
 from benchmarks.throughput import run_throughput
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent

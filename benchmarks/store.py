@@ -36,7 +36,7 @@ from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.kv_store.codec import encode_chunk
 from blend_engine.kv_store.factory import build_loader, build_store
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from benchmarks.vllm_model import ensure_model_folder
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.kv_export import export
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 from blendserve_vllm.segments import SegmentPublisher
 from retrieval.text import format_passage

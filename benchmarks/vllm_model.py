@@ -1,5 +1,5 @@
 """`python -m benchmarks.vllm_model`: the bundled SmolLM2 as a Hugging Face folder for vLLM
-(`blend_engine.hf_folder`, which `make run-vllm` uses too), under `BLENDSERVE_MODEL_CACHE_DIR` when set."""
+(`blend_engine.model.hf_folder`, which `make run-vllm` uses too), under `BLENDSERVE_MODEL_CACHE_DIR` when set."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from blend_engine import hf_folder
+from blend_engine.model import hf_folder
 
 
 def ensure_model_folder(gguf: Path | None = None, root: Path | None = None) -> Path:

@@ -22,7 +22,7 @@ from blend_engine.errors import InputError
 from blend_engine.keys import chunk_key
 from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.layout import PromptLayout, passage_text
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 
 from .executor.layers import LayerJob, run_layers
 

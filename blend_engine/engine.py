@@ -40,7 +40,7 @@ from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.kv_store.codec import layer_nbytes
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, build_layout
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.admission import Ticket
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.scheduler.kv_blocks import NO_PREFIX, chain_hashes, chain_root, min_prefix, recipes

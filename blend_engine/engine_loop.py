@@ -38,7 +38,6 @@ import torch
 
 from blend_engine.background import Background
 from blend_engine.cancel import Cancelled, DeadlineExceeded, StopCheck, never
-from blend_engine.cpu_threads import use_cores
 from blend_engine.errors import InputError
 from blend_engine.executor.decode import DecodeRows, check_rows, decode_batch, eager_rows, written
 from blend_engine.executor.decode_graphs import DecodeGraphs
@@ -47,6 +46,7 @@ from blend_engine.executor.layers import KVCache, LayerLoop, layer_pass
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.generation import Delta, Generation
 from blend_engine.layout import PromptLayout
+from blend_engine.model.cpu_threads import use_cores
 from blend_engine.sampling import HostLogits, Sampler, StreamDecoder, read_logits
 from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits, Ticket
 from blend_engine.scheduler.batch import Admission, BatchLimits, BatchScheduler, Move, PrefillBudget, SeqSpec

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blend_engine.model import KV_LAYOUT_VERSION
+from blend_engine.model.runner import KV_LAYOUT_VERSION
 
 # a format whose byte layout changed gets a new tag, so entries in the old layout are never found
 _FORMAT_TAGS = {"int8": "int8kc"}  # int8 with K scaled per channel (was: per token)

@@ -16,7 +16,7 @@ from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import KVStore
 from blend_engine.kv_store.codec import resolve_format
 from blend_engine.kv_store.factory import build_loader, build_store
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.batch import BatchLimits
 from blend_engine.scheduler.controller import BandwidthController
 from blend_engine.selfcheck import GateDecision

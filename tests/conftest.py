@@ -30,7 +30,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def real_runner():
     """SmolLM2-135M-Instruct (the default model), loaded once per test session."""
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
 
     return ModelRunner.load()
 

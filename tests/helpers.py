@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from app.settings import ServiceSettings
 from benchmarks.data import DATA_ENV, default_data_dir
 from blend_engine.kv_store import ChunkKV
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from tests.local_services import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -38,7 +38,7 @@ def real_tokenizer():
     """The default model's tokenizer, from the unpacked GGUF cache when there (no model load)."""
     from transformers import AutoTokenizer
 
-    from blend_engine.model import _gguf_cache_dir, default_gguf_path
+    from blend_engine.model.files import _gguf_cache_dir, default_gguf_path
 
     cached = _gguf_cache_dir(default_gguf_path())
     if (cached / "tokenizer.json").exists():

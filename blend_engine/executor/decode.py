@@ -29,8 +29,8 @@ from typing import Protocol
 
 import torch
 
-from blend_engine import cpu_kernels
-from blend_engine.model import ModelRunner
+from blend_engine.model import cpu_kernels
+from blend_engine.model.runner import ModelRunner
 
 from . import paged_decode
 from .layers import KVCache, layer_pass

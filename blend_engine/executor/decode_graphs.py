@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 
 from .decode import Pooled, forward, pooled_kernel, row_inputs
 from .kv_pool import KVPool

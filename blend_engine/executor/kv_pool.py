@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.kv_blocks import Run
 
 from .layers import KVCache

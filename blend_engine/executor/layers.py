@@ -23,7 +23,6 @@ from typing import Protocol
 
 import torch
 
-from blend_engine import cpu_kernels
 from blend_engine.cancel import StopCheck, stop_if
 from blend_engine.executor.ape import ape_attend
 from blend_engine.executor.placement import Placer
@@ -31,7 +30,8 @@ from blend_engine.executor.selection import RankSpace, Selection, cpu_kernel
 from blend_engine.explain import ScoreProbe
 from blend_engine.kv_store import ChunkKV
 from blend_engine.layout import PromptLayout, Segment
-from blend_engine.model import ModelRunner
+from blend_engine.model import cpu_kernels
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.budget import narrowing
 from blend_engine.transfer import PackedLayer, cuda_ready
 from blend_engine.types import SelectionPolicy

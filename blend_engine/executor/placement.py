@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from blend_engine import cpu_kernels
 from blend_engine.layout import Segment
-from blend_engine.model import ModelRunner
+from blend_engine.model import cpu_kernels
+from blend_engine.model.runner import ModelRunner
 from blend_engine.transfer import PackedLayer
 
 from .uploads import upload

@@ -24,7 +24,7 @@ from blend_engine.explain import Explanation, ScoreProbe, build_explanation, tie
 from blend_engine.kv_store import ChunkKV
 from blend_engine.kv_store.loader import LayerLoader, LoadTrace
 from blend_engine.layout import PromptLayout
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.plans import ModePlan, Span
 from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, BlendReport, Mode, SelectionPolicy

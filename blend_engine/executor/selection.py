@@ -21,12 +21,12 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from blend_engine import cpu_kernels
 from blend_engine.executor.attention import flex_attend, selected_block_mask
 from blend_engine.executor.uploads import upload
 from blend_engine.explain import ScoreProbe
 from blend_engine.layout import PromptLayout, Segment
-from blend_engine.model import ModelRunner
+from blend_engine.model import cpu_kernels
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.budget import kept
 from blend_engine.scheduler.plans import competing, end_count, sink_count
 from blend_engine.types import SelectionPolicy

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blend_engine.cpu_threads import one_core
 from blend_engine.kv_store.base import ChunkKV, KVStore
 from blend_engine.kv_store.codec import FORMATS, ChunkMeta, QuantLayer, decode_layer, encode_chunk
 from blend_engine.kv_store.staging import StagedLayer, StagingRing, StagingSlot, reading_into
+from blend_engine.model.cpu_threads import one_core
 
 logger = logging.getLogger(__name__)
 Repair = Callable[[str], ChunkKV]

@@ -169,7 +169,7 @@ def test_the_preflight_runs_every_path_on_the_cpu_and_passes(real_runner):
         made.append((device, dtype, layers))
         r = truncated(real_runner, layers)
         r.model.to(device=device, dtype=dtype)
-        from blend_engine.model import ModelRunner
+        from blend_engine.model.runner import ModelRunner
 
         return ModelRunner(r.model, r.tokenizer, r.name)
 

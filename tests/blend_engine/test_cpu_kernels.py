@@ -1,4 +1,4 @@
-"""Blendserve's CPU kernels (`blend_engine.cpu_kernels`): pooled decode attention against dense SDPA,
+"""Blendserve's CPU kernels (`blend_engine.model.cpu_kernels`): pooled decode attention against dense SDPA,
 the few-rows projection against nn.Linear, and the rules that pick them. The kernels are built here
 (a C++ compiler is part of the CI image): a build failure fails these tests rather than skipping
 them. test_models.py also runs the decode kernel inside every model family's decode step."""
@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from blend_engine import cpu_kernels, packed
 from blend_engine.executor.decode import decode_attention, pooled_kernel
-from blend_engine.model import rows_linear
+from blend_engine.model import cpu_kernels, packed
+from blend_engine.model.runner import rows_linear
 from tests.helpers import dense_decode_reference, ragged_pool, tiny_runner
 
 
@@ -267,7 +267,7 @@ def test_packed_linear_refuses_what_it_cannot_take(kernel):
 def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, real_runner):
     """SmolLM2's GGUF is Q4_1 (every projection) and Q8_0 (the tied lm_head): all of them are kept in
     their code, and few-row projections read it, equal bit for bit to the float32 kernel's."""
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
 
     n_proj = sum(type(m) is torch.nn.Linear for m in real_runner._layers.modules())
     assert len(real_runner._packed) == n_proj + 1
@@ -291,7 +291,7 @@ def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, 
 def test_place_rotated_writes_what_torchs_rotation_and_copies_write_bit_for_bit(kernel, h, t, d, c):
     """Keys moved by `ModelRunner.apply_rotation` and values copied into a strided cache view at any
     slots (sorted or not), nothing else touched; one case big enough for the parallel loop."""
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
 
     g = torch.Generator().manual_seed(t)
     k, v = torch.randn(h, t, d, generator=g) * 5, torch.randn(h, t, d, generator=g)  # [H, Tc, D]
@@ -374,7 +374,7 @@ def test_the_runner_normalises_through_the_kernel_and_keeps_its_outputs(kernel, 
 @pytest.mark.parametrize(("t", "h", "d"), [(1, 9, 64), (16, 3, 64), (490, 9, 64), (7, 2, 6)])
 def test_rope_rotates_fresh_rows_bit_for_bit_as_torch_in_torchs_layout(kernel, t, h, d):
     """qkv's views ([T, H, D] memory seen as [H, T, D]) rotated exactly as `x * cos + rotate_half(x) * sin`."""
-    from blend_engine.families import rotate_half
+    from blend_engine.model.families import rotate_half
 
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, h * d, generator=g).view(t, h, d).transpose(0, 1)  # [H, T, D] over [T, H, D]

@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from blend_engine import cpu_threads
 from blend_engine.engine import BlendEngine
 from blend_engine.kv_store import MemoryStore
+from blend_engine.model import cpu_threads
 
 pytestmark = pytest.mark.skipif(cpu_threads._omp() is None, reason="torch without libgomp: counts stay torch's")
 
@@ -52,7 +52,7 @@ def test_new_threads_default_to_one_core_and_a_compute_thread_takes_all(single_c
 def test_the_cpu_decode_kernel_keeps_a_compute_threads_cores(single_core_default):
     """The C++ decode kernel runs on the calling thread's team and leaves its count alone (built on
     at::parallel_for, its first call on a thread put the engine loop back on one core)."""
-    from blend_engine import cpu_kernels
+    from blend_engine.model import cpu_kernels
 
     assert cpu_kernels.ensure(), cpu_kernels.why_not()
 

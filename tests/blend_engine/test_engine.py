@@ -14,7 +14,7 @@ import torch
 from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.sampling import Sampler, StreamDecoder
 from blend_engine.scheduler.budget import PrefillWork
 from blend_engine.types import BlendPlan, GenerationConfig, Mode, SelectionPolicy, default_policy
@@ -366,8 +366,8 @@ def test_placement_through_the_cpu_kernel_equals_torchs_bit_for_bit(tokenizer, m
     """`Placer` places float32 layers on the CPU with `cpu_kernels.place_rotated`: a blend around a miss
     (cached segments not contiguous) and a prefix-cache continuation (not rotated) give the same logits
     and caches as torch's rotation and copies."""
-    from blend_engine import cpu_kernels
     from blend_engine.executor import placement
+    from blend_engine.model import cpu_kernels
 
     assert cpu_kernels.ensure(), cpu_kernels.why_not()
     engine = _engine(_tiny("llama", tokenizer), kv_format="fp16")

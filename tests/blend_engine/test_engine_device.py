@@ -49,7 +49,7 @@ from blend_engine.executor.decode import decode_batch
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy
 from tests.helpers import TINY_CONFIG, real_tokenizer

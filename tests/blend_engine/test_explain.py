@@ -11,7 +11,7 @@ from blend_engine.explain import token_pieces
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.tiered import TieredStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig
 from tests import helpers
 

@@ -26,7 +26,8 @@ from transformers import (
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner, UnsupportedModel, check_blendable, layer_windows
+from blend_engine.model.families import UnsupportedModel, check_blendable, layer_windows
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig
 from tests.helpers import PASSAGES, QUESTION, perturb, pool_kv, ragged_pool
 
@@ -209,7 +210,7 @@ def test_generic_checks_catch_moe_and_softcapping_on_a_supported_type():
 
 def test_refusal_stops_loading_a_checkpoint_folder(tmp_path):
     """The start path: a folder whose config cannot be blended fails before any weight is read."""
-    from blend_engine.model import _load_hf
+    from blend_engine.model.files import _load_hf
 
     LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel, match="dynamic"):
@@ -245,7 +246,7 @@ def test_sdpa_restriction_is_scoped_to_the_call_and_changes_no_result(tokenizer)
     """A CUDA runner keeps SDPA off cuDNN's kernels (a plan per new shape made an H200 decode step
     100 ms instead of 36: benchmarks/results/gpu/sdpa_ab). The restriction is the runner's seam
     (`sdpa_backends`, None on a CPU), holds only inside its calls, and gives the same attention."""
-    from blend_engine.model import CUDA_SDPA_BACKENDS, _sdpa_backends
+    from blend_engine.model.runner import CUDA_SDPA_BACKENDS, _sdpa_backends
 
     assert "CUDNN_ATTENTION" not in CUDA_SDPA_BACKENDS
     engine = make_engine("llama", tokenizer)
@@ -270,8 +271,8 @@ def test_a_few_rows_go_through_the_transposed_product_with_the_same_result(bias,
     otherwise; 1-2 rows always come here): 1..96 fp32 rows on the CPU run as W @ x^T on `padded_rows`
     rows, faster there; every row count gives nn.Linear's result, and what is not an fp32 nn.Linear
     on 2-D rows is handed to the module itself."""
-    from blend_engine import cpu_kernels
-    from blend_engine.model import SMALL_ROWS, padded_rows, rows_linear
+    from blend_engine.model import cpu_kernels
+    from blend_engine.model.runner import SMALL_ROWS, padded_rows, rows_linear
 
     monkeypatch.setattr(cpu_kernels, "ROWS", range(0))
 
@@ -323,7 +324,7 @@ def test_pooled_decode_attention_equals_the_per_sequence_oracle(family_engine, p
     caches = [pool.view(run, n) for run, n in zip(runs, lengths)]
     assert decode_attention("pooled", runner.device, caches) == "pooled"
     if path == "cpu":
-        from blend_engine import cpu_kernels
+        from blend_engine.model import cpu_kernels
 
         if runner.device.type != "cpu":
             pytest.skip("the CPU kernel reads a CPU pool")
@@ -357,7 +358,7 @@ def test_a_replayed_decode_graph_equals_the_eager_step():
     that shrinks) give the same padded step's logits and K/V run eagerly, and the unpadded eager
     step's greedy tokens."""
     from benchmarks.decode_graph_check import compare_captured_and_eager
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
 
     report = compare_captured_and_eager(ModelRunner.load(device="cuda", dtype="float32"), steps=6)
     assert report["graphs"] >= 2 and report["captured_vs_padded_logit_diff"] < 1e-3, report
@@ -390,8 +391,8 @@ def test_bf16_linear_weights_run_the_projections_and_stay_close_to_float32(real_
 
 
 def test_bf16_linear_weights_are_refused_where_they_would_not_help(monkeypatch):
-    from blend_engine import model_files
-    from blend_engine.model_files import pick_linear_dtype
+    from blend_engine.model import files
+    from blend_engine.model.files import pick_linear_dtype
 
     cpu = torch.device("cpu")
     assert pick_linear_dtype(cpu, torch.float32, "auto") is None and pick_linear_dtype(cpu, torch.float32) is None
@@ -399,8 +400,8 @@ def test_bf16_linear_weights_are_refused_where_they_would_not_help(monkeypatch):
         pick_linear_dtype(cpu, torch.bfloat16, "bfloat16")
     with pytest.raises(ValueError, match="float32 model on the CPU"):
         pick_linear_dtype(torch.device("cuda"), torch.float32, "bfloat16")
-    monkeypatch.setattr(model_files, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(files, "cpu_has_bf16", lambda: False)
     with pytest.raises(ValueError, match="native bf16 matmuls"):
         pick_linear_dtype(cpu, torch.float32, "bfloat16")
-    monkeypatch.setattr(model_files, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(files, "cpu_has_bf16", lambda: True)
     assert pick_linear_dtype(cpu, torch.float32, "bfloat16") is torch.bfloat16

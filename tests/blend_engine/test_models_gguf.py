@@ -15,7 +15,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan
 from tests.helpers import PASSAGES, QUESTION, perturb
 
@@ -113,8 +113,8 @@ def test_one_pass_reader_matches_transformers_generic_loader(arch, tmp_path):
     GGUF loader gives, and the prepared folder is written once, in the run dtype."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from blend_engine import gguf_convert
-    from blend_engine.model_files import _gguf_cache_dir
+    from blend_engine.model import gguf_convert
+    from blend_engine.model.files import _gguf_cache_dir
 
     torch.manual_seed(0)
     path = tmp_path / f"tiny-{arch}.gguf"

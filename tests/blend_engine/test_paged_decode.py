@@ -52,7 +52,7 @@ def test_a_decode_step_through_the_kernel_equals_the_per_sequence_oracle():
     from transformers import MistralConfig, MistralForCausalLM
 
     from blend_engine.executor.decode import decode_batch
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
     from tests.helpers import TINY_CONFIG, pool_kv, ragged_pool, real_tokenizer
 
     torch.manual_seed(0)

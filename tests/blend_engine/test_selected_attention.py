@@ -13,7 +13,7 @@ from benchmarks.policies import plain as plain_policy  # the old field defaults:
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor import attention
 from blend_engine.kv_store import MemoryStore
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan
 from tests.helpers import PASSAGES, QUESTION, TINY_CONFIG
 
@@ -134,7 +134,7 @@ def test_the_cpu_blocks_agree_with_one_boolean_mask_at_any_block_count(real_runn
 def test_auto_attends_through_the_cpu_kernel(engines, monkeypatch):
     """On the CPU "auto" sends the layers below the check layer (every row) and the selected rows to
     the kernel; "blocks" never does."""
-    from blend_engine import cpu_kernels
+    from blend_engine.model import cpu_kernels
 
     rows: list[int] = []
     real = cpu_kernels.selected_attention

@@ -205,7 +205,7 @@ def bf16_runner(real_runner):
     """The tiny random Llama in bf16 on the CPU: what a GPU computes in, on CI."""
     import torch as _torch
 
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
     from tests.helpers import tiny_model
 
     return ModelRunner(tiny_model().to(_torch.bfloat16), real_runner.tokenizer, "tiny-bf16")

@@ -12,7 +12,7 @@ import torch
 
 from blend_engine.cancel import Cancelled
 from blend_engine.layout import PRECOMPUTED_MARKERS, passage_text
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig, Mode
 from blendserve_config.settings import Settings
 from blendserve_config.stack import Stack, build_stack, ingest_sample_on_first_start

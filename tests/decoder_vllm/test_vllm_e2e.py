@@ -60,7 +60,7 @@ def redis_url():
 def vllm(tmp_path_factory, free_port, redis_url):
     """(base URL, segment folder) of a vLLM server with the connector, for the module."""
     _require_vllm()
-    from blend_engine.hf_folder import vllm_folder
+    from blend_engine.model.hf_folder import vllm_folder
 
     segs = tmp_path_factory.mktemp("segments")
     port = free_port()

@@ -11,7 +11,7 @@ from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.factory import build_loader, build_store
-from blend_engine.model import ModelRunner
+from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.controller import BandwidthController
 from blend_engine.scheduler.plans import RatioSource
 from blend_engine.types import BlendPlan

@@ -291,7 +291,7 @@ def test_load_packed_rebuilds_the_model_from_the_carry_with_tied_weights(tmp_pat
     config, the tokenizer, every matrix de-quantized exactly as `unpack3` gives it, norms in fp16
     and the tied head sharing the embeddings."""
     from benchmarks.gpu_pack import load_packed, pack3, pack_model, unpack3
-    from blend_engine.model import ModelRunner
+    from blend_engine.model.runner import ModelRunner
     from tests.helpers import tiny_model
 
     model = tiny_model(tie_word_embeddings=True)

@@ -1,6 +1,6 @@
 """Model access: a causal LM exposed one layer at a time.
 
-Every transformers-internal detail lives here and in `model_files` (where weights come from:
+Every transformers-internal detail lives here and in `files` (where weights come from:
 GGUF, checkpoint folders, the cache of de-quantized weights) and `families` (which checkpoints
 can be blended exactly, RoPE parameters, sliding windows). The rest of the engine sees a
 `ModelRunner` that can embed tokens, produce one layer's Q/K/V for some tokens at explicit
@@ -23,32 +23,13 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from blend_engine import cpu_kernels
-from blend_engine.families import (
-    EXACT_ROPE_TYPES,
-    SUPPORTED_MODEL_TYPES,
-    UnsupportedModel,
-    check_blendable,
-    layer_windows,
-    rope_frequencies,
-    rope_parameters,
-    rotate_half,
-)
-from blend_engine.model_files import (
-    DEFAULT_MODEL,
-    _gguf_cache_dir,
-    _load_hf,
-    default_gguf_path,
-    pick_device,
-    pick_dtype,
-    pick_linear_dtype,
-)
-from blend_engine.packed import ROWS as PACKED_ROWS
-from blend_engine.packed import PackedWeight, pack_linears
+from blend_engine.model import cpu_kernels
+from blend_engine.model.families import check_blendable, layer_windows, rope_frequencies, rotate_half
+from blend_engine.model.files import DEFAULT_MODEL, _load_hf, pick_device, pick_dtype, pick_linear_dtype
+from blend_engine.model.packed import ROWS as PACKED_ROWS
+from blend_engine.model.packed import PackedWeight, pack_linears
 
-__all__ = ["DEFAULT_MODEL", "EXACT_ROPE_TYPES", "KV_LAYOUT_VERSION", "SUPPORTED_MODEL_TYPES", "ModelRunner",
-           "ModelShape", "UnsupportedModel", "_gguf_cache_dir", "_load_hf", "check_blendable", "default_gguf_path",
-           "layer_windows", "pick_device", "pick_dtype", "rope_parameters", "rotate_half"]
+__all__ = ["KV_LAYOUT_VERSION", "ModelRunner", "ModelShape"]
 
 KV_LAYOUT_VERSION = 1
 
@@ -91,7 +72,7 @@ class ModelRunner:
 
     def __init__(self, model, tokenizer, name: str = "custom", linear_dtype: torch.dtype | None = None,
                  packed: bool = True) -> None:
-        """`linear_dtype` (`model_files.pick_linear_dtype`): the projections and lm_head run on copies of
+        """`linear_dtype` (`files.pick_linear_dtype`): the projections and lm_head run on copies of
         their weights in this dtype (inputs cast to it, outputs back); norms, RoPE, K/V and attention
         keep the model's dtype. The model's own weights stay: transformers' forward runs them to precompute
         every stored passage, so stored K/V and the fingerprint do not depend on this setting.
@@ -142,7 +123,7 @@ class ModelRunner:
     def load(cls, spec: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
              cache_dir: Path | None = None, linear_dtype: str | None = None, packed: bool = True) -> ModelRunner:
         """The model `spec` on `device` in `dtype`; a GGUF file is prepared once into `cache_dir`
-        (default `model_files.DEFAULT_CACHE_ROOT`). `linear_dtype`, `packed`: see `__init__`."""
+        (default `files.DEFAULT_CACHE_ROOT`). `linear_dtype`, `packed`: see `__init__`."""
         dev = pick_device(device)
         dt = pick_dtype(dev, dtype)
         low = pick_linear_dtype(dev, dt, linear_dtype)  # before the load: a refused setting costs nothing

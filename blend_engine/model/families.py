@@ -1,7 +1,7 @@
 """Which checkpoints can be blended exactly, and the per-family facts the layer loop needs.
 
 A blend moves cached keys by composing RoPE rotations and recomputes a Llama-style layer
-(`model.ModelRunner`): model types with another layer, mixture-of-experts, latent attention,
+(`runner.ModelRunner`): model types with another layer, mixture-of-experts, latent attention,
 soft-capping, or RoPE whose frequencies depend on the sequence length are refused with the
 reason (`check_blendable`). Also here: the RoPE parameters and frequencies (computed by
 transformers' own init functions) and the sliding window of each layer.

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from blend_engine.model_files import DEFAULT_CACHE_ROOT, default_gguf_path, resolve_source
+from blend_engine.model.files import DEFAULT_CACHE_ROOT, default_gguf_path, resolve_source
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from blend_engine.families import check_blendable
+from blend_engine.model.families import check_blendable
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def _prepare_gguf(gguf: Path, dtype: torch.dtype, cached: Path | None):
     """De-quantize `gguf` into a model in `dtype` (refused before any weight is read when it cannot be
     blended), and save it in `cached` when given."""
     t0 = time.perf_counter()
-    from blend_engine import gguf_convert
+    from blend_engine.model import gguf_convert
 
     config = gguf_convert.read_config(gguf)
     check_blendable(config)  # refuse before de-quantizing

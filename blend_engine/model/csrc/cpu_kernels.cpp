@@ -1,4 +1,4 @@
-// Blendserve's CPU kernels (blend_engine/cpu_kernels.py builds and loads them), seven ops:
+// Blendserve's CPU kernels (blend_engine/model/cpu_kernels.py builds and loads them), seven ops:
 //
 // paged_decode: decode attention read straight from the paged pool, one call a layer for every row
 // (issue #35 item 5), the CPU twin of executor/paged_decode.py's Triton kernel, same arguments.
@@ -23,7 +23,7 @@
 // All: float32 only (the CPU's dtype), float32 accumulation. Plain `omp parallel`, not
 // at::parallel_for: that one's per-thread set-up is a thread_local compiled into this library, so
 // its first call on a thread re-ran torch's init_num_threads and put the engine loop back on the
-// process default (one core in the service; blend_engine/cpu_threads.py).
+// process default (one core in the service; blend_engine/model/cpu_threads.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -478,7 +478,7 @@ at::Tensor selected_attention(const at::Tensor& q_in, const at::Tensor& k, const
 }
 
 // packed_linear: rows_linear over a weight kept in the block code it was de-quantized from
-// (`blend_engine/packed.py`), expanded to float32 in registers 16 lanes at a time:
+// (`blend_engine/model/packed.py`), expanded to float32 in registers 16 lanes at a time:
 //
 //   "a4": w = d * q + m, q in 0..15: codes [out, in/2] uint8, per 32-block byte j = q[j] | q[j+16] << 4
 //   "s8": w = d * q,     q in -128..127: codes [out, in] int8
