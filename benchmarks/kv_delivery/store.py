@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.common.data import Context, build_context, load_examples
 from benchmarks.common.scoring import kl
-from benchmarks.load.throughput import free_port
+from benchmarks.common.service import free_port
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.keys import store_fingerprint
 from blend_engine.kv_store import ChunkKV, KVStore

@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common.data import load_examples
-from benchmarks.load.throughput import REPO, app_process, free_port
+from benchmarks.common.service import REPO, app_process, free_port
 
 logger = logging.getLogger(__name__)
 OUT = REPO / "benchmarks" / "results" / "serving"

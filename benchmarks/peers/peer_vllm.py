@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common.data import Example, load_examples, passages_of, select_paragraphs, shuffled
-from benchmarks.load.throughput import free_port
+from benchmarks.common.service import free_port
 from benchmarks.peers.peer_vllm_client import Reply, blend_body, blend_call, prompt_ids, token_text_of, vllm_body, vllm_call
 from benchmarks.peers.peer_vllm_report import (
     BLEND,

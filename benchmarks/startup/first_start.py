@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.load.throughput import free_port
+from benchmarks.common.service import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = "Which country is Lake Tahoe in?"

@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from benchmarks.common.data import load_examples, shuffled
-from benchmarks.load.throughput import free_port
+from benchmarks.common.service import free_port
 from benchmarks.peers.peer_vllm_servers import REPO, SERVED_NAME, VllmSettings, pair_vllm_server
 from benchmarks.vllm_model import ensure_model_folder
 from blend_engine.engine import BlendEngine, EngineConfig
