@@ -89,7 +89,7 @@ run-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m app.vllm_launcher
 
 bench-peer-vllm-install: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m benchmarks.vllm_model
+	$(PY) -m benchmarks.common.vllm_model
 
 # ARGS=--quick for a short run; python -m benchmarks.peers.peer_vllm --help for the rest
 bench-peer-vllm: $(STAMP)

@@ -42,6 +42,7 @@ import httpx
 
 from benchmarks.common.data import Example, load_examples, passages_of, select_paragraphs, shuffled
 from benchmarks.common.service import free_port
+from benchmarks.common.vllm_model import ensure_model_folder
 from benchmarks.peers.peer_vllm_client import Reply, blend_body, blend_call, prompt_ids, token_text_of, vllm_body, vllm_call
 from benchmarks.peers.peer_vllm_report import (
     BLEND,
@@ -72,7 +73,6 @@ from benchmarks.peers.peer_vllm_servers import (
     vllm_python,
     vllm_server,
 )
-from benchmarks.vllm_model import ensure_model_folder
 from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ import torch
 
 from benchmarks.common.data import load_examples, shuffled
 from benchmarks.common.service import free_port
+from benchmarks.common.vllm_model import ensure_model_folder
 from benchmarks.peers.peer_vllm_servers import REPO, SERVED_NAME, VllmSettings, pair_vllm_server
-from benchmarks.vllm_model import ensure_model_folder
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.kv_export import export
 from blend_engine.kv_store import MemoryStore

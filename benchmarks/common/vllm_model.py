@@ -1,5 +1,8 @@
-"""`python -m benchmarks.vllm_model`: the bundled SmolLM2 as a Hugging Face folder for vLLM
-(`blend_engine.hf_folder`, which `make run-vllm` uses too), under `BLENDSERVE_MODEL_CACHE_DIR` when set."""
+"""`python -m benchmarks.common.vllm_model`: the bundled SmolLM2 as a Hugging Face folder for vLLM
+(`blend_engine.hf_folder`, which `make run-vllm` uses too), under `BLENDSERVE_MODEL_CACHE_DIR` when set.
+
+The folder the vLLM peer (`peers.peer_vllm`) and the hand-over (`vllm_decoder.vllm_handover`) serve;
+`make bench-peer-vllm-install` writes it ahead, and docker-compose.vllm.yml points at the command."""
 
 from __future__ import annotations
 
