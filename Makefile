@@ -27,28 +27,28 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run --quick
 
 bench-engine: $(STAMP)
-	$(PY) -m benchmarks.engine --quick
+	$(PY) -m benchmarks.ttft.engine --quick
 
 bench-store: $(STAMP)
-	$(PY) -m benchmarks.store
+	$(PY) -m benchmarks.kv_delivery.store
 
 bench-ingest: $(STAMP)
-	$(PY) -m benchmarks.ingest
+	$(PY) -m benchmarks.ingestion.ingest
 
 bench-serving: $(STAMP)
-	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.load.serving
 
 bench-loader: $(STAMP)
-	$(PY) -m benchmarks.loader
+	$(PY) -m benchmarks.kv_delivery.loader
 
 # the GPU check's carry folder (.gpucarry/smollm2, ~58 MB, git-ignored): see benchmarks/README.md "GPU check"
 gpu-prepare: $(STAMP)
-	PYTHON=$(PY) bash benchmarks/gpu_check.sh --prepare
+	PYTHON=$(PY) bash benchmarks/gpu/gpu_check.sh --prepare
 
 # the whole GPU check rehearsed on the CPU with the GPU image's versions (.venv-gpu-rehearse, git-ignored):
 # see benchmarks/README.md "GPU check"; not in CI (about 9 minutes here: a venv of ~1 GB, then bf16 on the CPU)
 gpu-rehearse: gpu-prepare
-	bash benchmarks/gpu_rehearse.sh
+	bash benchmarks/gpu/gpu_rehearse.sh
 
 # llama.cpp peer (optional, not needed by CI): llama-cpp-cffi's prebuilt CPU llama.cpp, see benchmarks/README.md
 LLAMA_CPP_CFFI := llama-cpp-cffi==0.4.42
@@ -89,11 +89,11 @@ run-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m app.vllm_launcher
 
 bench-peer-vllm-install: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m benchmarks.vllm_model
+	$(PY) -m benchmarks.common.vllm_model
 
-# ARGS=--quick for a short run; python -m benchmarks.peer_vllm --help for the rest
+# ARGS=--quick for a short run; python -m benchmarks.peers.peer_vllm --help for the rest
 bench-peer-vllm: $(STAMP)
-	$(PY) -m benchmarks.peer_vllm $(ARGS)
+	$(PY) -m benchmarks.peers.peer_vllm $(ARGS)
 
 clean:
 	rm -rf $(VENV) data

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import peer as peer_mod
-from benchmarks.data import build_context, load_examples
-from benchmarks.perf import run_perf
-from benchmarks.plots import plot_f1_vs_ratio, plot_ttft_vs_context
-from benchmarks.quality import records_as_dicts, run_quality, summarize
-from benchmarks.report import render, update_readme
-from benchmarks.throughput import run_throughput
+from benchmarks.common.data import build_context, load_examples
+from benchmarks.common.plots import plot_f1_vs_ratio, plot_ttft_vs_context
+from benchmarks.common.report import render, update_readme
+from benchmarks.load.throughput import run_throughput
+from benchmarks.peers import peer as peer_mod
+from benchmarks.quality.quality import records_as_dicts, run_quality, summarize
+from benchmarks.ttft.perf import run_perf
 from blend_engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)

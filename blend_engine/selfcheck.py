@@ -217,7 +217,7 @@ class GateDecision:
                 "result": None if self.result is None else self.result.as_dict()}
 
 # Long passages: each passage is several sample documents (titles) joined as the grouping of
-# `benchmarks.data.group_paragraphs` joins them; the answer is never in the first passage.
+# `benchmarks.common.data.group_paragraphs` joins them; the answer is never in the first passage.
 LONG_PROBES: tuple[tuple[tuple[tuple[str, ...], ...], str], ...] = (
     ((("Dubai International Airport", "Gatwick Airport", "Coimbatore International Airport",
        "Vancouver International Airport"),

@@ -64,11 +64,11 @@ class SelectionPolicy:
     `SelectionPolicy()` is the serving default, spelled once by the field defaults: K deviation at
     layer 1, weighted by the attention the question pays each token, keeping 4x the ratio, narrowed
     to 2x, 1.5x and 1x of it at layers 2, 3 and 4 (gradual filtering); no sinks. Chosen by comparing
-    variants on short dev paragraphs and kept after issue #28's length sweep (`python -m benchmarks.engine
+    variants on short dev paragraphs and kept after issue #28's length sweep (`python -m benchmarks.ttft.engine
     --lengths 0,200,400,600`, docs/results-archive.md): the sweep's best worst cases add 8 EPIC sink tokens
     per passage (tune-half worst KL ratio 0.310x against 0.353x, 3 questions a cell), but the sinks
     force the first 8 tokens of every cached segment (+4.6% TTFT at 4K, and most of a chat prompt
-    of short turns). The variants compared live in `benchmarks/policies.py`.
+    of short turns). The variants compared live in `benchmarks/common/policies.py`.
     """
 
     check_layer: int = 1

@@ -46,7 +46,7 @@ def tiny_runner(real_runner):
 @pytest.fixture(scope="session")
 def free_port():
     """A function returning a currently free TCP port on 127.0.0.1."""
-    from benchmarks.throughput import free_port
+    from benchmarks.common.service import free_port
 
     return free_port
 

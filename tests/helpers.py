@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from app.settings import ServiceSettings
-from benchmarks.data import DATA_ENV, default_data_dir
+from benchmarks.common.data import DATA_ENV, default_data_dir
 from blend_engine.kv_store import ChunkKV
 from blend_engine.model.runner import ModelRunner
 from tests.local_services import wait_for

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.throughput import free_port  # the one free-port helper, re-exported for the tests
+from benchmarks.common.service import free_port  # the one free-port helper, re-exported for the tests
 
 
 def pg_bin_dir() -> Path | None:
@@ -161,7 +161,7 @@ class RedisProcess:
 
 def wait_url_ready(url: str, timeout: float, headers: dict | None = None, proc: subprocess.Popen | None = None) -> dict:
     """The service at `url` ready (its /readyz JSON): the benchmarks' wait, polled every 0.1 s."""
-    from benchmarks.throughput import wait_ready
+    from benchmarks.common.service import wait_ready
 
     return wait_ready(url, timeout, proc=proc, headers=headers, interval_s=0.1, request_timeout_s=2.0)
 

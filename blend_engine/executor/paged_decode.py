@@ -2,7 +2,7 @@
 
 The pooled step's other way (`decode.Pooled` with `kernel="gather"`) copies every row's keys into
 a padded [B, H, Lmax, D] tensor and calls SDPA: on an H200 that gather, element by element, took
-most of a batch-64 step (benchmarks.decode_graph_check). Here each program (row b, KV head h) walks
+most of a batch-64 step (benchmarks.gpu.decode_graph_check). Here each program (row b, KV head h) walks
 its run's slots in the pool itself, with an online softmax (flash-decoding):
 
     pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
@@ -44,7 +44,7 @@ def splits(rows: int, heads: int) -> int:
     """Key ranges per (row, KV head): one while B x H programs are at least SPLIT_BELOW (the
     measured kernel), else enough to make ~TARGET_PROGRAMS (B = 1 on 8 KV heads: 32), so a long
     single stream is not read by 8 programs. The split path is tested for equality, not yet timed
-    on a GPU (`benchmarks.decode_graph_check --only kernel`)."""
+    on a GPU (`benchmarks.gpu.decode_graph_check --only kernel`)."""
     programs = rows * heads
     return 1 if programs >= SPLIT_BELOW else min(MAX_SPLITS, -(-TARGET_PROGRAMS // programs))
 

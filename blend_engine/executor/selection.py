@@ -53,7 +53,7 @@ def cpu_kernel(attention: str, device: torch.device, dtype: torch.dtype, head_di
     CPU where the kernel takes the cache (float32, a head dim of 16 x 1..8, built). At 4.6K tokens
     (SmolLM2-135M's heads, 2 threads) it ran a blend's selected rows at ~70M (row, key) cells a second
     against 38-51M for 16 position-ordered SDPA blocks, and a full causal prefill's at ~70M against SDPA's
-    58-62M (`python -m benchmarks.prefill_attention`)."""
+    58-62M (`python -m benchmarks.kernels.prefill_attention`)."""
     return attention == "auto" and device.type == "cpu" and cpu_kernels.selected_usable(dtype, head_dim)
 
 

@@ -7,14 +7,14 @@ benchmarks/results/cpu_kernels/):
   sequence it reads each key and value row once for all G query heads of its KV head and leaves
   ~10 Python-side ops per sequence and layer out of the step. Each row's keys are cut into work
   items of 512 (by the row's own length, so batched equals alone bit for bit), vectorised 16 keys
-  at a time: bound by reading the pool (~20-24 GB/s here; `python -m benchmarks.decode_attention`).
+  at a time: bound by reading the pool (~20-24 GB/s here; `python -m benchmarks.kernels.decode_attention`).
 
       pool K[h]:  | ... | start[b] .. start[b] + n[b] - 1 : row b's keys | ... |
 
 - `selected_attention`: a prefill's rows at sorted positions, each over the keys up to its own (a
   blend's selected rows; every row of a causal prefill): register tiles of query vectors over key
   blocks of 64, an online softmax, no [S, N] mask; ~70M (row, key) cells/s at SmolLM2's heads, 1.4-1.8x
-  SDPA in position-ordered blocks, 1.16-1.20x one causal SDPA (`python -m benchmarks.prefill_attention`).
+  SDPA in position-ordered blocks, 1.16-1.20x one causal SDPA (`python -m benchmarks.kernels.prefill_attention`).
 
       keys:   | 0 .............................. N-1 |
       row s:  | 0 ...... pos[s] |   (on a sliding-window layer only the last `window` of them)

@@ -6,7 +6,7 @@ transformers refuses `save_pretrained` on a model loaded from a GGUF file; a mod
 GGUF's config, with the de-quantized weights loaded into it, saves fine. The folder is written under
 a temporary name and renamed into place, so a crash leaves no half-written model behind.
 
-    python -m benchmarks.vllm_model    # prints the default model's folder (writes it on first use)
+    python -m benchmarks.common.vllm_model    # prints the default model's folder (writes it on first use)
 """
 
 from __future__ import annotations

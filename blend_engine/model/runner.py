@@ -340,7 +340,7 @@ def padded_rows(n: int) -> int:
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
-    """Autograd will differentiate through this op (research runs: `benchmarks.oracle`'s gradients)."""
+    """Autograd will differentiate through this op (research runs: `benchmarks.quality.oracle`'s gradients)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 

@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import peer
-from benchmarks.data import (
+from benchmarks.common.data import (
     DATA_ENV,
     HOTPOTQA_FILE,
     MUSIQUE_FILE,
@@ -21,9 +20,10 @@ from benchmarks.data import (
     select_paragraphs,
     shuffled,
 )
-from benchmarks.quality import mode_specs
+from benchmarks.load.throughput import request_bodies
+from benchmarks.peers import peer
+from benchmarks.quality.quality import mode_specs
 from benchmarks.run import BenchConfig, parse_args, run_benchmark
-from benchmarks.throughput import request_bodies
 from tests.helpers import requires_shared_data
 
 needs_data = requires_shared_data(MUSIQUE_FILE, HOTPOTQA_FILE)
@@ -170,8 +170,8 @@ def test_harness_end_to_end(tiny_runner, tmp_path):
 def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypatch):
     """Each trial of prefix_cache (shuffled) must use an order no earlier request cached, or trials
     after the first would time a prefix-cache hit; the engine bench's rotations likewise."""
-    from benchmarks import perf
-    from benchmarks.engine import _speed_cases
+    from benchmarks.ttft import perf
+    from benchmarks.ttft.engine import _speed_cases
 
     timed: dict[str, list[tuple[str, ...]]] = {}
 
@@ -195,7 +195,7 @@ def test_prefix_cache_is_timed_on_orders_it_has_not_cached(tiny_runner, monkeypa
 
 @pytest.mark.parametrize("spec", ["0.15,2", "abc", ""])
 def test_engine_bench_refuses_bad_ratios_before_loading_the_model(spec, monkeypatch):
-    from benchmarks import engine as bench
+    from benchmarks.ttft import engine as bench
 
     monkeypatch.setattr(bench.ModelRunner, "load", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(SystemExit, match="--ratios"):
@@ -203,8 +203,8 @@ def test_engine_bench_refuses_bad_ratios_before_loading_the_model(spec, monkeypa
 
 
 def test_serving_reads_engine_step_times_from_two_scrapes():
-    """`benchmarks.serving`: a level's mean step by kind and the cores busy, from /metrics counters."""
-    from benchmarks.serving import STEP_SERIES, _gauges, _steps, engine_busy
+    """`benchmarks.load.serving`: a level's mean step by kind and the cores busy, from /metrics counters."""
+    from benchmarks.load.serving import STEP_SERIES, _gauges, _steps, engine_busy
 
     def scrape(decode_n, decode_s, prefill_n, prefill_s, cpu_s):
         values = dict(zip(STEP_SERIES, (decode_n, prefill_n, decode_s, prefill_s, cpu_s)))
@@ -219,7 +219,7 @@ def test_serving_reads_engine_step_times_from_two_scrapes():
 
 def test_serving_rates_the_prefill_work_per_token_layer():
     """Prefill steps' seconds over the prefill token-layers they ran, between two scrapes (NaN: none ran)."""
-    from benchmarks.serving import TOKEN_LAYERS, _gauges, _step_series, prefill_rate_us
+    from benchmarks.load.serving import TOKEN_LAYERS, _gauges, _step_series, prefill_rate_us
 
     def scrape(token_layers, prefill_s):
         return _gauges(f"{TOKEN_LAYERS} {token_layers}\n{_step_series('step_seconds', 'prefill')} {prefill_s}\n"
@@ -232,7 +232,7 @@ def test_serving_rates_the_prefill_work_per_token_layer():
 
 def test_serving_counts_only_the_tokens_streamed_while_every_client_had_a_request():
     """Each answer's tokens spread over its deltas; those after the window's end are the drain's."""
-    from benchmarks.serving import _Sample, full_tokens_per_s
+    from benchmarks.load.serving import _Sample, full_tokens_per_s
 
     t0 = 100.0
     early = _Sample(1.0, [], 4, (100.5, 101.0, 101.5, 102.0))  # all 4 tokens inside [100, 102]
@@ -244,7 +244,7 @@ def test_serving_counts_only_the_tokens_streamed_while_every_client_had_a_reques
 def test_serving_paired_levels_turn_prefix_caching_off_and_refuse_what_would_break_them():
     """`--same-questions N`: every level asks the same N questions, so no level may take an earlier
     level's prompts from the pool (prefix caching off), and N must cover the largest level's clients."""
-    from benchmarks.serving import PREFIX_CACHING, paired_settings
+    from benchmarks.load.serving import PREFIX_CACHING, paired_settings
 
     assert paired_settings({"BLENDSERVE_ENGINE_MAX_BATCH": "16"}, 48, [1, 8, 16]) == {
         "BLENDSERVE_ENGINE_MAX_BATCH": "16", PREFIX_CACHING: "false"}
@@ -257,7 +257,7 @@ def test_serving_paired_levels_turn_prefix_caching_off_and_refuse_what_would_bre
 
 def test_serving_prints_each_levels_tokens_per_second_over_one_clients():
     """The scaling line per max_tokens: levels over the 1-client level, 16 over 8, with #35's goals."""
-    from benchmarks.serving import ServingRow, scaling
+    from benchmarks.load.serving import ServingRow, scaling
 
     def row(mt: int, clients: int, tps: float) -> ServingRow:
         return ServingRow(mt, clients, 8, 8, 0, 0, 1.0, 1.0, tps, 0.0, 0.0, 0.0, 0.0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import peer
-from benchmarks.data import Context
+from benchmarks.common.data import Context
+from benchmarks.peers import peer
 
 needs_binding = pytest.mark.skipif(peer.backend_name() is None, reason="no llama.cpp binding installed")
 needs_cffi = pytest.mark.skipif(peer.backend_name() != "llama-cpp-cffi", reason="llama-cpp-cffi not installed")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.scoring import (
+from benchmarks.common.scoring import (
     bootstrap_ci,
     exact_match,
     kl,

@@ -1,11 +1,11 @@
-"""benchmarks.fused_step on the tiny random Llama: its fused and apart steps compute the same
+"""benchmarks.kernels.fused_step on the tiny random Llama: its fused and apart steps compute the same
 decode logits (the benchmark times two ways of one computation)."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.fused_step import Step
+from benchmarks.kernels.fused_step import Step
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.types import BlendPlan

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.gpu_check import markdown
-from benchmarks.gpu_pack import GROUP, pack3, unpack3
+from benchmarks.gpu.gpu_check import markdown
+from benchmarks.gpu.gpu_pack import GROUP, pack3, unpack3
 
 
 def test_three_bit_packing_round_trips_within_half_a_step():
@@ -35,7 +35,7 @@ def test_report_renders_a_partial_run():
 def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
     import json
 
-    import benchmarks.gpu_check as gc
+    import benchmarks.gpu.gpu_check as gc
 
     def broken(*_a, **_k):
         raise RuntimeError("CUDA error: out of memory (simulated)")
@@ -67,7 +67,7 @@ def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatc
 
 
 def test_a_failing_variant_or_flex_timing_is_recorded_in_its_row():
-    from benchmarks.gpu_timing import recorded
+    from benchmarks.gpu.gpu_timing import recorded
 
     assert "ZeroDivisionError" in recorded("flex", lambda: {"x": 1 / 0})["flex_error"]
     assert recorded("flex", lambda: {"flex_ms": 1.0}) == {"flex_ms": 1.0}
@@ -113,7 +113,7 @@ def test_top1_agreement_tolerates_only_a_near_tie_of_full_prefill():
 def test_a_failing_timing_model_is_recorded_after_correctness(tmp_path, monkeypatch):
     import json
 
-    import benchmarks.gpu_check as gc
+    import benchmarks.gpu.gpu_check as gc
 
     def broken(*_a, **_k):
         raise RuntimeError("CUDA error: out of memory (simulated)")
@@ -150,17 +150,17 @@ def test_the_wrapper_passes_lengths_and_reps_through(tmp_path):
     fake.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}
     out = tmp_path / "out"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--smoke", str(out), "--lengths", "1024",
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/gpu_check.sh"), "--smoke", str(out), "--lengths", "1024",
                            "--reps", "2"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "argv").read_text().split() == ["-m", "benchmarks.gpu_check", str(out), "--smoke",
+    assert (tmp_path / "argv").read_text().split() == ["-m", "benchmarks.gpu.gpu_check", str(out), "--smoke",
                                                        "--lengths", "1024", "--reps", "2"]
 
 
 # ---------------------------------------------------------------- issue 39: preflight, time plan, exit codes
 def test_the_preflight_runs_every_path_on_the_cpu_and_passes(real_runner):
-    from benchmarks.gpu_common import Setup
-    from benchmarks.gpu_preflight import LAYERS, run_preflight, truncated
+    from benchmarks.gpu.gpu_common import Setup
+    from benchmarks.gpu.gpu_preflight import LAYERS, run_preflight, truncated
 
     setup = Setup(torch.device("cpu"), torch.bfloat16, smoke=True)
     made = []
@@ -181,8 +181,8 @@ def test_the_preflight_runs_every_path_on_the_cpu_and_passes(real_runner):
 
 
 def test_a_failing_preflight_stops_the_check_with_one_line(tmp_path, monkeypatch):
-    import benchmarks.gpu_check as gc
-    import benchmarks.gpu_preflight as gp
+    import benchmarks.gpu.gpu_check as gc
+    import benchmarks.gpu.gpu_preflight as gp
 
     def no_layers(*_a):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
@@ -197,7 +197,7 @@ def test_a_failing_preflight_stops_the_check_with_one_line(tmp_path, monkeypatch
 
 
 def test_the_time_plan_skips_the_extras_first_and_says_why(tmp_path, monkeypatch):
-    import benchmarks.gpu_check as gc
+    import benchmarks.gpu.gpu_check as gc
 
     class Runner:
         name, dtype = "stub", "bf16"
@@ -230,7 +230,7 @@ def test_the_time_plan_skips_the_extras_first_and_says_why(tmp_path, monkeypatch
 
 
 def test_exit_codes_and_strict_mode():
-    from benchmarks.gpu_check import exit_code
+    from benchmarks.gpu.gpu_check import exit_code
 
     ok = {"preflight": {"pass": True}, "correctness": {"pass": True}}
     assert exit_code(ok, strict=True) == 0
@@ -240,14 +240,14 @@ def test_exit_codes_and_strict_mode():
 
 
 def test_requests_in_flight_are_counted_from_the_clients_timestamps():
-    from benchmarks.gpu_batch import max_in_flight
+    from benchmarks.gpu.gpu_batch import max_in_flight
 
     assert max_in_flight([[0.0, 1.0], [0.5, 2.0], [1.0, 3.0], [2.5, 4.0]]) == 3  # a shared instant counts both
     assert max_in_flight([[0.0, 1.0], [2.0, 3.0], []]) == 1
 
 
 def test_the_decode_floor_counts_the_input_embeddings_only_when_the_head_shares_them():
-    from benchmarks.gpu_decode import read_weight_bytes
+    from benchmarks.gpu.gpu_decode import read_weight_bytes
     from tests.helpers import tiny_model
 
     untied, tied = tiny_model(), tiny_model(tie_word_embeddings=True)
@@ -262,7 +262,7 @@ def test_a_kl_beyond_the_dtype_bound_passes_only_when_full_prefill_is_as_far_fro
     about as far from the fp32 answer (rounding, not the engine); not when blend@1.0 alone drifts."""
     from types import SimpleNamespace
 
-    from benchmarks.gpu_check import _correctness_row
+    from benchmarks.gpu.gpu_check import _correctness_row
     from blend_engine.selfcheck import tolerance
 
     exact = torch.tensor([0.0, 6.0, 1.0, 0.5, 4.0])
@@ -290,7 +290,7 @@ def test_a_kl_beyond_the_dtype_bound_passes_only_when_full_prefill_is_as_far_fro
 
 def test_the_batched_run_sizes_its_kv_budget_to_its_requests(tiny_runner):
     """Never a blanket budget: the paged pool allocates all of it on the device."""
-    from benchmarks.gpu_batch import KV_SLACK, _config
+    from benchmarks.gpu.gpu_batch import KV_SLACK, _config
 
     s = tiny_runner.shape
     per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * tiny_runner.dtype.itemsize

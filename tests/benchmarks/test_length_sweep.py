@@ -1,13 +1,13 @@
-"""The engine benchmark's length sweep (`benchmarks.lengths`) on a tiny model: references cached
+"""The engine benchmark's length sweep (`benchmarks.quality.lengths`) on a tiny model: references cached
 per question, variants scored against them, the worst cell per variant."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import lengths
-from benchmarks.data import Example, Paragraph
-from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.common.data import Example, Paragraph
+from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.quality import lengths
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 
@@ -91,7 +91,7 @@ def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
     """Issue #28's oracle bound: at ratio 1 both oracles are full prefill; at 0.15 the oracle
     selection recomputes as many tokens as the default keeps in the end; refs are computed once a
     question, and not at all when no oracle runs."""
-    from benchmarks import oracle
+    from benchmarks.quality import oracle
 
     engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
     rows = {"toy": [_example(0), _example(1)]}
@@ -125,7 +125,7 @@ def test_oracle_variants_in_the_sweep(tiny_runner, tmp_path, monkeypatch):
 
 
 def test_question_mass_pass_is_full_prefills_question(tiny_runner):
-    from benchmarks import oracle
+    from benchmarks.quality import oracle
     from blend_engine.types import BlendPlan
 
     engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)
@@ -166,8 +166,8 @@ def test_explain_misses_lists_disagreements_from_the_cache(tmp_path):
 def test_integrated_gradients_sum_to_full_reuses_kl(tiny_runner):
     """The question pass over a cache is full reuse's (over the cached K/V) and full prefill's (over
     the exact ones); the attributions along the path between them add up to full reuse's KL."""
-    from benchmarks import oracle
-    from benchmarks.scoring import kl
+    from benchmarks.common.scoring import kl
+    from benchmarks.quality import oracle
     from blend_engine.types import BlendPlan
 
     engine = BlendEngine(tiny_runner, MemoryStore(1 << 28, kv_format="fp32"), SWEEP_CONFIG)

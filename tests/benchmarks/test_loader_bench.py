@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import benchmarks.loader as bench
+import benchmarks.kv_delivery.loader as bench
 
 
 def test_loader_benchmark_measures_every_path_on_tiny_chunks(tmp_path, monkeypatch):

@@ -1,14 +1,14 @@
-"""Issue #28's oracle seam (`benchmarks.oracle_seam`, through `LayerHooks`): a blend whose selection is given ("select"), a full
-reuse whose chosen positions take the full prefill's exact K/V ("fix"), and the true-deviation
-ranking. Benchmarks only; serving runs the default hooks."""
+"""Issue #28's oracle seam (`benchmarks.quality.oracle_seam`, through `LayerHooks`): a blend whose selection is
+given ("select"), a full reuse whose chosen positions take the full prefill's exact K/V ("fix"), and the
+true-deviation ranking. Benchmarks only; serving runs the default hooks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.oracle_seam import Oracle, top_positions, true_deviation
-from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.quality.oracle_seam import Oracle, top_positions, true_deviation
 from blend_engine.executor.layers import KVCache
 from blend_engine.types import BlendPlan
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures

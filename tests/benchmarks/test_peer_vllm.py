@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import peer_vllm, peer_vllm_report, peer_vllm_servers
-from benchmarks.peer_vllm_client import Reply, blend_body, sse_events, token_text_of, vllm_body
-from benchmarks.peer_vllm_report import (
+from benchmarks.peers import peer_vllm, peer_vllm_report, peer_vllm_servers
+from benchmarks.peers.peer_vllm_client import Reply, blend_body, sse_events, token_text_of, vllm_body
+from benchmarks.peers.peer_vllm_report import (
     BLEND,
     NEW_COMBINATION,
     PAIR,
@@ -31,7 +31,7 @@ from benchmarks.peer_vllm_report import (
     write_atomic,
     write_results,
 )
-from benchmarks.peer_vllm_servers import PeerSetupError, VllmSettings
+from benchmarks.peers.peer_vllm_servers import PeerSetupError, VllmSettings
 
 
 def _dist(probs: dict[str, float]) -> dict[str, float]:

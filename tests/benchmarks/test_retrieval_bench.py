@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.retrieval import cached_encode
+from benchmarks.recall.retrieval import cached_encode
 from tests.retrieval.test_passage_store import HashEmbedder
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.data import Context
-from benchmarks.store import measure_formats, precompute_all
+from benchmarks.common.data import Context
+from benchmarks.kv_delivery.store import measure_formats, precompute_all
 from tests.helpers import PASSAGES, QUESTION
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.executor.ape import ape_attend
 from blend_engine.types import BlendPlan
 from tests.blend_engine.test_engine import _cache_all, tiny_engine, tokenizer  # noqa: F401 - fixtures

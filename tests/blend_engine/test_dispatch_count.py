@@ -1,6 +1,6 @@
 """The fixed cost of a request, counted (issue #57 item 1): ops per layer do not grow with the number
 of passages, and nothing inside the layer loop reads a device value on the host, for a blend, a
-full prefill and a decode step (`executor.dispatch_count`, driven by `benchmarks.dispatch_count`
+full prefill and a decode step (`executor.dispatch_count`, driven by `benchmarks.kernels.dispatch_count`
 through the engine's own paths, on an 8-layer random Llama)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from benchmarks.dispatch_count import (
+from benchmarks.kernels.dispatch_count import (
     QUESTION,
     TINY,
     RequestCount,

@@ -41,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 import blend_engine.executor.prefill as prefill_mod
 import blend_engine.executor.uploads as uploads_mod
 import blend_engine.sampling as sampling_mod
-from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.engine_loop import EngineLoop
 from blend_engine.executor.attention import selected_block_mask

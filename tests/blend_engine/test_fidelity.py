@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from benchmarks.scoring import kl
+from benchmarks.common.scoring import kl
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy

@@ -357,7 +357,7 @@ def test_a_replayed_decode_graph_equals_the_eager_step():
     """On a GPU: steps replayed from captured graphs (growing positions, a new key bucket, a batch
     that shrinks) give the same padded step's logits and K/V run eagerly, and the unpadded eager
     step's greedy tokens."""
-    from benchmarks.decode_graph_check import compare_captured_and_eager
+    from benchmarks.gpu.decode_graph_check import compare_captured_and_eager
     from blend_engine.model.runner import ModelRunner
 
     report = compare_captured_and_eager(ModelRunner.load(device="cuda", dtype="float32"), steps=6)
@@ -372,7 +372,7 @@ def test_bf16_linear_weights_run_the_projections_and_stay_close_to_float32(real_
     come from transformers' forward on the float32 weights either way: same fingerprint."""
     import torch.nn.functional as F
 
-    from benchmarks.scoring import kl
+    from benchmarks.common.scoring import kl
 
     low = ModelRunner(real_runner.model, real_runner.tokenizer, linear_dtype=torch.bfloat16)
     assert low.fingerprint == real_runner.fingerprint and low.dtype == torch.float32

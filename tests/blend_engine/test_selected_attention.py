@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor import attention
 from blend_engine.kv_store import MemoryStore

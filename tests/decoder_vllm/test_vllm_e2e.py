@@ -127,7 +127,7 @@ def publish(state, ids: list[int], segs: Path) -> str:
 
 
 def passages(offset: int, k: int) -> tuple[str, ...]:
-    from benchmarks.data import load_examples
+    from benchmarks.common.data import load_examples
 
     ex = load_examples("musique", 1, offset=offset)[0]
     return tuple(format_passage(p.text, p.title) for p in ex.paragraphs[:k]), ex.question

@@ -290,7 +290,7 @@ def test_load_packed_rebuilds_the_model_from_the_carry_with_tied_weights(tmp_pat
     """`gpu_pack.load_packed` (what the GPU check runs first) on a tiny tied-embedding Llama: the
     config, the tokenizer, every matrix de-quantized exactly as `unpack3` gives it, norms in fp16
     and the tied head sharing the embeddings."""
-    from benchmarks.gpu_pack import load_packed, pack3, pack_model, unpack3
+    from benchmarks.gpu.gpu_pack import load_packed, pack3, pack_model, unpack3
     from blend_engine.model.runner import ModelRunner
     from tests.helpers import tiny_model
 

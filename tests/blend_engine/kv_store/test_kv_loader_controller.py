@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.policies import plain as plain_policy  # the old field defaults: one kv check
+from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.kv_store import ChunkKV, MemoryStore
 from blend_engine.kv_store.loader import LayerLoader, LayerStream, PrefetchStream
 from blend_engine.scheduler.budget import PrefillWork

@@ -1,0 +1,1 @@
+"""Ingestion: how fast are passages ingested and searched? (docs/results.md "Ingestion")"""

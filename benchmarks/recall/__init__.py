@@ -1,0 +1,1 @@
+"""Retrieval recall: does retrieval find the supporting passages? (docs/results.md "Retrieval recall")"""

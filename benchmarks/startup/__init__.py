@@ -1,0 +1,1 @@
+"""First start: how soon does a fresh clone's `make run` answer? (docs/results.md "First start")"""
