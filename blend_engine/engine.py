@@ -10,7 +10,8 @@ Token layout of every prompt::
 - `executor/` (every tensor): the layer loop, RoPE placement, CacheBlend selection, one prefill
   (`prefill.PrefillRun`), the batched decode step with explicit positions (`decode`).
 - `chunk_cache`: keys, precompute, storing chunks that missed.
-- `engine_loop`: the thread that owns the model and batches requests; `generate` goes through it.
+- `loop` (`loop.engine_loop.EngineLoop`): the thread that owns the model and batches requests; `generate`
+  goes through it.
 
 Modes: full_prefill (nothing loaded), prefix_cache (vLLM's: the longest exact prefix the KV pool
 holds, the rest computed), full_reuse (cached chunks concatenated, only uncached tokens recomputed),
@@ -29,7 +30,6 @@ import torch
 
 from blend_engine.cancel import StopCheck, never
 from blend_engine.chunk_cache import ChunkCache
-from blend_engine.engine_loop import EngineLoop, Prepared
 from blend_engine.executor.attention import check_selected_attention
 from blend_engine.executor.decode import check_decode_attention, decode_batch
 from blend_engine.executor.layers import SERVING, KVCache, LayerHooks
@@ -40,6 +40,8 @@ from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.kv_store.codec import layer_nbytes
 from blend_engine.kv_store.loader import LayerLoader
 from blend_engine.layout import DEFAULT_SYSTEM_PROMPT, PromptLayout, build_layout
+from blend_engine.loop.engine_loop import EngineLoop
+from blend_engine.loop.requests import Prepared
 from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.admission import Ticket
 from blend_engine.scheduler.batch import BatchLimits
@@ -93,7 +95,7 @@ class BlendEngine:
         self.chunks = ChunkCache(runner, store, self.fingerprint)
         self.env = PlanEnv(store, controller, self.config.default_ratio, runner.shape.n_layers,
                            self.bytes_per_layer)
-        self.loop = EngineLoop(self, self.config.batch)
+        self.loop = EngineLoop(self, self.config.batch, self.config.decode_attention, self.config.decode_graphs)
         self._close_lock = threading.Lock()
 
     # ================================================================== the chunk cache

@@ -1,4 +1,4 @@
-"""The engine loop's background work (`blend_engine.background`): stepped jobs advanced a unit a loop turn
+"""The engine loop's background work (`blend_engine.loop.background`): stepped jobs advanced a unit a loop turn
 on the loop's thread, never ahead of a request; the start-up fidelity gate run that way (issue #56 item 1:
 no second thread on the model)."""
 
@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from blend_engine import selfcheck
-from blend_engine.background import Background
 from blend_engine.cancel import Cancelled
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
+from blend_engine.loop.background import Background
 from blend_engine.types import BlendPlan, GenerationConfig
 from tests.helpers import PASSAGES, QUESTION, poll
 

@@ -43,12 +43,12 @@ import blend_engine.executor.uploads as uploads_mod
 import blend_engine.sampling as sampling_mod
 from benchmarks.common.policies import plain as plain_policy  # the old field defaults: one kv check
 from blend_engine.engine import BlendEngine, EngineConfig
-from blend_engine.engine_loop import EngineLoop
 from blend_engine.executor.attention import selected_block_mask
 from blend_engine.executor.decode import decode_batch
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
 from blend_engine.kv_store.loader import LayerLoader
+from blend_engine.loop.engine_loop import EngineLoop
 from blend_engine.model.runner import ModelRunner
 from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, GenerationConfig, SelectionPolicy

@@ -77,7 +77,7 @@ def _start_loop(engine: BlendEngine) -> None:
 
 def _wait_queued(engine: BlendEngine, n: int) -> None:
     deadline = time.monotonic() + WAIT_S
-    while len(engine.loop._tasks) < n:
+    while engine.loop.stats()["tasks_queued"] < n:
         assert time.monotonic() < deadline, "the task was never queued"
         time.sleep(0.005)
 

@@ -1,11 +1,11 @@
-"""The engine loop's background storing of missed passages (`blend_engine.storing`), alone: the
+"""The engine loop's background storing of missed passages (`blend_engine.loop.storing`), alone: the
 queue, its order, the share it takes while prefill work waits, storing on demand, failures."""
 
 from __future__ import annotations
 
 import pytest
 
-from blend_engine.storing import PassageStoring
+from blend_engine.loop.storing import PassageStoring
 
 LAYOUT = object()  # a layout: the store function only passes it on
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from blend_engine.cancel import Cancelled, StopCheck, stop_if
-from blend_engine.storing import PassageStoring, StoreFn
+from blend_engine.loop.storing import PassageStoring, StoreFn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
