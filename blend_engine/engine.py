@@ -10,8 +10,13 @@ Token layout of every prompt::
 - `executor/` (every tensor): the layer loop, RoPE placement, CacheBlend selection, one prefill
   (`prefill.PrefillRun`), the batched decode step with explicit positions (`decode`).
 - `chunk_cache`: keys, precompute, storing chunks that missed.
-- `loop` (`loop.engine_loop.EngineLoop`): the thread that owns the model and batches requests; `generate`
-  goes through it.
+- `loop` (`loop.engine_loop.EngineLoop`): the thread that owns the model and batches requests.
+
+The surface: what the service uses (layout and keys, the chunk cache's `precompute` / `cache_*` /
+`run_compute` as engine-loop tasks, `prepare`, `start` behind `client.EngineClient`, `close`); `generate`
+and `run`, the same path for a blocking caller; `start_run` / `complete_run`, what the loop (and the
+fidelity gate's stepped job) drive; and the research and test seam at the end (`prefill`, `decode_step`),
+outside the loop.
 
 Modes: full_prefill (nothing loaded), prefix_cache (vLLM's: the longest exact prefix the KV pool
 holds, the rest computed), full_reuse (cached chunks concatenated, only uncached tokens recomputed),
@@ -186,23 +191,6 @@ class BlendEngine:
             self.controller.observe(state.report, self.bytes_per_layer(prep.mp.cached_tokens), compute=not run.shared)
         return state
 
-    @torch.inference_mode()
-    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0, hooks: LayerHooks = SERVING) -> PrefillState:
-        """One prefill, whole, on the calling thread (benchmarks, the fidelity gate, tests), outside
-        the KV pool (so it takes no cached prefix). `hooks`: a research run's seam
-        (`executor.layers.LayerHooks`, overridden in benchmarks/)."""
-        prep = self.prepare(plan, max_new_tokens)
-        run = self.start_run(plan, prep, max_new_tokens, hooks)
-        for _ in run.steps():
-            pass
-        return self.complete_run(plan, prep, run)
-
-    @torch.inference_mode()
-    def decode_step(self, cache: KVCache, token_id: int, input_pos: int | None = None) -> torch.Tensor:
-        """Append one token at `input_pos` (default: cache.length); logits [V] for the next one."""
-        pos = cache.length if input_pos is None else input_pos
-        return decode_batch(self.runner, [cache], [token_id], [pos])[0]  # [V]
-
     # ================================================================== generation (the engine loop)
     def generate(self, plan: BlendPlan, gen: GenerationConfig | None = None) -> Generation:
         """A handle: iterating it submits the request to the engine loop, where it is batched."""
@@ -236,6 +224,29 @@ class BlendEngine:
         for _ in g:
             pass
         return g.result
+
+    # ================================================================== the research and test seam
+    # Outside the engine loop and its KV pool, on the calling thread: one prefill whole (its layer
+    # hooks overridable: `benchmarks/quality/oracle_seam.py`), one decode step over a cache of its own.
+    # Tests, benchmarks and the GPU check compare the modes and kernels with these; nothing that serves
+    # calls them (tests/test_import_rules.py holds it); they compute on the caller's thread, so only while
+    # the loop is idle.
+    @torch.inference_mode()
+    def prefill(self, plan: BlendPlan, max_new_tokens: int = 0, hooks: LayerHooks = SERVING) -> PrefillState:
+        """One prefill, whole, on the calling thread (benchmarks, tests), outside the KV pool (so it
+        takes no cached prefix). `hooks`: a research run's seam (`executor.layers.LayerHooks`,
+        overridden in benchmarks/)."""
+        prep = self.prepare(plan, max_new_tokens)
+        run = self.start_run(plan, prep, max_new_tokens, hooks)
+        for _ in run.steps():
+            pass
+        return self.complete_run(plan, prep, run)
+
+    @torch.inference_mode()
+    def decode_step(self, cache: KVCache, token_id: int, input_pos: int | None = None) -> torch.Tensor:
+        """Append one token at `input_pos` (default: cache.length); logits [V] for the next one."""
+        pos = cache.length if input_pos is None else input_pos
+        return decode_batch(self.runner, [cache], [token_id], [pos])[0]  # [V]
 
     def close(self) -> None:
         """Stop the engine loop (queued and running requests fail with Cancelled). Safe to call twice."""

@@ -225,3 +225,28 @@ def test_the_scheduler_holds_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, f"the scheduler loaded torch (or failed): {proc.stderr[-2000:]}"
+
+
+SERVING = ("app", "blendserve_config", "corpus_tools", "corpus_cli", "retrieval", "blendserve_vllm")
+SEAM = {"prefill", "decode_step"}  # `BlendEngine`'s research and test seam: outside the engine loop and its pool
+
+
+def seam_calls(path: Path) -> list[tuple[int, str]]:
+    """Calls of `<anything>.prefill(...)` / `<anything>.decode_step(...)` in a file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [(n.lineno, n.func.attr) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in SEAM]
+
+
+def test_nothing_that_serves_calls_the_engines_research_seam():
+    """Issue #58 item 2: the service, the CLI and ingestion reach the engine through the one surface the
+    service uses (the engine loop); the synchronous prefill / decode_step seam is for tests and benchmarks."""
+    found = {f"{p.relative_to(ROOT)}:{line}": name for pkg in SERVING for p in source_files(pkg)
+             for line, name in seam_calls(p)}
+    assert not found, found
+
+
+def test_the_seam_check_sees_a_call(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def f(engine):\n    return engine.prefill(plan).logits\n")
+    assert seam_calls(f) == [(2, "prefill")]

@@ -1,15 +1,17 @@
 """The engine loop's background work: whatever runs the model for something other than a request in the
 batch, on the loop's thread, between its steps (the one thread that computes; `cpu_threads`).
 
-    loop turn:  | step (the batch) | one task | one storing unit | one stepped-job unit |
+    loop turn:  | step (the batch) | one task | one storing unit | stepped-job units |
                                      ingestion    a missed passage  a layer of a fidelity-gate
                                      precompute   stored            prefill (or one chunk cached)
 
 - **tasks** (`run_task`): a callable run whole between two steps (ingestion's KV precompute, its
   embedding batches); one per turn.
 - **storing** (`storing.PassageStoring`): missed passages' alone-KV, stored after their answers.
-- **stepped jobs** (`run_stepped`): a generator advanced by one unit a turn, so that a long job (the
-  start-up fidelity gate: ~20 prefills) delays a request by one unit, never by the whole job.
+- **stepped jobs** (`run_stepped`): a generator advanced a unit at a time, so that a long job (the
+  start-up fidelity gate: ~20 prefills) delays a request by one unit, never by the whole job: one unit
+  a turn while requests are in the batch; with none, units for as long as the turn's task ran (at
+  least `IDLE_SLICE_S`), so the job shares the loop evenly with ingestion.
 
 Storing and stepped jobs yield to requests: while prefill work waits they take one turn in
 `busy_stride`. Callers on other threads block on a future; on the loop's own thread, or before the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from blend_engine.loop.storing import PassageStoring, StoreFn
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Steps = Generator[None, None, T]  # a stepped job: yields between units, returns its result
+IDLE_SLICE_S = 0.05  # a stepped job's least time a turn while no request is in the batch
 
 
 @dataclass
@@ -97,39 +101,48 @@ class Background:
         """Anything for a turn (the loop sleeps when neither this nor the batch has work). Under `cond`."""
         return bool(self._tasks) or bool(self._stepped) or self.storing.has_work
 
-    def turn(self, busy: bool) -> None:
-        """One loop turn's background work, after the step: a task, a passage stored, a stepped unit
-        (those two one turn in `busy_stride` while `busy`: prefill work waits)."""
+    def turn(self, busy: bool, idle: bool = False) -> None:
+        """One loop turn's background work, after the step: a task, a passage stored, stepped units.
+        With requests in the batch a stepped job gets one unit (one turn in `busy_stride` while `busy`:
+        prefill work waits); with none (`idle`) it runs for as long as this turn's task did, at least
+        `IDLE_SLICE_S`, so it shares the loop evenly with ingestion and a new request waits one slice."""
+        t0 = time.perf_counter()
         with self._cond:
             task = self._tasks.popleft() if self._tasks else None
         if task is not None:
             _run_task(task)
+        task_s = time.perf_counter() - t0
         self.storing.step(busy)
         self._turns += 1
         if self._stepped and busy and self._turns % self.busy_stride:
             self.stepped_deferred += 1
             return
-        self._advance()
+        deadline = time.perf_counter() + max(task_s, IDLE_SLICE_S)
+        while self._advance() and idle and time.perf_counter() < deadline:
+            pass
 
-    def _advance(self) -> None:
+    def _advance(self) -> bool:
+        """One unit of the first stepped job; whether that job has more."""
         with self._cond:
             job = self._stepped[0] if self._stepped else None
         if job is None:
-            return
+            return False
         try:
             if job.steps is None:
                 if not job.fut.set_running_or_notify_cancel():
                     self._pop(job)
-                    return
+                    return False
                 job.steps = job.make()
             next(job.steps)
             self.stepped_units += 1
+            return True
         except StopIteration as done:
             self._pop(job)
             job.fut.set_result(done.value)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             self._pop(job)
             job.fut.set_exception(exc)
+        return False
 
     def _pop(self, job: _Stepped) -> None:
         with self._cond:

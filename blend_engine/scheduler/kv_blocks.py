@@ -83,14 +83,10 @@ class BlockPool:
         self._used_at = [0] * n_blocks  # when a cached block was last released or hit (LRU)
         self._clock = 0
         self.in_use = 0  # blocks with a reference
+        self.cached = 0  # blocks that hold a registered prefix and nobody uses (evictable)
         self.evictions = 0
 
     # ------------------------------------------------------------------ introspection
-    @property
-    def cached(self) -> int:
-        """Blocks that hold a registered prefix and nobody uses (evictable)."""
-        return sum(1 for b, h in enumerate(self._hash) if h is not None and self._ref[b] == 0)
-
     @property
     def free(self) -> int:
         """Blocks not in use (free or cached)."""
@@ -118,6 +114,7 @@ class BlockPool:
                 continue
             self._hash[b] = h
             self._by_hash[h] = b
+            self.cached += self._ref[b] == 0
 
     # ------------------------------------------------------------------ runs
     def allocate(self, n: int) -> Run | None:
@@ -173,6 +170,7 @@ class BlockPool:
         for b in blocks:
             if self._ref[b] == 0:
                 self.in_use += 1
+                self.cached -= self._hash[b] is not None
             self._ref[b] += 1
 
     def unpin(self, blocks: Sequence[int]) -> None:
@@ -187,6 +185,7 @@ class BlockPool:
         self._ref[b] -= 1
         if self._ref[b] == 0:
             self.in_use -= 1
+            self.cached += self._hash[b] is not None
             self._used_at[b] = self._clock
 
     def _window_free(self, start: int, n: int) -> bool:
@@ -196,8 +195,9 @@ class BlockPool:
         """Reference the run's blocks; past the first `keep` they are about to be overwritten, so
         their registrations are evicted."""
         for i, b in enumerate(run.blocks):
+            self.cached -= self._ref[b] == 0 and self._hash[b] is not None
+            self.in_use += self._ref[b] == 0
             self._ref[b] += 1
-            self.in_use += 1
             if i >= keep:
                 self._evict(b)
         return run

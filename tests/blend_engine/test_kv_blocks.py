@@ -178,3 +178,44 @@ def test_decoding_sequences_grow_in_place_while_the_pool_has_room():
         moved += sum(m.moved for m in s.schedule().moves)
         s.applied()
     assert moved == 0 and s.running == 8
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_cached_and_in_use_counts_follow_every_operation(seed):
+    """`cached` and `in_use` are counters (read by /metrics on every scrape, so O(1)): after any mix of
+    allocations, registrations, growth, pins and releases they equal the block states counted out."""
+    import random
+
+    rng = random.Random(seed)
+    pool = BlockPool(rng.randint(8, 40), 4, room=rng.randint(0, 2))
+    runs: list[Run] = []
+    pinned: list[list[int]] = []
+    for step in range(200):
+        op = rng.random()
+        if op < 0.3:
+            run = pool.allocate(rng.randint(1, 5))
+            if run is not None:
+                runs.append(run)
+        elif op < 0.45 and runs:
+            run = rng.choice(runs)
+            pool.register(run, [f"s{seed}-{step}-{i}" for i in range(rng.randint(1, run.n))])
+        elif op < 0.6 and runs:
+            i = rng.randrange(len(runs))
+            grown = pool.grow(runs[i], rng.randint(1, 2))
+            if grown is not None:
+                new, moved, given_back = grown
+                if moved and not given_back:
+                    pool.release(runs[i])
+                runs[i] = new
+        elif op < 0.7:
+            named = [b for b in range(pool.n_blocks) if pool._hash[b] is not None]
+            if named:
+                blocks = rng.sample(named, min(len(named), 2))
+                pool.pin(blocks)
+                pinned.append(blocks)
+        elif op < 0.8 and pinned:
+            pool.unpin(pinned.pop(rng.randrange(len(pinned))))
+        elif runs:
+            pool.release(runs.pop(rng.randrange(len(runs))))
+        assert pool.cached == sum(1 for b in range(pool.n_blocks) if pool._hash[b] is not None and pool._ref[b] == 0)
+        assert pool.in_use == sum(1 for b in range(pool.n_blocks) if pool._ref[b] > 0)
