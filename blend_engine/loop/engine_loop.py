@@ -67,9 +67,9 @@ class EngineLoop:
         per_block = block_bytes(engine.runner, limits.block_tokens)
         n_blocks = max(1, limits.kv_budget_bytes // per_block)
         self.scheduler = BatchScheduler(limits, n_blocks, per_block)
-        self.admission = AdmissionControl(AdmissionLimits(limits.max_queue, limits.max_batch))
         self.pool = KVPool(engine.runner, n_blocks, limits.block_tokens)
-        self.requests = RequestTable(self.scheduler, self.admission)
+        self.requests = RequestTable(self.scheduler, AdmissionControl(AdmissionLimits(limits.max_queue,
+                                                                                      limits.max_batch)))
         self.stepper = Stepper(engine, self.pool, self.requests, TokenOutput(engine.runner), self._end,
                                decode_attention, decode_graphs)
         self._cond = threading.Condition()
@@ -86,6 +86,15 @@ class EngineLoop:
         self.step_seconds = {STEP_DECODE: 0.0, STEP_PREFILL: 0.0}  # wall time of steps, by kind
         self.step_counts = {STEP_DECODE: 0, STEP_PREFILL: 0}
         self.step_cpu_seconds = 0.0  # the process's CPU time while steps ran (/ their wall time: cores kept busy)
+
+    @property
+    def admission(self) -> AdmissionControl:
+        """The one admission point (`scheduler.admission`), which the request table tells how requests went."""
+        return self.requests.admission
+
+    @admission.setter
+    def admission(self, admission: AdmissionControl) -> None:  # a seam for tests: a fixed cost per request
+        self.requests.admission = admission
 
     @property
     def steps(self) -> int:
