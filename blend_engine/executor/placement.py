@@ -17,7 +17,7 @@ from blend_engine.layout import Segment
 from blend_engine.model import ModelRunner
 from blend_engine.transfer import PackedLayer
 
-from .uploads import upload
+from .uploads import span_ranges, span_starts, upload
 
 
 class Placer:
@@ -36,11 +36,11 @@ class Placer:
         self._contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         self._start = spans[0][0] if spans else 0
         self._end = spans[-1][1] if spans else 0
-        self._index = upload(torch.cat([torch.arange(a, b) for a, b in spans]), runner.device) if spans else None  # [Tc]
+        self._index = upload(span_ranges(spans), runner.device) if spans else None  # [Tc]
         self._kernel = runner.uses_cpu_kernels
         self._rot = None
         if rotate and spans:
-            deltas = upload(torch.cat([torch.full((b - a,), a) for a, b in spans]), runner.device)  # [Tc]
+            deltas = upload(span_starts(spans), runner.device)  # [Tc]: each cached token's move
             self._rot = runner.rotation(deltas, torch.float32)  # [Tc, D] each, fp32 on the device
 
     def place(self, K: torch.Tensor, V: torch.Tensor, packed: PackedLayer) -> None:
