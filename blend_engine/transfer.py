@@ -10,8 +10,11 @@ not at all (decoded where it lies), and the chunks' K and V are concatenated int
 which records an event. The engine's thread only makes its compute stream wait for that event
 (`PackedLayer.wait`, no host sync), so the copy of layer i+1 overlaps the compute of layer i.
 
-On the CPU the same code packs into buffers of the compute dtype (the cast happens on the reader
-thread too) and no copy is needed. Shapes: H kv heads, Tc cached tokens, D head dim, C chunks.
+On the CPU no copy to a device is needed: a staged layer is gathered into ONE block `[2, H, Tc, D]`
+(K then V of every chunk) by one strided host memcpy a chunk (numpy: no torch op, the GIL released),
+then cast to the compute dtype and (int8) dequantized over the whole block, so the torch ops a
+layer costs do not grow with the number of chunks (issue #57; `executor.dispatch_count` counts
+them). Shapes: H kv heads, Tc cached tokens, D head dim, C chunks.
 
 int8 chunks (`codec.QuantLayer`, asked for with `LayerPacker.moves_int8`) travel as int8: the ring
 holds int8 kq, vq [H, Tc, D] plus their fp16 scales (K per chunk and channel [H, C, D], V per
@@ -26,6 +29,7 @@ import functools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from blend_engine.kv_store.codec import FLOAT_FORMATS, ChunkMeta, QuantLayer, decode_raw, dequantize_k, dequantize_v
@@ -103,6 +107,7 @@ class LayerPacker:
         self._slots = max(2, slots)
         self.staging = StagingRing(self._slots, pinned=self._cuda, gather=self._cuda)  # what the loader reads into
         self._ring: list[tuple[torch.Tensor, ...]] = []
+        self._bytes: list[tuple[np.ndarray, ...] | None] = []  # per ring slot: its buffers' bytes, `_host_slot`
         self._events: list[object | None] = [None] * self._slots
         self._next = 0
         self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
@@ -132,7 +137,9 @@ class LayerPacker:
                 return self._upload(layer_kv)
             t0 = time.perf_counter()
             nbytes = sum(len(b) for b in layer_kv.blobs if not isinstance(b, torch.Tensor))
-            packed = self._packed(layer_kv.decoded(quantized=self.moves_int8))  # views of the slot: copied
+            packed = self._host_gathered(layer_kv) if self.device.type == "cpu" and not self.moves_int8 else None
+            if packed is None:  # mixed formats or shapes, a blob on a device, another device
+                packed = self._packed(layer_kv.decoded(quantized=self.moves_int8))  # views of the slot: copied
             self._moved[0] += nbytes
             self._moved[1] += time.perf_counter() - t0
             return packed
@@ -192,7 +199,8 @@ class LayerPacker:
         """Each cached token's chunk, [Tc] int64 on the device: the same for every layer, moved
         once (on the copy stream, ahead of the first layer's event)."""
         if self._chunk_index is None or self._chunk_index[0] != lengths:
-            index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [Tc]
+            index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths),
+                                            output_size=sum(lengths))  # [Tc]: its size known, no read
             if self._cuda:
                 with torch.cuda.stream(self._stream):
                     index = index.pin_memory().to(self.device, non_blocking=True)  # [Tc]
@@ -200,6 +208,55 @@ class LayerPacker:
                 index = index.to(self.device)  # [Tc]
             self._chunk_index = (lengths, index)
         return self._chunk_index[1]
+
+    def _host_gathered(self, staged: StagedLayer) -> PackedLayer | None:
+        """A staged layer on the CPU: every chunk's blob copied into its columns of ONE block of the
+        layer by one strided numpy memcpy, then a constant number of torch ops over the block (the
+        cast to the compute dtype; int8: the dequantization). None when one block cannot hold them:
+        formats or shapes that differ, a blob that is a tensor on a device."""
+        metas = staged.metas
+        m0 = metas[0]
+        if any((m.fmt, m.n_heads, m.head_dim) != (m0.fmt, m0.n_heads, m0.head_dim) for m in metas):
+            return None
+        raws = [host_bytes(b) for b in staged.blobs]  # [layer_nbytes] uint8 each, no copy
+        if any(r is None for r in raws):
+            return None
+        lengths = tuple(m.n_tokens for m in metas)
+        if m0.fmt == "int8":
+            return self._host_int8(raws, lengths, m0.n_heads, m0.head_dim)
+        return self._host_float(raws, lengths, m0.n_heads, m0.head_dim, FLOAT_FORMATS[m0.fmt])
+
+    def _host_float(self, raws: list[np.ndarray], lengths: tuple[int, ...], H: int, D: int,
+                    stored: torch.dtype) -> PackedLayer:
+        """Float blobs (k [H, t, D] then v [H, t, D] each) -> k, v [H, Tc, D] of the compute dtype: the
+        bytes gathered as stored, then one cast of the block where the dtypes differ."""
+        Tc = sum(lengths)
+        specs = [((2, H, Tc, D), stored)]
+        if stored != self.compute_dtype:
+            specs.append(((2, H, Tc, D), self.compute_dtype))
+        bufs, (out, *_) = self._host_slot(specs)
+        gather_columns(out, [r.reshape(2, H, -1, D * stored.itemsize) for r in raws], lengths,
+                       axis=2)  # [2, H, Tc, D * itemsize] bytes of the block
+        block = bufs[0]  # [2, H, Tc, D] stored dtype
+        kv = bufs[1].copy_(block) if len(bufs) > 1 else block  # [2, H, Tc, D] compute dtype
+        return PackedLayer(kv[0], kv[1])
+
+    def _host_int8(self, raws: list[np.ndarray], lengths: tuple[int, ...], H: int, D: int) -> PackedLayer:
+        """int8 blobs (kq, vq [H, t, D], ks [H, D], vs [H, t]) -> k, v [H, Tc, D] fp32: gathered as
+        stored, dequantized once over the block (`Int8Scales`, the codec's formula: bit for bit the
+        host decode of each chunk)."""
+        Tc, C = sum(lengths), len(lengths)
+        (q, ks, vs), (qb, ksb, vsb) = self._host_slot([((2, H, Tc, D), torch.int8), ((H, C, D), torch.float16),
+                                                        ((H, Tc), torch.float16)])
+        n = [2 * H * t * D for t in lengths]  # bytes of a chunk's kq and vq
+        gather_columns(qb, [r[:m].reshape(2, H, -1, D) for r, m in zip(raws, n)], lengths,
+                       axis=2)  # [2, H, Tc, D] int8
+        gather_columns(ksb, [r[m:m + 2 * H * D].reshape(H, 1, 2 * D) for r, m in zip(raws, n)], (1,) * C,
+                       axis=1)  # [H, C, 2D] bytes: fp16 [H, C, D]
+        gather_columns(vsb, [r[m + 2 * H * D:].reshape(H, -1) for r, m in zip(raws, n)], tuple(2 * t for t in lengths),
+                       axis=1)  # [H, 2Tc] bytes: fp16 [H, Tc]
+        k, v = Int8Scales(ks, vs, self._chunks(lengths)).dequantize(q[0], q[1])  # [H, Tc, D] fp32 each
+        return PackedLayer(k, v)
 
     def _pack(self, layer_kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
         H, _, D = layer_kv[0][0].shape
@@ -226,9 +283,20 @@ class LayerPacker:
             self._ring = [tuple(torch.empty(shape, dtype=dt, pin_memory=self._cuda) for shape, dt in specs)
                           for _ in range(self._slots)]
             self._events = [None] * self._slots
+            self._bytes = [None] * self._slots
         if self._events[slot] is not None:
             self._events[slot].synchronize()  # this thread only: the previous copy out of the slot is done
         return self._ring[slot]
+
+    def _host_slot(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[tuple[torch.Tensor, ...],
+                                                                                tuple[np.ndarray, ...]]:
+        """`_slot`'s buffers and numpy uint8 views of them ([..., last dim x itemsize] bytes), the views
+        made once per ring slot (`numpy()` costs four torch ops)."""
+        bufs = self._slot(specs)
+        slot = (self._next - 1) % self._slots
+        if self._bytes[slot] is None:
+            self._bytes[slot] = tuple(t.view(torch.uint8).numpy() for t in bufs)
+        return bufs, self._bytes[slot]
 
     def _copy_pinned(self, layer_kv: LayerKV) -> PackedLayer:
         """Chunks already in pinned memory: each K and V in one contiguous copy, concatenated once on the device."""
@@ -347,6 +415,24 @@ class LayerPacker:
                             chunk)
         return PackedLayer(torch.cat([q.kq for q in parts], dim=1),  # [H, Tc, D] int8
                            torch.cat([q.vq for q in parts], dim=1), scales=scales)
+
+
+def host_bytes(blob: object) -> np.ndarray | None:
+    """A blob's bytes as a uint8 array [nbytes] over the same memory (no copy); None for a tensor
+    on a device."""
+    if isinstance(blob, torch.Tensor):
+        return blob.numpy() if blob.device.type == "cpu" else None
+    return np.frombuffer(blob, dtype=np.uint8)
+
+
+def gather_columns(out: np.ndarray, parts: list[np.ndarray], widths: tuple[int, ...], axis: int) -> None:
+    """Part i (of width widths[i] along `axis`, `out`'s shape elsewhere) into its columns of `out`,
+    one after the other: one strided memcpy a part, numpy's (no torch op; the GIL released)."""
+    lead = (slice(None),) * axis
+    o = 0
+    for part, w in zip(parts, widths):
+        np.copyto(out[(*lead, slice(o, o + w))], part)
+        o += w
 
 
 # ---------------------------------------------------------------------- start-up calibration

@@ -8,15 +8,19 @@ Each request runs through the engine's own paths, as the engine loop runs it: `B
 of its sequence over the pool (`executor.decode.decode_batch`, pooled: the loop's step). Counted by
 `blend_engine.executor.dispatch_count.DispatchCount` (a TorchDispatchMode): per layer the ops of
 its three phases, load (the next layer from the loader's stream: on the CPU it reads on the compute
-thread; on a GPU on its reader thread, uncounted) + place (the cached chunks written at their
-offsets, rotated) + pass (projections, selection, attention, MLP); "outside" is everything before
-the first layer and after the last (tables, uploads, logits, the final positions' one read).
+thread, every chunk's blob gathered into one block by numpy, then a constant few ops; on a GPU on
+its reader thread, uncounted) + place (the cached chunks written at their offsets, rotated) + pass
+(projections, selection, attention, MLP); "outside" is everything before the first layer and
+after the last (tables, uploads, logits, the final positions' one read).
 
-Targets (held by tests/blend_engine/test_dispatch_count.py on a tiny random model): place + pass
-ops per layer the same for any number of passages, and no host read inside the layer loop; the
-same for full prefill and the decode step. `--model tiny` (the default: seconds) is an 8-layer
-random Llama with the default model's tokenizer; `--model default` is SmolLM2-135M. Passages are
-MuSiQue dev paragraphs when the shared data is there, else synthetic sentences.
+Targets (held by tests/blend_engine/test_dispatch_count.py on a tiny random model): load + place +
+pass ops per layer the same for any number of passages, and no host read inside the layer loop;
+the same for full prefill and the decode step. The exception is `--selected-attention blocks`
+(the CPU's SDPA fallback): its blocks read keys up to a data-dependent bound, one host read per
+selection set, and more selected rows make more blocks (`executor.selection.Selection`).
+`--model tiny` (the default: seconds) is an 8-layer random Llama with the default model's
+tokenizer; `--model default` is SmolLM2-135M. Passages are MuSiQue dev paragraphs when the shared
+data is there, else synthetic sentences.
 """
 
 from __future__ import annotations
@@ -82,9 +86,9 @@ class PassCount:
         outside = [r.what for r in count.host_reads(inside=False) if r.layer is None]
         return cls(per_layer, count.ops(None), inside, outside)
 
-    def compute_ops(self, layer: int) -> int:
-        """Place + pass ops at a layer: what must not grow with the passages."""
-        return self.layers[layer]["place"] + self.layers[layer]["pass"]
+    def total_ops(self, layer: int) -> int:
+        """Load + place + pass ops at a layer: what must not grow with the passages."""
+        return sum(self.layers[layer].values())
 
 
 @dataclass

@@ -118,8 +118,7 @@ class LayerJob:
     - check_layer given (blend): layers 0..check_layer recompute every token; at check_layer the
       selection is made from deviations, then narrowed per the policy's schedule.
     - neither: plain causal prefill of every token (full_prefill, precompute).
-    Cached segments are stored at 0..T-1 and moved to their offset (`rotate`), except prefix
-    cache entries, which were computed in place.
+    Cached segments are stored at 0..T-1 and moved to their offset by RoPE (`placement.Placer`).
     """
 
     ids: torch.Tensor  # [N] prompt token ids on the device
@@ -131,7 +130,6 @@ class LayerJob:
     ratio: float = 0.0
     policy: SelectionPolicy | None = None
     layout: PromptLayout | None = None  # blend: which positions compete
-    rotate: bool = True
     probe: ScoreProbe | None = None  # explain: keeps the check layer's scores
     attention: str = "auto"  # how selected rows attend (`selection.Selection`)
     timer: Timer = field(default_factory=Timer)  # accumulates host time (the job itself is not changed)
@@ -216,7 +214,7 @@ class LayerLoop:
         self.passage_keys = None  # APE (`ape.py`): the cached passages' positions [N] bool, when the policy asks
         if self.ranked is not None and (policy.ape_temperature != 1.0 or policy.ape_scale != 1.0):
             self.passage_keys = self.ranked.pid < len(self.ranked.passages)  # [N] bool
-        self.placer = Placer(r, list(job.cached), job.rotate)
+        self.placer = Placer(r, list(job.cached))
         self.clock = LayerClock(r.device)
         self.sizes: list[int] = []
         self.layer = 0  # the next layer to run

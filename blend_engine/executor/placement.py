@@ -4,8 +4,6 @@ Each chunk was computed alone at positions 0..T-1 and is moved to its offset by 
 
     cached:  | sys 0..s | chunk_1 0..t1 | chunk_2 0..t2 | ...
     placed:  | sys 0..s | chunk_1 s..s+t1 | chunk_2 s+t1.. | ... | question (recomputed) |
-
-Prefix-cache entries were computed in context, already in place: they are not rotated.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from blend_engine.model import cpu_kernels
 from blend_engine.model.runner import ModelRunner
 from blend_engine.transfer import PackedLayer
 
-from .uploads import upload
+from .uploads import span_ranges, span_starts, upload
 
 
 class Placer:
@@ -30,17 +28,17 @@ class Placer:
     float32 one pass of `cpu_kernels.place_rotated` (the same values bit for bit).
     """
 
-    def __init__(self, runner: ModelRunner, cached: list[Segment], rotate: bool) -> None:
+    def __init__(self, runner: ModelRunner, cached: list[Segment]) -> None:
         self._dtype = runner.dtype
         spans = [(s.offset, s.end) for s in cached]
         self._contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         self._start = spans[0][0] if spans else 0
         self._end = spans[-1][1] if spans else 0
-        self._index = upload(torch.cat([torch.arange(a, b) for a, b in spans]), runner.device) if spans else None  # [Tc]
+        self._index = upload(span_ranges(spans), runner.device) if spans else None  # [Tc]
         self._kernel = runner.uses_cpu_kernels
         self._rot = None
-        if rotate and spans:
-            deltas = upload(torch.cat([torch.full((b - a,), a) for a, b in spans]), runner.device)  # [Tc]
+        if spans:
+            deltas = upload(span_starts(spans), runner.device)  # [Tc]: each cached token's move
             self._rot = runner.rotation(deltas, torch.float32)  # [Tc, D] each, fp32 on the device
 
     def place(self, K: torch.Tensor, V: torch.Tensor, packed: PackedLayer) -> None:

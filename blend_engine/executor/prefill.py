@@ -30,7 +30,7 @@ from blend_engine.transfer import LayerPacker
 from blend_engine.types import BlendPlan, BlendReport, Mode, SelectionPolicy
 
 from .layers import SERVING, KVCache, LayerHooks, LayerJob, LayerLoop, LayerOutput, Timer
-from .uploads import upload, upload_ints
+from .uploads import span_ranges, upload, upload_ints
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class PrefillState:
 
 def span_positions(spans: tuple[Span, ...], device: torch.device) -> torch.Tensor:
     """Integer spans [start, end) as one sorted position tensor [S] on the device (one upload)."""
-    return upload(torch.cat([torch.arange(a, b) for a, b in spans]), device)  # [S]
+    return upload(span_ranges(spans), device)  # [S]
 
 
 class PrefillRun:

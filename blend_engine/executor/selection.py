@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -48,6 +49,16 @@ def query_blocks(rows: int) -> int:
     return max(1, min(MAX_BLOCKS, rows // BLOCK_ROWS))
 
 
+def block_rows(rows: int, blocks: int | None = None) -> list[tuple[int, int]]:
+    """The (first, end) rows of each position-ordered block of `rows` selected rows: `blocks` of them
+    (`query_blocks` when None), never an empty one, the first rows % k one row longer (as
+    `torch.tensor_split`); host ints, no tensor."""
+    k = min(blocks or query_blocks(rows), rows)
+    size, extra = divmod(rows, k)
+    ends = [(i + 1) * size + min(i + 1, extra) for i in range(k)]
+    return list(zip([0, *ends[:-1]], ends))
+
+
 def cpu_kernel(attention: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows at given positions attend through `cpu_kernels.selected_attention`: "auto" on the
     CPU where the kernel takes the cache (float32, a head dim of 16 x 1..8, built). At 4.6K tokens
@@ -64,10 +75,13 @@ class Selection:
     `kernel` (the caller's `cpu_kernel`): one call of the CPU's C++ kernel over the positions, each
     row's keys up to its own. Else `attention` (`EngineConfig.selected_attention`): "auto" is
     "blocks" on the CPU, "sdpa_mask" elsewhere. "blocks": queries split into position-ordered
-    blocks; each reads only the keys up
-    to its last position, under an additive causal mask by absolute position: ~S x N / 2 work,
-    not S x N (reading a block's last position is free on the host; on a device it would be a
-    host sync per set; `query_blocks` sets their number). "sdpa_mask": one boolean mask [S, N] by
+    blocks; each reads only the keys up to its last position, under an additive causal mask by
+    absolute position: ~S x N / 2 work, not S x N. The keys a block reads are a data-dependent
+    shape: the blocks' last positions are read on the host, in one read per set (free on the CPU,
+    the only place it runs; on a device it would be a sync, and a device never takes this path),
+    and a set of more rows splits into more blocks (`query_blocks`), each one more SDPA call a
+    layer: the one mode whose ops a layer follow the selection's size, and that reads the host
+    inside the layer loop (issue #57). "sdpa_mask": one boolean mask [S, N] by
     absolute position, built on the device (no data-dependent shape), SDPA keeps its
     memory-efficient kernel. "flex": FlexAttention with a block mask from the positions
     (`attention`), one per window size.
@@ -80,7 +94,7 @@ class Selection:
         self.cos, self.sin = cos_all[pos], sin_all[pos]  # [S, D] each
         self._n = n
         self._windows = window_masks(pos, n)  # layer -> [S, N] or None, built once per set and window size
-        self._blocks: list[tuple[torch.Tensor, int, torch.Tensor, Callable[[int], torch.Tensor | None]]] = []
+        self._blocks: list[tuple[int, int, int, torch.Tensor, Callable[[int], torch.Tensor | None]]] = []
         self._mask: torch.Tensor | None = None
         self._flex: dict[int | None, BlockMask] | None = {} if attention == "flex" else None
         self._kernel = kernel
@@ -89,13 +103,14 @@ class Selection:
         if attention == "sdpa_mask" or pos.device.type != "cpu":
             self._mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # [S, N] bool
             return
-        S = pos.numel()
-        for idx in torch.tensor_split(torch.arange(S), min(blocks or query_blocks(S), S)):  # no empty block
-            p = pos[idx]  # [s]
-            hi = int(p[-1]) + 1  # a host read: free on the CPU
+        rows = block_rows(pos.numel(), blocks)  # [(first, end)] of each block, host ints
+        last = torch.tensor([b - 1 for _, b in rows])  # [k] each block's last row
+        his = [x + 1 for x in pos[last].tolist()]  # the set's ONE host read (free on the CPU): the keys each reads
+        for (a, b), hi in zip(rows, his):
+            p = pos[a:b]  # [s]
             allowed = torch.arange(hi)[None, :] <= p[:, None]  # [s, hi]
             mask = torch.zeros(allowed.shape, dtype=cos_all.dtype)  # [s, hi]
-            self._blocks.append((idx, hi, mask.masked_fill_(~allowed, float("-inf")), window_masks(p, hi)))
+            self._blocks.append((a, b, hi, mask.masked_fill_(~allowed, float("-inf")), window_masks(p, hi)))
 
     def attend(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
         """q [Hq, S, D] of the selected positions over the blended cache K, V [H, C, D]: [S, Hq*D].
@@ -111,8 +126,8 @@ class Selection:
                                                   r.scaling)  # [S, Hq*D]
         if self._mask is not None:
             return self._attend_masked(r, q, K, V, layer)  # [S, Hq*D]
-        outs = [r.attend(q[:, idx], K[:, :hi], V[:, :hi], causal if (window := windows(layer)) is None else window)
-                for idx, hi, causal, windows in self._blocks]  # [s, Hq*D] each
+        outs = [r.attend(q[:, a:b], K[:, :hi], V[:, :hi], causal if (window := windows(layer)) is None else window)
+                for a, b, hi, causal, windows in self._blocks]  # [s, Hq*D] each
         return torch.cat(outs)  # [S, Hq*D]
 
     def _attend_masked(self, r: ModelRunner, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: int) -> torch.Tensor:
@@ -171,10 +186,10 @@ class RankSpace:
         self.n_query = last.end - last.offset  # the question: always recomputed, the last Q positions
         self.query = torch.arange(last.offset, last.end, device=device)  # [Q]
         P = len(self.passages)
-        pid = torch.full((self.n,), P, dtype=torch.long)  # [N]; P: in no cached passage
+        pid = np.full(self.n, P, dtype=np.int64)  # [N]; P: in no cached passage (numpy: no torch op a passage)
         for i, (s, e) in enumerate(self.passages):
             pid[s:e] = i
-        self.pid = upload(pid, device)  # [N]
+        self.pid = upload(torch.from_numpy(pid), device)  # [N]
         self.passage_len = upload(torch.tensor([float(e - s) for s, e in self.passages]), device)  # [P]
         self._mass_sum: torch.Tensor | None = None  # query_mass "running": summed over selecting layers
         self._mass_count = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from blend_engine.kv_store.staging import pinnable
@@ -34,3 +35,16 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def upload_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """A host list of ints as a long tensor on `device` [n] (see `upload`)."""
     return upload(torch.tensor(list(values), dtype=torch.long), device)  # [n]
+
+
+def span_ranges(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Every position of the integer spans [start, end), in order, as a host long tensor [S]: built
+    by numpy from the lengths known up front (no torch op per span), for one upload."""
+    parts = [np.arange(a, b, dtype=np.int64) for a, b in spans]
+    return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))  # [S]
+
+
+def span_starts(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Each position of the spans, its span's start, as a host long tensor [S] (see `span_ranges`)."""
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    return torch.from_numpy(np.repeat(starts, [b - a for a, b in spans]))  # [S]

@@ -1,7 +1,8 @@
-"""The fixed cost of a request, counted (issue #57 item 1): ops per layer do not grow with the number
-of passages, and nothing inside the layer loop reads a device value on the host, for a blend, a
-full prefill and a decode step (`executor.dispatch_count`, driven by `benchmarks.kernels.dispatch_count`
-through the engine's own paths, on an 8-layer random Llama)."""
+"""The fixed cost of a request, counted (issue #57 item 1): ops per layer (load, place and pass) do
+not grow with the number of passages, and nothing inside the layer loop reads a device value on the
+host, for a blend, a full prefill and a decode step (`executor.dispatch_count`, driven by
+`benchmarks.kernels.dispatch_count` through the engine's own paths, on an 8-layer random Llama). The one
+exception, measured: `selected_attention="blocks"` reads once per selection set."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def counts(request, runner) -> dict[tuple[str, int], RequestCount]:
 
 
 def _per_layer(counts, mode: str, part: str) -> dict[int, list[int]]:
-    """passages -> place + pass ops of each layer."""
-    return {n: [getattr(counts[mode, n], part).compute_ops(layer) for layer in range(TINY["num_hidden_layers"])]
+    """passages -> load + place + pass ops of each layer."""
+    return {n: [getattr(counts[mode, n], part).total_ops(layer) for layer in range(TINY["num_hidden_layers"])]
             for n in SIZES}
 
 
@@ -72,6 +73,15 @@ def test_blend_places_every_chunk_in_one_op_a_layer(counts):
         assert places[0] == 0 and set(places[1:]) == {1}, (n, places)
 
 
+def test_blend_loads_every_chunk_with_the_same_ops_a_layer(counts):
+    """The loader's layer (on the CPU read on the compute thread): every chunk's blob gathered into
+    one block by numpy, then the same few ops whatever the number of chunks; nothing loaded below
+    the check layer."""
+    loads = {n: [layer["load"] for layer in counts["blend", n].prefill.layers] for n in SIZES}
+    assert loads[3] == loads[10] == loads[30], loads
+    assert loads[3][0] == 0 and max(loads[3][3:]) <= 2, loads[3]  # after the ring's set-up: k and v of the block
+
+
 def test_decode_step_ops_per_layer_do_not_grow_with_context(counts):
     per = _per_layer(counts, "blend", "decode")
     assert per[3] == per[10] == per[30], per
@@ -88,6 +98,64 @@ def test_no_host_read_inside_the_layer_loop(counts, mode):
 def test_a_blend_reads_its_final_positions_once_after_the_loop(counts):
     """The one host read a prefill makes is after the loop: the counter sees it there."""
     assert counts["blend", 3].prefill.reads_outside == ["Tensor.tolist"]
+
+
+def test_blocks_read_the_host_once_per_selection_set(runner):
+    """`selected_attention="blocks"` (the CPU's SDPA fallback) cannot keep its shapes on the device:
+    each block reads the keys up to its last selected position, a data-dependent bound. Measured
+    here: one read per selection set (the check layer and the schedule's), none elsewhere; its
+    load and place ops stay flat, and full prefill and the decode step read nothing."""
+    from blend_engine.scheduler.budget import narrowing
+
+    eng = engine_for(runner, "blocks")
+    passages = synthetic_passages(30)
+    out = {}
+    try:
+        for n in (3, 30):
+            for mode in ("blend", "full_prefill"):
+                plan = BlendPlan(passages[:n], QUESTION, mode=mode, recompute_ratio=0.15)
+                cache_passages(eng, plan)
+                out[mode, n] = count_request(eng, plan)
+        selecting = sorted(narrowing(eng.config.policy))  # the check layer and the schedule's layers
+    finally:
+        eng.close()
+    for n in (3, 30):
+        assert out["blend", n].prefill.reads_inside == [f"{layer}/pass: Tensor.tolist" for layer in selecting]
+        assert out["full_prefill", n].prefill.reads_inside == []
+        assert out["blend", n].decode.reads_inside == out["full_prefill", n].decode.reads_inside == []
+    flat = {n: [(x["load"], x["place"]) for x in out["blend", n].prefill.layers] for n in (3, 30)}
+    assert flat[3] == flat[30], flat
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8"])
+def test_one_block_load_places_what_the_per_chunk_load_placed(runner, monkeypatch, fmt):
+    """The CPU's load of a layer as one block (`LayerPacker._host_gathered`) against the per-chunk
+    decode and copy it replaced: the same cache bit for bit, the same selection and logits."""
+    from blend_engine.engine import BlendEngine, EngineConfig
+    from blend_engine.kv_store import MemoryStore
+    from blend_engine.transfer import LayerPacker
+
+    def blend(per_chunk: bool):
+        if per_chunk:
+            monkeypatch.setattr(LayerPacker, "_host_gathered", lambda self, staged: None)
+        eng = BlendEngine(runner, MemoryStore(1 << 28, kv_format=fmt),
+                          EngineConfig(kv_format=fmt, prefix_caching=False))
+        try:
+            plan = BlendPlan(synthetic_passages(10), QUESTION, recompute_ratio=0.15)
+            cache_passages(eng, plan)
+            with torch.inference_mode():
+                return eng.prefill(plan)
+        finally:
+            eng.close()
+            monkeypatch.undo()
+
+    new, old = blend(False), blend(True)
+    n = new.layout.n_tokens
+    assert torch.equal(new.logits, old.logits)
+    assert new.report.recomputed_positions == old.report.recomputed_positions
+    for layer in range(TINY["num_hidden_layers"]):
+        assert torch.equal(new.cache.k[layer][:, :n], old.cache.k[layer][:, :n]), layer
+        assert torch.equal(new.cache.v[layer][:, :n], old.cache.v[layer][:, :n]), layer
 
 
 # ---------------------------------------------------------------- the counter itself

@@ -131,6 +131,17 @@ def test_the_cpu_blocks_agree_with_one_boolean_mask_at_any_block_count(real_runn
     assert (query_blocks(1), query_blocks(31), query_blocks(100), query_blocks(640), query_blocks(5000)) == (1, 1, 3, 16, 16)
 
 
+@pytest.mark.parametrize("rows, blocks", [(1, None), (90, 3), (100, None), (641, None), (5, 16), (37, 5)])
+def test_block_rows_split_as_tensor_split_does(rows, blocks):
+    """The blocks' row bounds, host ints made without a tensor (their last positions are then read
+    in one go): the sizes `torch.tensor_split` gave the blocks before, never an empty block."""
+    from blend_engine.executor.selection import block_rows, query_blocks
+
+    k = min(blocks or query_blocks(rows), rows)
+    want = [(int(t[0]), int(t[-1]) + 1) for t in torch.tensor_split(torch.arange(rows), k)]
+    assert block_rows(rows, blocks) == want
+
+
 def test_auto_attends_through_the_cpu_kernel(engines, monkeypatch):
     """On the CPU "auto" sends the layers below the check layer (every row) and the selected rows to
     the kernel; "blocks" never does."""

@@ -113,10 +113,11 @@ def test_memory_tier_blobs_are_views_of_one_tensor_per_chunk_handed_over_without
     assert gathered.blobs == sink.blobs == [[bytes(b)] for b in blobs]
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8"])
 def test_packed_staged_layers_equal_the_unstaged_pack(tmp_path, fmt):
-    """Memory over disk, one chunk in each tier: the packer's staged path gives the same [H, Tc, D]
-    blocks as packing the decoded layers, on the CPU."""
+    """Memory over disk, one chunk in each tier: the packer's staged path (on the CPU one block
+    gathered by numpy, cast and dequantized once) gives the same [H, Tc, D] blocks as packing the
+    decoded layers."""
     disk = DiskStore(tmp_path, 1 << 26, kv_format=fmt)
     store = TieredStore([MemoryStore(1 << 26, kv_format=fmt), disk])
     store.put("m", make_kv(1, T=7))
@@ -132,6 +133,49 @@ def test_packed_staged_layers_equal_the_unstaged_pack(tmp_path, fmt):
     finally:
         staged.close()
         plain.close()
+
+
+class CountedPacker:
+    """The CPU's packer, each layer's packing counted (`DispatchCount`): its torch ops and host reads."""
+
+    def __init__(self) -> None:
+        self.packer = LayerPacker("cpu", torch.float32)
+        self.staging = self.packer.staging  # the loader reads into it
+        self.ops: list[int] = []
+        self.reads: list[str] = []
+
+    def __call__(self, staged: StagedLayer):
+        from blend_engine.executor.dispatch_count import DispatchCount
+
+        with DispatchCount() as count:
+            packed = self.packer(staged)
+        self.ops.append(count.ops(None))
+        self.reads += [r.what for r in count.host_reads(inside=False)]
+        return packed
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8"])
+def test_packing_a_staged_layer_costs_the_same_ops_for_3_and_30_chunks(tmp_path, fmt):
+    """Issue #57: on the CPU the packer gathers every chunk's blob into one block by numpy (no torch
+    op a chunk), some read from disk into the slot, the others handed over by the memory tier; the
+    torch ops of each layer do not depend on the number of chunks, and none reads the host."""
+
+    def packed(n: int) -> CountedPacker:
+        disk = DiskStore(tmp_path / str(n), 1 << 26, kv_format=fmt)
+        store = TieredStore([MemoryStore(1 << 26, kv_format=fmt), disk])
+        keys = [f"c{i}" for i in range(n)]
+        for i, key in enumerate(keys):
+            (store if i % 2 else disk).put(key, make_kv(i, T=3 + i % 5))
+        packer = CountedPacker()
+        s = LayerLoader(store, 0).stream(keys, L, lambda k: pytest.fail(k), pack=packer)
+        try:
+            assert [p.wait()[0].shape[1] for p in s] == [sum(3 + i % 5 for i in range(n))] * L  # [H, Tc, D]
+        finally:
+            s.close()
+        return packer
+
+    few, many = packed(3), packed(30)
+    assert few.ops == many.ops and few.reads == many.reads == [], (few.ops, many.ops, many.reads)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "int8"])
