@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,102 @@ class PackedLayer:
         return self.scales.dequantize(self.k, self.v)  # [H, Tc, D] fp32 each
 
 
+class HostRing:
+    """`slots` sets of host buffers reused round-robin (pinned on CUDA): the next slot's buffers of the
+    asked (shape, dtype)s, free to overwrite once the copy out of it (its event) is done. One thread."""
+
+    def __init__(self, slots: int, pinned: bool) -> None:
+        self.slots, self.pinned = slots, pinned
+        self._bufs: list[tuple[torch.Tensor, ...]] = []
+        self._bytes: list[tuple[np.ndarray, ...] | None] = []  # per slot: its buffers' bytes, `host_slot`
+        self.events: list[object | None] = [None] * slots  # per slot: the copy out of it
+        self._next = 0
+
+    @property
+    def last(self) -> int:
+        """The slot handed out last."""
+        return (self._next - 1) % self.slots
+
+    def slot(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[torch.Tensor, ...]:
+        """The next slot's host buffers of these (shape, dtype)s, free to overwrite."""
+        slot = self._next % self.slots
+        self._next += 1
+        if not self._bufs or [(tuple(t.shape), t.dtype) for t in self._bufs[0]] != specs:
+            self._bufs = [tuple(torch.empty(shape, dtype=dt, pin_memory=self.pinned) for shape, dt in specs)
+                          for _ in range(self.slots)]
+            self.events = [None] * self.slots
+            self._bytes = [None] * self.slots
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()  # this thread only: the previous copy out of the slot is done
+        return self._bufs[slot]
+
+    def host_slot(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[tuple[torch.Tensor, ...],
+                                                                               tuple[np.ndarray, ...]]:
+        """`slot`'s buffers and numpy uint8 views of them ([..., last dim x itemsize] bytes), the views
+        made once per slot (`numpy()` costs four torch ops)."""
+        bufs = self.slot(specs)
+        if self._bytes[self.last] is None:
+            self._bytes[self.last] = tuple(t.view(torch.uint8).numpy() for t in bufs)
+        return bufs, self._bytes[self.last]
+
+
+class HostGather:
+    """The CPU's packing of a staged layer: every chunk's blob copied into its columns of ONE block of
+    the layer by one strided numpy memcpy, then a constant number of torch ops over the block (the cast
+    to the compute dtype; int8: the dequantization), whatever the number of chunks."""
+
+    def __init__(self, ring: HostRing, compute_dtype: torch.dtype,
+                 chunks: Callable[[tuple[int, ...]], torch.Tensor]) -> None:
+        self.ring, self.compute_dtype, self.chunks = ring, compute_dtype, chunks
+
+    def __call__(self, staged: StagedLayer) -> PackedLayer | None:
+        """The layer as k, v [H, Tc, D]; None when one block cannot hold it: formats or shapes that
+        differ, a blob that is a tensor on a device."""
+        metas = staged.metas
+        m0 = metas[0]
+        if any((m.fmt, m.n_heads, m.head_dim) != (m0.fmt, m0.n_heads, m0.head_dim) for m in metas):
+            return None
+        raws = [host_bytes(b) for b in staged.blobs]  # [layer_nbytes] uint8 each, no copy
+        if any(r is None for r in raws):
+            return None
+        lengths = tuple(m.n_tokens for m in metas)
+        if m0.fmt == "int8":
+            return self._int8(raws, lengths, m0.n_heads, m0.head_dim)
+        return self._float(raws, lengths, m0.n_heads, m0.head_dim, FLOAT_FORMATS[m0.fmt])
+
+    def _float(self, raws: list[np.ndarray], lengths: tuple[int, ...], H: int, D: int,
+                    stored: torch.dtype) -> PackedLayer:
+        """Float blobs (k [H, t, D] then v [H, t, D] each) -> k, v [H, Tc, D] of the compute dtype: the
+        bytes gathered as stored, then one cast of the block where the dtypes differ."""
+        Tc = sum(lengths)
+        specs = [((2, H, Tc, D), stored)]
+        if stored != self.compute_dtype:
+            specs.append(((2, H, Tc, D), self.compute_dtype))
+        bufs, (out, *_) = self.ring.host_slot(specs)
+        gather_columns(out, [r.reshape(2, H, -1, D * stored.itemsize) for r in raws], lengths,
+                       axis=2)  # [2, H, Tc, D * itemsize] bytes of the block
+        block = bufs[0]  # [2, H, Tc, D] stored dtype
+        kv = bufs[1].copy_(block) if len(bufs) > 1 else block  # [2, H, Tc, D] compute dtype
+        return PackedLayer(kv[0], kv[1])
+
+    def _int8(self, raws: list[np.ndarray], lengths: tuple[int, ...], H: int, D: int) -> PackedLayer:
+        """int8 blobs (kq, vq [H, t, D], ks [H, D], vs [H, t]) -> k, v [H, Tc, D] fp32: gathered as
+        stored, dequantized once over the block (`Int8Scales`, the codec's formula: bit for bit the
+        host decode of each chunk)."""
+        Tc, C = sum(lengths), len(lengths)
+        (q, ks, vs), (qb, ksb, vsb) = self.ring.host_slot([((2, H, Tc, D), torch.int8), ((H, C, D), torch.float16),
+                                                        ((H, Tc), torch.float16)])
+        n = [2 * H * t * D for t in lengths]  # bytes of a chunk's kq and vq
+        gather_columns(qb, [r[:m].reshape(2, H, -1, D) for r, m in zip(raws, n)], lengths,
+                       axis=2)  # [2, H, Tc, D] int8
+        gather_columns(ksb, [r[m:m + 2 * H * D].reshape(H, 1, 2 * D) for r, m in zip(raws, n)], (1,) * C,
+                       axis=1)  # [H, C, 2D] bytes: fp16 [H, C, D]
+        gather_columns(vsb, [r[m + 2 * H * D:].reshape(H, -1) for r, m in zip(raws, n)], tuple(2 * t for t in lengths),
+                       axis=1)  # [H, 2Tc] bytes: fp16 [H, Tc]
+        k, v = Int8Scales(ks, vs, self.chunks(lengths)).dequantize(q[0], q[1])  # [H, Tc, D] fp32 each
+        return PackedLayer(k, v)
+
+
 class LayerPacker:
     """Packs each layer's chunks into one contiguous block and starts its copy to `device`.
 
@@ -104,13 +201,11 @@ class LayerPacker:
         self.moves_int8 = self.device.type != "cpu"  # the CPU decodes on the host (measured: as fast)
         self._cuda = cuda_ready(self.device)
         self._stream = copy_stream(self.device) if self._cuda else None
-        self._slots = max(2, slots)
-        self.staging = StagingRing(self._slots, pinned=self._cuda, gather=self._cuda)  # what the loader reads into
-        self._ring: list[tuple[torch.Tensor, ...]] = []
-        self._bytes: list[tuple[np.ndarray, ...] | None] = []  # per ring slot: its buffers' bytes, `_host_slot`
-        self._events: list[object | None] = [None] * self._slots
-        self._next = 0
+        slots = max(2, slots)
+        self.staging = StagingRing(slots, pinned=self._cuda, gather=self._cuda)  # what the loader reads into
+        self._ring = HostRing(slots, pinned=self._cuda)
         self._chunk_index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._gather = HostGather(self._ring, compute_dtype, self._chunks)  # the CPU's staged layers
         self._row_index: tuple[tuple, torch.Tensor] | None = None  # (layout, [2, H, Tc] gather rows), `_rows`
         self.uploaded_bytes = 0  # host-to-device bytes of staged layers (a device tier's chunks move none)
         self._moved: list = [0, 0.0]  # bytes, seconds of finished uploads not yet reported (upload_totals)
@@ -137,7 +232,7 @@ class LayerPacker:
                 return self._upload(layer_kv)
             t0 = time.perf_counter()
             nbytes = sum(len(b) for b in layer_kv.blobs if not isinstance(b, torch.Tensor))
-            packed = self._host_gathered(layer_kv) if self.device.type == "cpu" and not self.moves_int8 else None
+            packed = self._gather(layer_kv) if self.device.type == "cpu" and not self.moves_int8 else None
             if packed is None:  # mixed formats or shapes, a blob on a device, another device
                 packed = self._packed(layer_kv.decoded(quantized=self.moves_int8))  # views of the slot: copied
             self._moved[0] += nbytes
@@ -171,7 +266,7 @@ class LayerPacker:
             out = tuple(t.to(self.device, non_blocking=True) for t in host)
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._events[(self._next - 1) % self._slots] = event
+        self._ring.events[self._ring.last] = event
         return (*out, event)
 
     def _int8(self, layer: list[QuantLayer]) -> PackedLayer:
@@ -179,7 +274,7 @@ class LayerPacker:
         H, _, D = layer[0].shape
         lengths = tuple(q.shape[1] for q in layer)
         Tc, C = sum(lengths), len(layer)
-        kq, vq, ks, vs = self._slot([((H, Tc, D), torch.int8), ((H, Tc, D), torch.int8),
+        kq, vq, ks, vs = self._ring.slot([((H, Tc, D), torch.int8), ((H, Tc, D), torch.int8),
                                      ((H, C, D), torch.float16), ((H, Tc), torch.float16)])
         o = 0
         for j, q in enumerate(layer):
@@ -209,55 +304,6 @@ class LayerPacker:
             self._chunk_index = (lengths, index)
         return self._chunk_index[1]
 
-    def _host_gathered(self, staged: StagedLayer) -> PackedLayer | None:
-        """A staged layer on the CPU: every chunk's blob copied into its columns of ONE block of the
-        layer by one strided numpy memcpy, then a constant number of torch ops over the block (the
-        cast to the compute dtype; int8: the dequantization). None when one block cannot hold them:
-        formats or shapes that differ, a blob that is a tensor on a device."""
-        metas = staged.metas
-        m0 = metas[0]
-        if any((m.fmt, m.n_heads, m.head_dim) != (m0.fmt, m0.n_heads, m0.head_dim) for m in metas):
-            return None
-        raws = [host_bytes(b) for b in staged.blobs]  # [layer_nbytes] uint8 each, no copy
-        if any(r is None for r in raws):
-            return None
-        lengths = tuple(m.n_tokens for m in metas)
-        if m0.fmt == "int8":
-            return self._host_int8(raws, lengths, m0.n_heads, m0.head_dim)
-        return self._host_float(raws, lengths, m0.n_heads, m0.head_dim, FLOAT_FORMATS[m0.fmt])
-
-    def _host_float(self, raws: list[np.ndarray], lengths: tuple[int, ...], H: int, D: int,
-                    stored: torch.dtype) -> PackedLayer:
-        """Float blobs (k [H, t, D] then v [H, t, D] each) -> k, v [H, Tc, D] of the compute dtype: the
-        bytes gathered as stored, then one cast of the block where the dtypes differ."""
-        Tc = sum(lengths)
-        specs = [((2, H, Tc, D), stored)]
-        if stored != self.compute_dtype:
-            specs.append(((2, H, Tc, D), self.compute_dtype))
-        bufs, (out, *_) = self._host_slot(specs)
-        gather_columns(out, [r.reshape(2, H, -1, D * stored.itemsize) for r in raws], lengths,
-                       axis=2)  # [2, H, Tc, D * itemsize] bytes of the block
-        block = bufs[0]  # [2, H, Tc, D] stored dtype
-        kv = bufs[1].copy_(block) if len(bufs) > 1 else block  # [2, H, Tc, D] compute dtype
-        return PackedLayer(kv[0], kv[1])
-
-    def _host_int8(self, raws: list[np.ndarray], lengths: tuple[int, ...], H: int, D: int) -> PackedLayer:
-        """int8 blobs (kq, vq [H, t, D], ks [H, D], vs [H, t]) -> k, v [H, Tc, D] fp32: gathered as
-        stored, dequantized once over the block (`Int8Scales`, the codec's formula: bit for bit the
-        host decode of each chunk)."""
-        Tc, C = sum(lengths), len(lengths)
-        (q, ks, vs), (qb, ksb, vsb) = self._host_slot([((2, H, Tc, D), torch.int8), ((H, C, D), torch.float16),
-                                                        ((H, Tc), torch.float16)])
-        n = [2 * H * t * D for t in lengths]  # bytes of a chunk's kq and vq
-        gather_columns(qb, [r[:m].reshape(2, H, -1, D) for r, m in zip(raws, n)], lengths,
-                       axis=2)  # [2, H, Tc, D] int8
-        gather_columns(ksb, [r[m:m + 2 * H * D].reshape(H, 1, 2 * D) for r, m in zip(raws, n)], (1,) * C,
-                       axis=1)  # [H, C, 2D] bytes: fp16 [H, C, D]
-        gather_columns(vsb, [r[m + 2 * H * D:].reshape(H, -1) for r, m in zip(raws, n)], tuple(2 * t for t in lengths),
-                       axis=1)  # [H, 2Tc] bytes: fp16 [H, Tc]
-        k, v = Int8Scales(ks, vs, self._chunks(lengths)).dequantize(q[0], q[1])  # [H, Tc, D] fp32 each
-        return PackedLayer(k, v)
-
     def _pack(self, layer_kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
         H, _, D = layer_kv[0][0].shape
         Tc = sum(kc.shape[1] for kc, _ in layer_kv)
@@ -266,7 +312,7 @@ class LayerPacker:
         stored = layer_kv[0][0].dtype
         narrower = stored == torch.float32 and self.compute_dtype.itemsize < 4
         dtype = self.compute_dtype if self.device.type == "cpu" or narrower else stored
-        kb, vb = self._slot([((H, Tc, D), dtype), ((H, Tc, D), dtype)])
+        kb, vb = self._ring.slot([((H, Tc, D), dtype), ((H, Tc, D), dtype)])
         o = 0
         for kc, vc in layer_kv:
             t = kc.shape[1]
@@ -274,29 +320,6 @@ class LayerPacker:
             vb[:, o:o + t].copy_(vc)
             o += t
         return kb, vb
-
-    def _slot(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[torch.Tensor, ...]:
-        """The next ring slot's host buffers of these (shape, dtype)s, free to overwrite."""
-        slot = self._next % self._slots
-        self._next += 1
-        if not self._ring or [(tuple(t.shape), t.dtype) for t in self._ring[0]] != specs:
-            self._ring = [tuple(torch.empty(shape, dtype=dt, pin_memory=self._cuda) for shape, dt in specs)
-                          for _ in range(self._slots)]
-            self._events = [None] * self._slots
-            self._bytes = [None] * self._slots
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()  # this thread only: the previous copy out of the slot is done
-        return self._ring[slot]
-
-    def _host_slot(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[tuple[torch.Tensor, ...],
-                                                                                tuple[np.ndarray, ...]]:
-        """`_slot`'s buffers and numpy uint8 views of them ([..., last dim x itemsize] bytes), the views
-        made once per ring slot (`numpy()` costs four torch ops)."""
-        bufs = self._slot(specs)
-        slot = (self._next - 1) % self._slots
-        if self._bytes[slot] is None:
-            self._bytes[slot] = tuple(t.view(torch.uint8).numpy() for t in bufs)
-        return bufs, self._bytes[slot]
 
     def _copy_pinned(self, layer_kv: LayerKV) -> PackedLayer:
         """Chunks already in pinned memory: each K and V in one contiguous copy, concatenated once on the device."""

@@ -129,15 +129,15 @@ def test_blocks_read_the_host_once_per_selection_set(runner):
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8"])
 def test_one_block_load_places_what_the_per_chunk_load_placed(runner, monkeypatch, fmt):
-    """The CPU's load of a layer as one block (`LayerPacker._host_gathered`) against the per-chunk
+    """The CPU's load of a layer as one block (`transfer.HostGather`) against the per-chunk
     decode and copy it replaced: the same cache bit for bit, the same selection and logits."""
     from blend_engine.engine import BlendEngine, EngineConfig
     from blend_engine.kv_store import MemoryStore
-    from blend_engine.transfer import LayerPacker
+    from blend_engine.transfer import HostGather
 
     def blend(per_chunk: bool):
         if per_chunk:
-            monkeypatch.setattr(LayerPacker, "_host_gathered", lambda self, staged: None)
+            monkeypatch.setattr(HostGather, "__call__", lambda self, staged: None)
         eng = BlendEngine(runner, MemoryStore(1 << 28, kv_format=fmt),
                           EngineConfig(kv_format=fmt, prefix_caching=False))
         try:
