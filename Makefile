@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 PHONY_VLLM := vllm-install run-vllm
-.PHONY: install run test lint $(PHONY_VLLM) bench bench-engine bench-store bench-serving bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer bench-peer-vllm-install bench-peer-vllm clean
+.PHONY: install run test lint $(PHONY_VLLM) bench bench-engine bench-store bench-serving bench-stream-gap bench-ingest bench-loader gpu-prepare gpu-rehearse bench-peer-install bench-peer bench-peer-vllm-install bench-peer-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,9 @@ bench-ingest: $(STAMP)
 
 bench-serving: $(STAMP)
 	$(PY) -m benchmarks.load.serving
+
+bench-stream-gap: $(STAMP)
+	$(PY) -m benchmarks.load.stream_gap
 
 bench-loader: $(STAMP)
 	$(PY) -m benchmarks.kv_delivery.loader
