@@ -9,12 +9,12 @@ batch, on the loop's thread, between its steps (the one thread that computes; `c
   embedding batches); one per turn.
 - **storing** (`storing.PassageStoring`): missed passages' alone-KV, stored after their answers.
 - **stepped jobs** (`run_stepped`): a generator advanced a unit at a time, so that a long job (the
-  start-up fidelity gate: ~20 prefills) delays a request by one unit, never by the whole job.
+  start-up fidelity gate: ~20 prefills) delays a request by one unit, never by the whole job: one unit
+  a turn while requests are in the batch; with none, units for as long as the turn's task ran (at
+  least `IDLE_SLICE_S`), so the job shares the loop evenly with ingestion.
 
-Storing and stepped jobs yield to requests: while any is in the batch they take at most `SHARE` of
-the loop's time (credit earned by the steps); with none, they run freely (a stepped job for as long
-as the turn's task ran, at least `IDLE_SLICE_S`, sharing the loop evenly with ingestion).
-Callers on other threads block on a future; on the loop's own thread, or before the
+Storing and stepped jobs yield to requests: while prefill work waits they take one turn in
+`busy_stride`. Callers on other threads block on a future; on the loop's own thread, or before the
 loop started, the work runs directly on the caller's thread.
 """
 
@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Steps = Generator[None, None, T]  # a stepped job: yields between units, returns its result
 IDLE_SLICE_S = 0.05  # a stepped job's least time a turn while no request is in the batch
-SHARE = 0.25  # of the loop's time that storing and stepped jobs may take while requests are in the batch
-MAX_CREDIT_S = 1.0  # their unspent time, at most
 
 
 @dataclass
@@ -67,7 +65,7 @@ class Background:
         self._tasks: deque[_Task] = deque()
         self._stepped: deque[_Stepped] = deque()
         self._closed = False
-        self._credit = 0.0  # seconds of background work earned by steps (`turn`)
+        self._turns = 0
         self.stepped_units = self.stepped_deferred = 0  # counters for stats
 
     # ------------------------------------------------------------------ callers' side (any thread)
@@ -103,38 +101,25 @@ class Background:
         """Anything for a turn (the loop sleeps when neither this nor the batch has work). Under `cond`."""
         return bool(self._tasks) or bool(self._stepped) or self.storing.has_work
 
-    def turn(self, busy: bool, idle: bool = False, step_s: float = 0.0) -> None:
-        """One loop turn's background work, after the step: a task, then storing and stepped units.
-        With requests in the batch (`idle` false) those take at most `SHARE` of the loop's time: each
-        step's `step_s` earns them credit, each unit spends its own time (one unit may overrun it), so
-        a decoding request slows by about `SHARE`, not by a whole passage a step. With none, a passage
-        is stored and a stepped job runs for as long as this turn's task did (at least
-        `IDLE_SLICE_S`), so it shares the loop evenly with ingestion and a new request waits one slice.
-        (`busy`: prefill work waits; kept for the storing queue's counters.)"""
+    def turn(self, busy: bool, idle: bool = False) -> None:
+        """One loop turn's background work, after the step: a task, a passage stored, stepped units.
+        With requests in the batch a stepped job gets one unit (one turn in `busy_stride` while `busy`:
+        prefill work waits); with none (`idle`) it runs for as long as this turn's task did, at least
+        `IDLE_SLICE_S`, so it shares the loop evenly with ingestion and a new request waits one slice."""
         t0 = time.perf_counter()
         with self._cond:
             task = self._tasks.popleft() if self._tasks else None
         if task is not None:
             _run_task(task)
         task_s = time.perf_counter() - t0
-        if idle:
-            self._credit = 0.0
-            self.storing.step(busy=False)
-            deadline = time.perf_counter() + max(task_s, IDLE_SLICE_S)
-            while self._advance() and time.perf_counter() < deadline:
-                pass
+        self.storing.step(busy)
+        self._turns += 1
+        if self._stepped and busy and self._turns % self.busy_stride:
+            self.stepped_deferred += 1
             return
-        self._credit = min(self._credit + step_s * SHARE / (1 - SHARE), MAX_CREDIT_S)
-        if not (self.storing.has_work or self._stepped):
-            return
-        if self._credit <= 0:
-            self.stepped_deferred += bool(self._stepped)
-            self.storing.deferred += self.storing.has_work
-            return
-        t1 = time.perf_counter()
-        if not self.storing.step(busy=False):
-            self._advance()
-        self._credit -= time.perf_counter() - t1
+        deadline = time.perf_counter() + max(task_s, IDLE_SLICE_S)
+        while self._advance() and idle and time.perf_counter() < deadline:
+            pass
 
     def _advance(self) -> bool:
         """One unit of the first stepped job; whether that job has more."""

@@ -211,7 +211,7 @@ class EngineLoop:
         self.requests.share(batch | self.requests.batch_groups(), seconds)
         self._timed(kind, seconds, time.process_time() - c0)
         idle = not self.scheduler.has_work and not self._incoming  # no request queued or in the batch
-        self.background.turn(busy=self.requests.prefill_waits(), idle=idle, step_s=seconds)
+        self.background.turn(busy=self.requests.prefill_waits(), idle=idle)
 
     def _enter_batch(self, incoming: list[Request]) -> None:
         """Submitted requests join the scheduler. Passages one misses that an earlier answer queued
