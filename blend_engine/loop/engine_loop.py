@@ -224,14 +224,11 @@ class EngineLoop:
 
     def _replan(self, req: Request, incoming: list[Request], replanned: dict[int, Prepared]) -> Prepared:
         """`req`'s prep, planned again (once per group) when storing its queued passages first made
-        them hits. Passages inside the cached prefix it will take from the pool are not waited for
-        (an exact repeat: its KV is there already; they are stored in the background as queued)."""
+        them hits."""
         prep = req.prep
         if id(prep) not in replanned:
             replanned[id(prep)] = prep
-            covered = self.scheduler.cached_prefix_tokens(prep.seq(req.rid))
-            needed = [i for i in prep.mp.missing if prep.layout.segments[i].end > covered]
-            if self.storing.store_now(prep.keys[i] for i in needed):
+            if self.storing.store_now(prep.keys[i] for i in prep.mp.missing):
                 longest = max(r.handle.gen.max_tokens for r in incoming if r.group is req.group)
                 replanned[id(prep)] = self.engine.prepare(req.handle.plan, longest, prep.layout)
         req.prep = replanned[id(prep)]

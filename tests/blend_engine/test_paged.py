@@ -318,33 +318,6 @@ def test_a_request_needing_a_queued_passage_stores_it_first_and_loads_it(runner)
         engine.close()
 
 
-def test_an_exact_repeat_takes_its_queued_passages_from_the_pool_without_waiting_for_them(runner):
-    """Issue #56: the same inline-documents prompt again, while the first one's passages still wait to be
-    stored: its KV is in the pool (a prefix hit), so it does not store them first (on 2 cores that took
-    14-40 s for 20 passages); they stay queued for the background."""
-    engine = _engine(runner)
-    try:
-        plan = BlendPlan(tuple(PASSAGES[:4]), "Which bridge is named TIBER?", recompute_ratio=0.3)
-        stored: list[int] = []
-        store = engine.chunks.store_missing
-
-        def counting(layout, missing, salt=None):
-            stored.append(len(missing))
-            return store(layout, missing, salt)
-
-        engine.chunks.store_missing = counting
-        engine.loop.storing.paused = True  # no background turn stores them between the two requests
-        first = engine.run(plan, GEN)
-        misses = first.report.cache_misses
-        assert misses >= 4 and stored == []
-        again = engine.run(plan, GEN)
-        assert again.report.prefix_tokens_reused > 0 and again.token_ids == first.token_ids
-        assert sum(stored) < misses  # the passages inside the taken prefix were not stored first
-        assert engine.loop.stats()["store_queued"] >= misses - sum(stored)  # still queued for the background
-    finally:
-        engine.close()
-
-
 def test_a_full_prefill_answer_also_stores_its_new_passages(runner):
     """Served by full prefill (asked, or the fidelity gate's fallback), a request still leaves its
     new passages stored for later blends."""
