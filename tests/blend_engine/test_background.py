@@ -5,6 +5,7 @@ no second thread on the model)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ from blend_engine.loop.background import Background
 from blend_engine.types import BlendPlan, GenerationConfig
 from tests.helpers import PASSAGES, QUESTION, poll
 
-MAX_UNITS = 200_000  # a job that never saw the request end fails instead of spinning forever
+JOB_DEADLINE_S = 120.0  # a job that never saw the request end fails instead of spinning forever
 
 
 @pytest.fixture
@@ -57,9 +58,10 @@ def test_a_request_is_answered_while_a_long_stepped_job_is_still_running(engine)
     answered, units = threading.Event(), []
 
     def job():
+        deadline = time.monotonic() + JOB_DEADLINE_S
         while not answered.is_set():
             units.append(1)
-            if len(units) > MAX_UNITS:
+            if time.monotonic() > deadline:
                 raise AssertionError("the request was not answered while the job ran")
             yield
         return len(units)
@@ -75,7 +77,7 @@ def test_a_request_is_answered_while_a_long_stepped_job_is_still_running(engine)
     finally:
         answered.set()
         waiter.join(60)
-    assert result["units"] <= MAX_UNITS
+    assert result["units"] >= 1
 
 
 def test_closing_fails_a_queued_stepped_job(tiny_runner):
