@@ -24,6 +24,7 @@ and gives it back when it is collected (after its last copy out has finished).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import threading
@@ -112,24 +113,32 @@ class _Lease:
 
 class HostBuffers:
     """Free staging buffers, reused by the next slots instead of allocating (and faulting in, or
-    pinning) fresh memory per request. Keeps at most `keep_bytes`, dropping the oldest. Thread-safe."""
+    pinning) fresh memory per request. Keeps at most `keep_bytes`, dropping the oldest. Thread-safe.
+
+    Buffers come back from slots' finalizers, which the garbage collector runs inside whatever
+    allocation triggered it, on any thread, also one that holds this object's lock (`take` allocates
+    under it): so `give` only queues the buffer (a deque's append needs no lock) and the next call
+    under the lock files what was queued."""
 
     def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
         self._free: list[_Lease] = []
+        self._returned: collections.deque[_Lease] = collections.deque()  # given back, not filed yet
         self.allocated = 0  # buffers made (a counter for tests and stats)
 
     def take(self, nbytes: int, pinned: bool) -> _Lease:
         """A buffer of at least `nbytes` (and at most twice that, so a big one is not wasted on a
         small slot), free to overwrite."""
         with self._lock:
+            dropped = self._file_returned()
             fits = [x for x in self._free if x.pinned == pinned and nbytes <= x.raw.numel() <= 2 * nbytes + _GRAIN]
             lease = min(fits, key=lambda x: x.raw.numel()) if fits else None
             if lease is not None:
                 self._free.remove(lease)
             else:
                 self.allocated += 1
+        _settle(dropped)
         if lease is None:
             raw = torch.empty(-(-nbytes // _GRAIN) * _GRAIN, dtype=torch.uint8, pin_memory=pinned)  # [bytes]
             return _Lease(raw, pinned)
@@ -138,20 +147,32 @@ class HostBuffers:
 
     def give(self, lease: _Lease) -> None:
         """Take a buffer back; its fence and held buffers come with it (settled when it is reused,
-        or here when it is dropped for room)."""
+        or when it is dropped for room). Never blocks: safe in a finalizer."""
+        self._returned.append(lease)
+
+    def _file_returned(self) -> list[_Lease]:
+        """Under the lock: the buffers given back join the free ones; those dropped for room (the
+        oldest first), to settle outside the lock."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
         dropped = []
-        with self._lock:
-            self._free.append(lease)
-            total = sum(x.raw.numel() for x in self._free)
-            while total > self.keep_bytes:
-                dropped.append(self._free.pop(0))
-                total -= dropped[-1].raw.numel()
-        for old in dropped:
-            old.settle()  # freed only once no copy reads it
+        total = sum(x.raw.numel() for x in self._free)
+        while total > self.keep_bytes:
+            dropped.append(self._free.pop(0))
+            total -= dropped[-1].raw.numel()
+        return dropped
 
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(x.raw.numel() for x in self._free)
+            dropped = self._file_returned()
+            free = sum(x.raw.numel() for x in self._free)
+        _settle(dropped)
+        return free
+
+
+def _settle(dropped: list[_Lease]) -> None:
+    for old in dropped:
+        old.settle()  # freed only once no copy reads it
 
 
 @functools.cache

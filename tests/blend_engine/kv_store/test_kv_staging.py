@@ -301,3 +301,26 @@ def test_staging_memory_is_reused_by_the_next_ring_after_its_last_copy_out():
     for _ in range(3):
         StagingSlot([2 << 20], pinned=False, buffers=small_keep)
     assert small_keep.free_bytes() == 0  # more than it may keep: dropped
+
+
+def test_a_buffer_given_back_while_its_pool_is_locked_does_not_deadlock():
+    """A slot's finalizer gives its buffer back; the garbage collector runs it inside any allocation,
+    also one `take` makes under the pool's lock on the same thread. That once hung the suite
+    (HostBuffers.give waiting for the lock its own thread held, in test_fidelity and test_explain)."""
+    import threading
+
+    from blend_engine.kv_store.staging import HostBuffers
+
+    buffers = HostBuffers(keep_bytes=64 << 20)
+    lease = buffers.take(100_000, pinned=False)
+
+    def give_under_the_lock():
+        with buffers._lock:  # as inside `take`, when a collection runs a slot's finalizer
+            buffers.give(lease)
+
+    t = threading.Thread(target=give_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "give() waited for the lock its own thread holds"
+    assert buffers.free_bytes() >= 100_000  # filed by the next call under the lock
+    assert buffers.take(100_000, pinned=False) is lease and buffers.allocated == 1
