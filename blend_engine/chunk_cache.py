@@ -5,7 +5,8 @@
 
 Keys never depend on a chunk's position in a prompt. The one place that computes a chunk's
 alone-KV (`precompute`, `precompute_many`) and stores it unless already there (`cache_ids`,
-`store_missing`): ingestion, the fidelity gate and the engine all call it.
+`store_missing`, and `store_steps`, a layer a unit for the engine loop's background storing):
+ingestion, the fidelity gate and the engine all call it.
 
 Cancellation is explicit: each of these takes an optional `should_stop` (`blend_engine.cancel`),
 checked between the layers of one chunk's precompute and between the forwards of a batched one.
@@ -24,7 +25,8 @@ from blend_engine.kv_store import ChunkKV, KVStore
 from blend_engine.layout import PromptLayout, passage_text
 from blend_engine.model.runner import ModelRunner
 
-from .executor.layers import LayerJob, run_layers
+from .executor.layers import LayerJob, LayerLoop, run_layers
+from .steps import Steps, drain
 
 
 class ChunkCache:
@@ -114,9 +116,27 @@ class ChunkCache:
             stored.discard(key)
         return out
 
+    @torch.inference_mode()
     def store_missing(self, layout: PromptLayout, missing: Sequence[int], salt: str | None = None) -> int:
         """After answering: store the alone-KV of the segments that missed the cache. How many were stored."""
-        return sum(self._ensure(layout.segments[i].token_ids, salt)[2] for i in missing)
+        return sum(drain(self.store_steps(layout.segments[i].token_ids, salt)) for i in missing)
+
+    def store_steps(self, token_ids: Sequence[int], salt: str | None = None) -> Steps[bool]:
+        """`cache_ids` as a stepped job (`steps`): one layer of the chunk's precompute a unit, then
+        one write of the whole entry (a job dropped half-way writes nothing). Whether it stored one;
+        nothing to do when the store holds the key already. Run under `torch.inference_mode()` (the
+        engine loop's turns are)."""
+        key = self.key_of(token_ids, salt)
+        if self.store.contains(key):
+            return False
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)  # [T]
+        self.check_fits(len(ids))
+        loop = LayerLoop(self.runner, LayerJob(ids))
+        for layer, _ in enumerate(loop.steps()):  # runs a layer
+            if layer + 1 < self.runner.shape.n_layers:
+                yield  # between two layers: the last one's unit also writes the entry
+        kv = loop.output().cache.segment(0, len(ids))  # k, v: [L, H, T, D]
+        return bool(self.store.put(key, kv))
 
     def _ensure(self, token_ids: Sequence[int], salt: str | None,
                 should_stop: StopCheck | None = None) -> tuple[str, bool, bool]:

@@ -45,9 +45,9 @@ import torch
 
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
-from blend_engine.loop.background import Steps, drain
 from blend_engine.model.cpu_threads import cores_here
 from blend_engine.model.runner import ModelRunner
+from blend_engine.steps import Steps, drain
 from blend_engine.types import BlendPlan, Mode
 
 logger = logging.getLogger(__name__)

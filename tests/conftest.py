@@ -27,6 +27,29 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def close_engines_made_here(monkeypatch):
+    """Close every engine a test (or its function-scoped fixtures) made and left open: each engine's
+    loop thread would otherwise go on storing passages on the shared cores through later tests."""
+    import weakref
+
+    from blend_engine.engine import BlendEngine
+
+    made: list[weakref.ref] = []
+    init = BlendEngine.__init__
+
+    def tracking(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(BlendEngine, "__init__", tracking)
+    yield
+    for ref in made:
+        engine = ref()
+        if engine is not None:
+            engine.close()
+
+
 @pytest.fixture(scope="session")
 def real_runner():
     """SmolLM2-135M-Instruct (the default model), loaded once per test session."""

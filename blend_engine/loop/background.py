@@ -1,21 +1,25 @@
 """The engine loop's background work: whatever runs the model for something other than a request in the
 batch, on the loop's thread, between its steps (the one thread that computes; `cpu_threads`).
 
-    loop turn:  | step (the batch) | one task | one storing unit | stepped-job units |
-                                     ingestion    a missed passage  a layer of a fidelity-gate
-                                     precompute   stored            prefill (or one chunk cached)
+    loop turn:  | step (the batch) | one task | background units .................. |
+                                     ingestion    a layer of a missed passage's store,
+                                     precompute   a layer of a fidelity-gate prefill (in turns)
 
 - **tasks** (`run_task`): a callable run whole between two steps (ingestion's KV precompute, its
   embedding batches); one per turn.
-- **storing** (`storing.PassageStoring`): missed passages' alone-KV, stored after their answers.
-- **stepped jobs** (`run_stepped`): a generator advanced a unit at a time, so that a long job (the
-  start-up fidelity gate: ~20 prefills) delays a request by one unit, never by the whole job: one unit
-  a turn while requests are in the batch; with none, units for as long as the turn's task ran (at
-  least `IDLE_SLICE_S`), so the job shares the loop evenly with ingestion.
+- **storing** (`storing.PassageStoring`): missed passages' alone-KV, stored after their answers, a
+  layer a unit.
+- **stepped jobs** (`run_stepped`, `steps.Steps`): a generator advanced a unit at a time (the start-up
+  fidelity gate: ~20 prefills, a layer a unit).
 
-Storing and stepped jobs yield to requests: while prefill work waits they take one turn in
-`busy_stride`. Callers on other threads block on a future; on the loop's own thread, or before the
-loop started, the work runs directly on the caller's thread.
+Units yield to requests, so a request waits for one unit, never for a job. While any request is in
+the batch, units take at most `SHARE` of the loop's time (`BUSY_SHARE` while a request's prefill
+waits): each step earns them credit in proportion to its time, each unit spends its own (one may
+overrun; a debt is paid by later steps), so a decoding stream slows by about `SHARE`, not by a whole
+passage between two tokens, and the gate still finishes under steady load. With no request they run
+for a slice of at least `IDLE_SLICE_S` (as long as the turn's task, so they share the loop evenly with
+ingestion). Storing and stepped jobs alternate units. Callers on other threads block on a future; on
+the loop's own thread, or before the loop started, the work runs directly on the caller's thread.
 """
 
 from __future__ import annotations
@@ -25,17 +29,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from blend_engine.cancel import Cancelled, StopCheck, stop_if
-from blend_engine.loop.storing import PassageStoring, StoreFn
+from blend_engine.loop.storing import PassageStoring, StoreSteps
+from blend_engine.steps import Steps, drain
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Steps = Generator[None, None, T]  # a stepped job: yields between units, returns its result
-IDLE_SLICE_S = 0.05  # a stepped job's least time a turn while no request is in the batch
+IDLE_SLICE_S = 0.05  # background units' least time a turn while no request is in the batch
+SHARE = 0.25  # of the loop's time that background units may take while requests are in the batch
+BUSY_SHARE = 0.05  # ... while a request's prefill waits
+MAX_CREDIT_S = 0.25  # unspent credit, at most (none is earned while there is nothing to run)
 
 
 @dataclass
@@ -54,19 +61,19 @@ class _Stepped:
 
 class Background:
     """Tasks, storing and stepped jobs of one engine loop. `cond` is the loop's condition (notified
-    when work arrives); `loop_thread()` its thread, None before it started."""
+    when work arrives); `loop_thread()` its thread, None before it started; `clock` times units (a
+    seam for tests)."""
 
     def __init__(self, cond: threading.Condition, loop_thread: Callable[[], threading.Thread | None],
-                 store: StoreFn, busy_stride: int = 4) -> None:
-        if busy_stride < 1:
-            raise ValueError("busy_stride must be >= 1")
-        self._cond, self._loop_thread, self.busy_stride = cond, loop_thread, busy_stride
-        self.storing = PassageStoring(store, busy_stride)
+                 store_steps: StoreSteps, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._cond, self._loop_thread, self._clock = cond, loop_thread, clock
+        self.storing = PassageStoring(store_steps, clock)
         self._tasks: deque[_Task] = deque()
         self._stepped: deque[_Stepped] = deque()
         self._closed = False
-        self._turns = 0
-        self.stepped_units = self.stepped_deferred = 0  # counters for stats
+        self._credit = 0.0  # seconds of units earned by steps and not yet spent (`turn`)
+        self._storing_next = True  # storing and stepped jobs alternate units
+        self.stepped_units = self.deferred_turns = 0  # counters for stats
 
     # ------------------------------------------------------------------ callers' side (any thread)
     def run_task(self, fn: Callable[[], T], should_stop: StopCheck | None = None) -> T:
@@ -101,25 +108,48 @@ class Background:
         """Anything for a turn (the loop sleeps when neither this nor the batch has work). Under `cond`."""
         return bool(self._tasks) or bool(self._stepped) or self.storing.has_work
 
-    def turn(self, busy: bool, idle: bool = False) -> None:
-        """One loop turn's background work, after the step: a task, a passage stored, stepped units.
-        With requests in the batch a stepped job gets one unit (one turn in `busy_stride` while `busy`:
-        prefill work waits); with none (`idle`) it runs for as long as this turn's task did, at least
-        `IDLE_SLICE_S`, so it shares the loop evenly with ingestion and a new request waits one slice."""
-        t0 = time.perf_counter()
+    @property
+    def _has_units(self) -> bool:
+        return self.storing.has_work or bool(self._stepped)
+
+    def turn(self, step_s: float, busy: bool = False, idle: bool = False) -> None:
+        """One loop turn's background work, after a step of `step_s` seconds: a task, then units.
+        `idle`: no request is queued or in the batch: units for a slice (at least `IDLE_SLICE_S`, as
+        long as the task took). Else units while credit lasts: the step earned `SHARE` of the loop's
+        time (`BUSY_SHARE` while `busy`: a request's prefill waits)."""
+        t0 = self._clock()
         with self._cond:
             task = self._tasks.popleft() if self._tasks else None
         if task is not None:
             _run_task(task)
-        task_s = time.perf_counter() - t0
-        self.storing.step(busy)
-        self._turns += 1
-        if self._stepped and busy and self._turns % self.busy_stride:
-            self.stepped_deferred += 1
+        if idle:
+            self._credit = 0.0
+            deadline = self._clock() + max(self._clock() - t0, IDLE_SLICE_S)
+            while self._unit() and self._clock() < deadline:
+                pass
             return
-        deadline = time.perf_counter() + max(task_s, IDLE_SLICE_S)
-        while self._advance() and idle and time.perf_counter() < deadline:
-            pass
+        if not self._has_units:
+            self._credit = min(self._credit, 0.0)  # a debt stays; nothing is banked
+            return
+        share = BUSY_SHARE if busy else SHARE
+        self._credit = min(self._credit + step_s * share / (1 - share), MAX_CREDIT_S)
+        if self._credit <= 0:
+            self.deferred_turns += 1
+        while self._credit > 0:
+            t1 = self._clock()
+            if not self._unit():
+                break
+            self._credit -= self._clock() - t1
+
+    def _unit(self) -> bool:
+        """One unit of storing or of the first stepped job, in turns; whether one ran."""
+        self._storing_next = not self._storing_next
+        if self._storing_next and self.storing.step():
+            return True
+        if self._stepped:
+            self._advance()
+            return True
+        return self.storing.step()
 
     def _advance(self) -> bool:
         """One unit of the first stepped job; whether that job has more."""
@@ -168,7 +198,7 @@ class Background:
 
     def stats(self) -> dict:
         return {**self.storing.stats(), "tasks_queued": len(self._tasks), "stepped_queued": len(self._stepped),
-                "stepped_units": self.stepped_units, "stepped_deferred_turns": self.stepped_deferred}
+                "stepped_units": self.stepped_units, "background_deferred_turns": self.deferred_turns}
 
 
 def _run_task(task: _Task) -> None:
@@ -180,12 +210,3 @@ def _run_task(task: _Task) -> None:
         task.fut.set_result(task.fn())
     except BaseException as exc:  # noqa: BLE001 - handed to the caller
         task.fut.set_exception(exc)
-
-
-def drain(steps: Steps[T]) -> T:
-    """Run a stepped job to its end on this thread."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value

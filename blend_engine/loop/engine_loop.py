@@ -10,7 +10,8 @@
                                              rows under a token budget, one projection and one
                                              MLP call a layer (`layers.layer_pass`)
     run_task(fn) (ingestion precompute) ->   one task between steps
-                                             one missed passage's alone-KV stored between steps
+                                             background units (a layer of a missed passage's
+                                             alone-KV, of a gate prefill): a bounded share
 
 The loop only orders the work; its rooms do it:
 
@@ -25,7 +26,8 @@ The loop only orders the work; its rooms do it:
 The scheduler decides the blocks, the stepper applies its plan to the tensors. A failed or cancelled
 request leaves the batch at the next step without touching the others. A finished request's result is
 handed over at once; a new request that needs a passage still queued for storing stores it first and
-is planned again. A decode step reads the device once (`sampling.read_logits`).
+is planned again, unless the passage lies in the cached prefix it takes from the pool (an exact
+repeat). A decode step reads the device once (`sampling.read_logits`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from blend_engine.cancel import Cancelled, StopCheck, never
 from blend_engine.errors import InputError
 from blend_engine.executor.kv_pool import KVPool, block_bytes
 from blend_engine.generation import Generation
-from blend_engine.loop.background import Background, Steps
+from blend_engine.loop.background import Background
 from blend_engine.loop.output import TokenOutput
 from blend_engine.loop.protocol import EngineSide
 from blend_engine.loop.requests import Group, Prepared, Request, RequestTable
@@ -53,6 +55,7 @@ from blend_engine.model.cpu_threads import use_cores
 from blend_engine.scheduler.admission import AdmissionControl, AdmissionLimits, Ticket
 from blend_engine.scheduler.batch import BatchLimits, BatchScheduler, PrefillBudget
 from blend_engine.scheduler.kv_blocks import blocks_for
+from blend_engine.steps import Steps
 
 logger = logging.getLogger(__name__)
 STEP_DECODE, STEP_PREFILL = "decode", "prefill"  # a step's kind: decode rows only, or carrying prefill rows
@@ -78,7 +81,7 @@ class EngineLoop:
         # tasks, missed passages' alone-KV stored after their answers (through the engine's chunk cache, looked
         # up at each call), stepped jobs (the fidelity gate)
         self.background = Background(self._cond, lambda: self._thread,
-                                     lambda layout, missing, salt: engine.chunks.store_missing(layout, missing, salt))
+                                     lambda token_ids, salt: engine.chunks.store_steps(token_ids, salt))
         self.storing = self.background.storing
         self._ids = itertools.count()
         self._closed = False
@@ -141,6 +144,11 @@ class EngineLoop:
         """Advance the generator `make()` one unit a loop turn until it returns (the fidelity gate's
         prefills, a layer at a time: `background.Background.run_stepped`); its return value."""
         return self.background.run_stepped(make)
+
+    def wake(self) -> None:
+        """Wake the loop to look for work again (after a seam such as `storing.paused` changed)."""
+        with self._cond:
+            self._cond.notify()
 
     def stats(self) -> dict:
         s, pool, st = self.scheduler, self.scheduler.pool, self.stepper
@@ -210,8 +218,9 @@ class EngineLoop:
         seconds = time.perf_counter() - t0
         self.requests.share(batch | self.requests.batch_groups(), seconds)
         self._timed(kind, seconds, time.process_time() - c0)
-        idle = not self.scheduler.has_work and not self._incoming  # no request queued or in the batch
-        self.background.turn(busy=self.requests.prefill_waits(), idle=idle)
+        # idle: no request queued or in the batch, or none could run a row this step
+        idle = kind is None or (not self.scheduler.has_work and not self._incoming)
+        self.background.turn(seconds, busy=self.requests.prefill_waits(), idle=idle)
 
     def _enter_batch(self, incoming: list[Request]) -> None:
         """Submitted requests join the scheduler. Passages one misses that an earlier answer queued
@@ -224,11 +233,14 @@ class EngineLoop:
 
     def _replan(self, req: Request, incoming: list[Request], replanned: dict[int, Prepared]) -> Prepared:
         """`req`'s prep, planned again (once per group) when storing its queued passages first made
-        them hits."""
+        them hits. Passages inside the cached prefix it will take from the pool are not waited for
+        (an exact repeat: their KV is there already; they stay queued for the background)."""
         prep = req.prep
         if id(prep) not in replanned:
             replanned[id(prep)] = prep
-            if self.storing.store_now(prep.keys[i] for i in prep.mp.missing):
+            covered = self.scheduler.cached_prefix_tokens(prep.seq(req.rid))
+            needed = [i for i in prep.mp.missing if prep.layout.segments[i].end > covered]
+            if self.storing.store_now(prep.keys[i] for i in needed):
                 longest = max(r.handle.gen.max_tokens for r in incoming if r.group is req.group)
                 replanned[id(prep)] = self.engine.prepare(req.handle.plan, longest, prep.layout)
         req.prep = replanned[id(prep)]

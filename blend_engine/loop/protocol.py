@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from blend_engine.executor.layers import KVCache, LayerHooks
 from blend_engine.executor.prefill import PrefillRun, PrefillState
 from blend_engine.layout import PromptLayout
 from blend_engine.model.runner import ModelRunner
+from blend_engine.steps import Steps
 from blend_engine.types import BlendPlan
 
 if TYPE_CHECKING:
@@ -16,9 +18,10 @@ if TYPE_CHECKING:
 
 
 class ChunkStoring(Protocol):
-    """The chunk cache's write of missed passages' alone-KV (`chunk_cache.ChunkCache.store_missing`)."""
+    """The chunk cache's write of a missed passage's alone-KV, a layer a unit
+    (`chunk_cache.ChunkCache.store_steps`)."""
 
-    def store_missing(self, layout: PromptLayout, missing: list[int] | tuple[int, ...], salt: str | None) -> int: ...
+    def store_steps(self, token_ids: Sequence[int], salt: str | None = None) -> Steps[bool]: ...
 
 
 class EngineSide(Protocol):

@@ -2,15 +2,17 @@
 their request's answer went out (the answer never waits for work that only helps later requests).
 
     request A answers  ->  add(A's missed passages)      queue: | p3 | p7 | p9 |
-    each loop turn     ->  step(): one passage stored     (while prefill work waits: one every
-                                                           `busy_stride` turns, never starved)
-    request B arrives  ->  store_now(B's missed keys)     a passage B needs that is still queued is
-                           (before B is planned again)     stored once, first; one stored after B's plan
-                                                           was made counts too: B is planned again
+    a background unit  ->  step(): one layer of the       (`background.Background` decides how many
+                           oldest passage's precompute     units a turn: a bounded share of the loop)
+    request B arrives  ->  store_now(B's missed keys)     a passage B needs that is queued, or half
+                           (before B is planned again)     done, is finished first, computed once; one
+                                                           stored after B's plan was made counts too:
+                                                           B is planned again
 
-The store's own write is atomic (contains-then-put, `ChunkCache.store_missing`), so a crash or a
-shutdown loses nothing already stored and leaves no half-written entry; what is still queued is
-dropped (a later request that misses it queues it again).
+A passage is one stepped job (`ChunkCache.store_steps`): its layers run a unit at a time, then the
+whole entry is written at once (the store's contains-then-put), so a crash or a shutdown loses nothing
+already stored and leaves no half-written entry; what is queued or half done is dropped (a later
+request that misses it queues it again).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from blend_engine.layout import PromptLayout
+from blend_engine.steps import Steps, drain
 
 logger = logging.getLogger(__name__)
-StoreFn = Callable[[PromptLayout, Sequence[int], "str | None"], int]  # ChunkCache.store_missing
+StoreSteps = Callable[[Sequence[int], "str | None"], Steps[bool]]  # ChunkCache.store_steps
 RECENT = 4096  # keys remembered as stored lately
 
 
@@ -39,84 +42,116 @@ class StoreJob:
 
 
 class PassageStoring:
-    """The queue of passages to store, one at a time, oldest first, each key once."""
+    """The queue of passages to store, oldest first, each key once; the first one in progress."""
 
-    def __init__(self, store: StoreFn, busy_stride: int = 4) -> None:
-        if busy_stride < 1:
-            raise ValueError("busy_stride must be >= 1")
-        self._store, self.busy_stride = store, busy_stride
+    def __init__(self, store_steps: StoreSteps, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._store_steps, self._clock = store_steps, clock
         self._queue: OrderedDict[str, StoreJob] = OrderedDict()
+        self._current: tuple[StoreJob, Steps[bool]] | None = None  # the passage whose layers are running
         self._recent: OrderedDict[str, None] = OrderedDict()  # keys stored lately (a plan made before may miss them)
-        self._turns = 0
-        self.paused = False  # a seam: background turns store nothing (`store_now` still does)
-        self.stored = self.failed = self.deferred = 0  # counters for stats
+        self.paused = False  # a seam: background units store nothing (`store_now` still does)
+        self.stored = self.failed = self.units = 0  # counters for stats
         self.seconds = 0.0
 
     def __len__(self) -> int:
-        return len(self._queue)
+        """Passages queued or in progress."""
+        return len(self._queue) + (self._current is not None)
 
     @property
     def has_work(self) -> bool:
-        """Something to store on a background turn (the loop waits when nothing else has work)."""
-        return bool(self._queue) and not self.paused
+        """Something to store on a background unit (the loop waits when nothing else has work)."""
+        return bool(len(self)) and not self.paused
 
     def add(self, layout: PromptLayout, keys: Sequence[str | None], missing: Iterable[int], salt: str | None) -> int:
         """Queue segment indices `missing` (their `keys`) not queued already; how many were added."""
         added = 0
         for i in missing:
             key = keys[i]
-            if key is not None and key not in self._queue:
+            if key is not None and key not in self._queue and key != self._current_key:
                 self._queue[key] = StoreJob(layout, i, key, salt)
                 added += 1
         return added
 
+    @property
+    def _current_key(self) -> str | None:
+        return None if self._current is None else self._current[0].key
+
     def queued(self, keys: Iterable[str | None]) -> list[str]:
-        """The keys among `keys` still waiting to be stored."""
-        return [k for k in keys if k is not None and k in self._queue]
+        """The keys among `keys` still waiting to be stored (queued or in progress)."""
+        return [k for k in keys if k is not None and (k in self._queue or k == self._current_key)]
 
     def store_now(self, keys: Iterable[str | None]) -> bool:
-        """Store the queued ones among `keys` at once (a request planned without them needs them);
-        whether any of `keys` is stored now that was queued or stored lately: its plan is stale."""
+        """Store the queued ones among `keys` at once (a request planned without them needs them; one
+        in progress goes on from its next layer); whether any of `keys` is stored now that was queued
+        or stored lately: its plan is stale."""
         keys = [k for k in keys if k is not None]
         for k in self.queued(keys):
-            self._run(self._queue.pop(k))
+            if k == self._current_key:
+                job, steps = self._current  # type: ignore[misc]
+                self._current = None
+            else:
+                job = self._queue.pop(k)
+                steps = self._start(job)
+            self._finish(job, lambda steps=steps: drain(steps))
         return any(k in self._recent for k in keys)
 
-    def step(self, busy: bool) -> bool:
-        """One loop turn: store the oldest queued passage, or (while `busy`: prefill work waits) only
-        every `busy_stride`-th turn. Whether one was stored."""
-        if not self._queue or self.paused:
+    def step(self) -> bool:
+        """One unit: a layer of the oldest passage's precompute (its write after the last). Whether a
+        unit ran."""
+        if self.paused or not len(self):
             return False
-        self._turns += 1
-        if busy and self._turns % self.busy_stride:
-            self.deferred += 1
-            return False
-        _, job = self._queue.popitem(last=False)
-        return self._run(job)
+        if self._current is None:
+            job = self._queue.popitem(last=False)[1]
+            self._current = (job, self._start(job))
+        job, steps = self._current
+        self.units += 1
 
-    def _run(self, job: StoreJob) -> bool:
-        """Store one passage; a failure is logged and counted (its answer is out already)."""
-        t0 = time.perf_counter()
+        def advance() -> bool | None:
+            try:
+                next(steps)
+                return None  # more layers to go
+            except StopIteration as done:
+                return done.value
+
+        self._finish(job, advance)
+        return True
+
+    def _start(self, job: StoreJob) -> Steps[bool]:
+        return self._store_steps(job.layout.segments[job.index].token_ids, job.salt)
+
+    def _finish(self, job: StoreJob, run: Callable[[], bool | None]) -> None:
+        """Run `run` (a unit, or the rest of `job`), timed; a result other than None ends the job.
+        A failure is logged and counted (the answer is out already) and ends it."""
+        t0 = self._clock()
+        failed = False
         try:
-            self._store(job.layout, [job.index], job.salt)
+            done = run()
         except Exception as exc:  # noqa: BLE001 - background work: never the answer's error
             self.failed += 1
             logger.warning("storing a missed passage's KV (%s) failed: %s", job.key[:12], exc)
-            return False
+            done, failed = False, True
         finally:
-            self.seconds += time.perf_counter() - t0
-        self.stored += 1
-        self._recent[job.key] = None
+            self.seconds += self._clock() - t0
+        if done is None:
+            return
+        if self._current is not None and self._current[0] is job:
+            self._current = None
+        if failed:
+            return
+        self.stored += bool(done)
+        self._recent[job.key] = None  # stored now, or found stored (either way a plan that missed it is stale)
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
-        return True
 
     def clear(self) -> int:
-        """Drop what is queued (shutdown); how many were dropped."""
-        n = len(self._queue)
+        """Drop what is queued or in progress (shutdown; nothing half-written); how many were dropped."""
+        n = len(self)
+        if self._current is not None:
+            self._current[1].close()
+            self._current = None
         self._queue.clear()
         return n
 
     def stats(self) -> dict:
-        return {"store_queued": len(self._queue), "store_done": self.stored, "store_failed": self.failed,
-                "store_deferred_turns": self.deferred, "store_seconds": self.seconds}
+        return {"store_queued": len(self), "store_done": self.stored, "store_failed": self.failed,
+                "store_units": self.units, "store_seconds": self.seconds}

@@ -303,6 +303,14 @@ class BatchScheduler:
         return best
 
     # ------------------------------------------------------------------ introspection
+    def cached_prefix_tokens(self, spec: SeqSpec) -> int:
+        """The tokens of the cached prefix the request would take if admitted now (`_best_prefix`
+        without touching the blocks' last use)."""
+        bt = self.limits.block_tokens
+        limit = (spec.n_prompt - 1) // bt
+        held = [self.pool.peek(chain[:limit]) * bt for chain in spec.lookups]
+        return max((t for t in held if t >= spec.min_hit), default=0)
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)

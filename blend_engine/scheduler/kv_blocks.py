@@ -106,6 +106,15 @@ class BlockPool:
             self._used_at[b] = self._clock
         return found
 
+    def peek(self, hashes: Sequence[str]) -> int:
+        """How many leading `hashes` are registered (`lookup` without touching their last use)."""
+        n = 0
+        for h in hashes:
+            if h not in self._by_hash:
+                break
+            n += 1
+        return n
+
     def register(self, run: Run, hashes: Sequence[str]) -> None:
         """Name the run's first blocks by `hashes` (their content is final: prompt blocks). A hash
         already held by another block keeps that block."""

@@ -13,6 +13,7 @@ from blend_engine import selfcheck
 from blend_engine.cancel import Cancelled
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
+from blend_engine.loop import background
 from blend_engine.loop.background import Background
 from blend_engine.types import BlendPlan, GenerationConfig
 from tests.helpers import PASSAGES, QUESTION, poll
@@ -120,3 +121,75 @@ def test_the_fidelity_gate_runs_its_prefills_on_the_engine_loop_with_the_same_re
     assert threads == {threading.current_thread().name}
     assert stepped.kl_full_reuse == pytest.approx(direct.kl_full_reuse, rel=1e-5, abs=1e-7)
     assert stepped.kl_blend_long == pytest.approx(direct.kl_blend_long, abs=1e-6) and stepped.passed == direct.passed
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _background(clock: _FakeClock, unit_s: float, passages: int = 4, layers: int = 10):
+    """A Background over a fake stepped store whose every unit (a layer) takes `unit_s` on `clock`."""
+    units: list[float] = []
+
+    def store_steps(token_ids, salt):
+        for layer in range(layers):
+            if layer:
+                yield
+            clock.now += unit_s
+            units.append(clock.now)
+        return True
+
+    class Layout:
+        segments = [type("Seg", (), {"token_ids": (i,)})() for i in range(passages)]
+
+    bg = Background(threading.Condition(), lambda: None, store_steps, clock=clock)
+    bg.storing.add(Layout(), [f"k{i}" for i in range(passages)], range(passages), None)
+    return bg, units
+
+
+@pytest.mark.parametrize(("busy", "share"), [(False, background.SHARE), (True, background.BUSY_SHARE)])
+def test_background_units_take_a_bounded_share_of_the_loop_while_requests_run(busy, share):
+    """Issue #56: with requests in the batch, storing takes at most SHARE of the loop's time (BUSY_SHARE
+    while a prefill waits), spread over the steps (no step waits for more than a unit beyond its
+    credit), and it still progresses: never starved."""
+    clock = _FakeClock()
+    bg, units = _background(clock, unit_s=0.004, passages=100)  # more work than 200 steps allow
+    step_s, spent = 0.02, []
+    for _ in range(200):
+        clock.now += step_s  # the batch's step
+        before = clock.now
+        bg.turn(step_s, busy=busy)
+        spent.append(clock.now - before)
+    total = 200 * step_s + sum(spent)
+    assert units, "storing was starved"
+    assert sum(spent) / total <= share + 0.004 / total + 1e-9
+    assert sum(spent) / total >= share * 0.8
+    assert max(spent) <= step_s * share / (1 - share) + 0.004 + 1e-9  # a turn's credit plus one unit's overrun
+
+
+def test_with_no_request_background_units_run_for_a_slice():
+    clock = _FakeClock()
+    bg, units = _background(clock, unit_s=0.01)
+    per_slice = round(background.IDLE_SLICE_S / 0.01)
+    bg.turn(0.0, idle=True)
+    first = len(units)
+    assert per_slice <= first <= per_slice + 1  # units until the slice is spent (float rounding: one more)
+    bg.turn(0.0, idle=True)
+    assert per_slice <= len(units) - first <= per_slice + 1
+
+
+def test_a_unit_longer_than_the_credit_is_paid_back_by_later_steps():
+    """One unit may overrun a turn's credit (a layer cannot be cut); the debt keeps later turns free."""
+    clock = _FakeClock()
+    bg, units = _background(clock, unit_s=0.1)
+    ran = []
+    for _ in range(20):
+        clock.now += 0.01
+        n = len(units)
+        bg.turn(0.01)
+        ran.append(len(units) - n)
+    assert ran[0] == 1 and sum(ran) == 1  # 20 steps of 10 ms earn 67 ms: the 100 ms unit's debt is not paid yet
