@@ -166,6 +166,14 @@ class Metrics:
         self.ingested = Counter("blendserve_ingested_passages", "Passages ingested online", registry=r)
         self.storage_errors = Counter("blendserve_storage_errors", "Requests failed by a storage fault (5xx)",
                                       registry=r)
+        self._add_fidelity_gate(r)
+        self.full_prefill_fallbacks = Counter(
+            "blendserve_full_prefill_fallbacks",
+            "Blend requests the controller served by full prefill (loading the KV would be slower)", registry=r,
+        )
+
+    def _add_fidelity_gate(self, r: CollectorRegistry) -> None:
+        """The start-up fidelity gate's series (`set_fidelity`) and the fallbacks a failed gate causes."""
         self.fidelity_kl = Gauge("blendserve_fidelity_kl", "Start-up probe: mean first-token KL vs full prefill",
                                  ["mode"], registry=r)
         self.fidelity_top1 = Gauge("blendserve_fidelity_top1_agreement",
@@ -179,10 +187,6 @@ class Metrics:
         self.blend_fallbacks = Counter("blendserve_blend_fallbacks",
                                        "Blend requests answered with full prefill because the gate failed",
                                        registry=r)
-        self.full_prefill_fallbacks = Counter(
-            "blendserve_full_prefill_fallbacks",
-            "Blend requests the controller served by full prefill (loading the KV would be slower)", registry=r,
-        )
 
     def set_fidelity(self, decision) -> None:
         """Publish the start-up fidelity gate's outcome (a `GateDecision`)."""

@@ -314,18 +314,27 @@ class JobRunner:
             shutil.rmtree(self.upload_dir / job.id, ignore_errors=True)
         self._cancelled.discard(job.id)
 
-    def _ingest_file(self, job_id: str, idx: int, f: JobFile) -> None:
+    def _parse_file(self, job_id: str, idx: int, f: JobFile) -> tuple[list[Document], list[str]] | None:
+        """The file's documents and the reader's problems (named by the file's name, not its path); None when
+        the file is gone or holds nothing to ingest, and is marked failed."""
         path = Path(f.path)
         if not path.is_file():
             self.store.set_file(job_id, idx, state="failed", error="the uploaded file is gone (lost before a restart)")
-            return
+            return None
         self.store.set_file(job_id, idx, state="parsing", error="")
         reader = Reader(on_error=lambda m: None)
         docs = list(reader.read_file(path, f.name))
         problems = [m.replace(str(path), f.name) for m in reader.errors]
         if not docs:
             self.store.set_file(job_id, idx, state="failed", error="; ".join(problems) or f"{f.name}: nothing to ingest")
+            return None
+        return docs, problems
+
+    def _ingest_file(self, job_id: str, idx: int, f: JobFile) -> None:
+        parsed = self._parse_file(job_id, idx, f)
+        if parsed is None:
             return
+        docs, problems = parsed
         self.store.set_file(job_id, idx, state="ingesting", documents=len(docs), processed=0)
         last = [0.0]
 

@@ -108,37 +108,12 @@ if triton is not None:
         q_off = ((row * n_heads + head) * G + gs[:, None]) * D + ds[None, :]  # [G_PAD, D_PAD]
         q_mask = (gs[:, None] < G) & (ds[None, :] < D)
         q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # [G_PAD, D_PAD]
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         first = (lo // BLOCK) * BLOCK + n * 0  # the first block (an int64 tensor either way)
         chunk = tl.cdiv(tl.cdiv(n - first, n_parts), BLOCK) * BLOCK  # keys per range, whole blocks
         j0 = first + part * chunk
         end = tl.minimum(j0 + chunk, n)  # (an empty range: j0 >= end, no step)
-        while j0 < end:  # (a `for` over a loaded bound fails in Triton's interpreter with numpy 2)
-            js = j0 + tl.arange(0, BLOCK)  # [BLOCK] key positions
-            valid = (js < end) & (js >= lo)
-            kv_mask = valid[:, None] & (ds[None, :] < D)
-            slot = start + js
-            k = tl.load(k_head + slot[:, None] * k_ss + ds[None, :], mask=kv_mask, other=0.0)  # [BLOCK, D_PAD]
-            v = tl.load(v_head + slot[:, None] * v_ss + ds[None, :], mask=kv_mask, other=0.0)  # [BLOCK, D_PAD]
-            if IEEE:  # fp32: no TF32 rounding
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK]
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s.to(tl.float32) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # [G_PAD]
-            p = tl.exp(s - m_new[:, None])  # [G_PAD, BLOCK]
-            alpha = tl.exp(m_i - m_new)  # [G_PAD]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")  # [G_PAD, D_PAD]
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv.to(tl.float32)
-            m_i = m_new
-            j0 += BLOCK
+        m_i, l_i, acc = _attend_range(q, k_head, v_head, k_ss, v_ss, start, lo, j0, end, ds, scale,
+                                      D, G_PAD, D_PAD, BLOCK, IEEE)  # [G_PAD], [G_PAD], [G_PAD, D_PAD]
         if SPLIT:  # this range's partials: [B, H, S, G(, D)]
             ml_off = ((row * n_heads + head) * n_parts + part) * G + gs  # [G_PAD]
             tl.store(m_ptr + ml_off, m_i, mask=gs < G)
@@ -147,3 +122,43 @@ if triton is not None:
             tl.store(out_ptr + a_off, acc, mask=q_mask)
         else:
             tl.store(out_ptr + q_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _attend_range(q, k_head, v_head, k_ss, v_ss, start, lo, j0, end, ds, scale,
+                      D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                      IEEE: tl.constexpr):
+        """q [G_PAD, D_PAD] over the row's keys j0 .. end-1 (those from `lo`) at slots start + j, a block
+        at a time: the online softmax's max and sum [G_PAD] and unnormalised output [G_PAD, D_PAD]."""
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        while j0 < end:  # (a `for` over a loaded bound fails in Triton's interpreter with numpy 2)
+            js = j0 + tl.arange(0, BLOCK)  # [BLOCK] key positions
+            valid = (js < end) & (js >= lo)
+            kv_mask = valid[:, None] & (ds[None, :] < D)
+            slot = start + js
+            k = tl.load(k_head + slot[:, None] * k_ss + ds[None, :], mask=kv_mask, other=0.0)  # [BLOCK, D_PAD]
+            v = tl.load(v_head + slot[:, None] * v_ss + ds[None, :], mask=kv_mask, other=0.0)  # [BLOCK, D_PAD]
+            m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE)
+            j0 += BLOCK
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+        """One block of the online softmax: q [G_PAD, D_PAD] over keys k, values v [BLOCK, D_PAD] (those
+        `valid`), folded into the max m_i, sum l_i [G_PAD] and output acc [G_PAD, D_PAD] so far."""
+        if IEEE:  # fp32: no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s.to(tl.float32) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [G_PAD]
+        p = tl.exp(s - m_new[:, None])  # [G_PAD, BLOCK]
+        alpha = tl.exp(m_i - m_new)  # [G_PAD]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")  # [G_PAD, D_PAD]
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv.to(tl.float32)

@@ -49,14 +49,20 @@ def build_store(
         tiers.append(DiskStore(Path(disk_dir), disk_bytes, kv_format=kv_format, fingerprint=fingerprint,
                                direct_io=disk_direct_io))
     if redis_url:
-        from blend_engine.kv_store.redis_store import RedisStore
-
-        redis_tier = RedisStore(redis_url, kv_format=kv_format, fingerprint=fingerprint, timeout_s=redis_timeout_s)
-        if not redis_tier.ping():
-            logger.warning("redis %s is not answering at start-up; local tiers serve until it does", redis_tier.url)
-        tiers.append(redis_tier)
+        tiers.append(_redis_tier(redis_url, kv_format, fingerprint, redis_timeout_s))
     logger.info("KV store tiers: %s (%s)", " > ".join(t.name for t in tiers), kv_format)
     return TieredStore(tiers)
+
+
+def _redis_tier(url: str, kv_format: str, fingerprint: str, timeout_s: float) -> BlobStore:
+    """The Redis tier at `url`; one not answering yet is kept all the same (with a warning): it joins
+    when it answers."""
+    from blend_engine.kv_store.redis_store import RedisStore
+
+    redis_tier = RedisStore(url, kv_format=kv_format, fingerprint=fingerprint, timeout_s=timeout_s)
+    if not redis_tier.ping():
+        logger.warning("redis %s is not answering at start-up; local tiers serve until it does", redis_tier.url)
+    return redis_tier
 
 
 def build_loader(store: KVStore, prefetch_depth: int = 2) -> LayerLoader:

@@ -66,6 +66,19 @@ class ModelShape:
     vocab: int
     max_positions: int
 
+    @classmethod
+    def of(cls, cfg) -> ModelShape:
+        """The shape a transformers config gives (D: its head_dim, else hidden size over query heads)."""
+        return cls(
+            n_layers=cfg.num_hidden_layers,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            hidden=cfg.hidden_size,
+            vocab=cfg.vocab_size,
+            max_positions=cfg.max_position_embeddings,
+        )
+
 
 class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
@@ -83,35 +96,18 @@ class ModelRunner:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        cfg = model.config
         inner = model.model
-        self._layers = inner.layers
-        self._embed = inner.embed_tokens
-        self._norm = inner.norm
-        self._lm_head = model.lm_head
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = ModelShape(
-            n_layers=cfg.num_hidden_layers,
-            n_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
-            hidden=cfg.hidden_size,
-            vocab=cfg.vocab_size,
-            max_positions=cfg.max_position_embeddings,
-        )
-        self.scaling = head_dim**-0.5
+        self._layers, self._embed, self._norm, self._lm_head = inner.layers, inner.embed_tokens, inner.norm, model.lm_head
+        self.shape = ModelShape.of(model.config)
+        self.scaling = self.shape.head_dim**-0.5
         self.device = next(model.parameters()).device
         # RoPE tables from our own copy of inv_freq: never mutated, so worker threads share it safely
-        self._inv_freq, self._rope_scale = rope_frequencies(cfg, inner.rotary_emb, self.device)  # [D/2], float
-        self.windows = layer_windows(cfg)  # per layer: sliding window or None
+        self._inv_freq, self._rope_scale = rope_frequencies(model.config, inner.rotary_emb, self.device)  # [D/2], float
+        self.windows = layer_windows(model.config)  # per layer: sliding window or None
         self.dtype = next(model.parameters()).dtype
         self.linear_dtype = linear_dtype
-        projections = [*inner.layers.modules(), self._lm_head]
-        self._weights = {} if linear_dtype is None else {  # id(module) -> its weight in linear_dtype
-            id(m): m.weight.detach().to(linear_dtype) for m in projections if type(m) is torch.nn.Linear}
-        self._packed = (pack_linears(projections)
-                        if packed and linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
-                        else {})  # id(module) -> its block code
+        pack = packed and linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
+        self._weights, self._packed = _linear_weights([*inner.layers.modules(), self._lm_head], linear_dtype, pack)
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
@@ -320,6 +316,15 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(self._lm_head, self.norm(self._norm, hidden)).float()  # [S, V]
+
+
+def _linear_weights(projections: list[torch.nn.Module], linear_dtype: torch.dtype | None,
+                    pack: bool) -> tuple[dict[int, torch.Tensor], dict[int, PackedWeight]]:
+    """What `ModelRunner.linear` runs the projections on, each keyed by id(module): every nn.Linear's weight
+    copied in `linear_dtype` (none for None), and when `pack` the block codes of `packed.pack_linears`."""
+    weights = {} if linear_dtype is None else {
+        id(m): m.weight.detach().to(linear_dtype) for m in projections if type(m) is torch.nn.Linear}
+    return weights, (pack_linears(projections) if pack else {})
 
 
 def _sdpa_backends(names: tuple | None) -> list | None:
