@@ -122,6 +122,13 @@ def svc(client: TestClient):
     return client.app.state.svc
 
 
+def stored_after_answers(client: TestClient) -> None:
+    """Wait until the engine stored every missed passage it queued after its answers (background
+    work: an exact repeat before then is a prefix hit of the pool, not a hit of the store)."""
+    loop = svc(client).stack.engine.loop
+    poll(lambda: loop.stats()["store_queued"] == 0)
+
+
 @contextmanager
 def serving(settings: ServiceSettings, stack_factory=None, documents: list[dict] | None = None
             ) -> Iterator[TestClient]:

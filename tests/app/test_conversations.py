@@ -11,7 +11,7 @@ import pytest
 from app.auth import cache_namespace
 from app.conversation import ConversationError, exchanges_to_drop, from_messages, is_follow_up, retrieval_query
 from blend_engine.types import Turn
-from tests.helpers import make_settings, serving
+from tests.helpers import make_settings, serving, stored_after_answers
 
 DOCS = [
     {"doc_id": "paris", "title": "Paris", "text": "Paris is the capital and largest city of France."},
@@ -172,6 +172,7 @@ def test_tenants_and_cache_salts_never_share_kv(tmp_path, tiny_stack_factory):
 
         def stats(key: str, **extra) -> tuple[int, int]:
             s = c.post("/v1/query", json={**q, **extra}, headers={"Authorization": f"Bearer {key}"}).json()["stats"]
+            stored_after_answers(c)  # what it missed is stored before the next request plans
             return s["cache_hits"], s["cache_misses"]
 
         chunks = 1 + 2 + 2  # the system prefix, two markers, two passages
