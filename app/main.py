@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 import logsafe
 from app.auth import BearerAuthMiddleware, Keyring
 from app.errors import install_handlers
+from app.host_work import HostWork
 from app.limits import BodySizeLimitMiddleware
 from app.metrics import Metrics
 from app.routes import ROUTERS
@@ -52,6 +53,7 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
     async def lifespan(app: FastAPI):
         svc: AppState = app.state.svc
         svc.worker = EngineWorker(settings.request_threads, settings.service.max_queue)
+        svc.host_work = HostWork(settings.service.query_threads, settings.service.query_nice)
         starter = threading.Thread(target=build_and_warm, args=(svc, factory), name="blendserve-startup", daemon=True)
         starter.start()
         try:
@@ -61,6 +63,7 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
             svc.ready = False
             await svc.close_client()  # the vLLM decoder's segments and connections
             await run_in_threadpool(svc.worker.close)
+            svc.host_work.close()
             if svc.jobs is not None:  # the current file stops at its next checkpoint; the job resumes next start
                 await run_in_threadpool(svc.jobs.close)
             stack, svc.stack = svc.stack, None

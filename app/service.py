@@ -1,8 +1,9 @@
 """What the routes ask of the engine: a query runs on the event loop and awaits the engine client.
 
     route --> QueryRun.start: admission                                           (event loop)
-              retrieval (embedding, rerank), the layout (tokenizing), the plan    (a worker thread,
-              (chunk keys, block hashes)                                           awaited)
+              retrieval (embedding, rerank), the layout (tokenizing), the plan    (a query thread,
+              (chunk keys, block hashes)                                           niced, awaited:
+                                                                                   `host_work`)
           --> EngineClient: the engine loop prefills and decodes its n choices    (engine loop)
           <-- QueryRun.deltas(): the sources, then each choice's text as decoded  (event loop)
 
@@ -35,6 +36,7 @@ from retrieval.lexical import NO_FILTERS, Filters
 from retrieval.text import format_passage
 
 logger = logging.getLogger(__name__)
+HostRun = Callable[..., Any]  # awaits fn(*args) off the event loop (`host_work.HostWork.run`)
 
 
 class ServiceError(Exception):
@@ -303,30 +305,30 @@ class QueryRun:
 
     @classmethod
     async def start(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float,
-                    arrival: float | None = None) -> QueryRun:
+                    arrival: float | None = None, host: HostRun = run_in_threadpool) -> QueryRun:
         """Retrieve (unless documents are given), lay the prompt out once and submit its `spec.n`
         choices. Raises the service's errors (400, 503 Busy / NoPassagesYet, storage faults).
         `arrival`: when the HTTP server got the request (`app.timing`; default now): timings and the
-        deadline count from it."""
+        deadline count from it. `host` runs the host work off the event loop (`host_work.HostWork.run`)."""
         t0 = arrival if arrival is not None else clock()
         with _service_errors():
             ticket = client.admit(timeout_s)  # refused before any retrieval or tokenizing is spent on it
             try:
-                return await cls._submit(stack, client, spec, timeout_s, ticket, t0)
+                return await cls._submit(stack, client, spec, timeout_s, ticket, t0, host)
             finally:
                 ticket.release()  # a no-op once the engine took it
 
     @classmethod
     async def _submit(cls, stack, client: EngineClient, spec: QuerySpec, timeout_s: float, ticket: Ticket,
-                      t0: float) -> QueryRun:
-        texts, passages = await run_in_threadpool(_passages, stack, spec)
+                      t0: float, host: HostRun) -> QueryRun:
+        texts, passages = await host(_passages, stack, spec)
         retrieved = clock()
         mode, fallback = _gated_mode(stack, spec.mode)
         plan = BlendPlan(passages=tuple(texts), question=spec.question, mode=mode,
                          recompute_ratio=spec.recompute_ratio, system_prompt=spec.system_prompt,
                          explain=spec.explain, turns=spec.turns, numbered=spec.numbered, cache_salt=spec.cache_salt)
         gens = [_choice_config(spec.gen, i) for i in range(spec.n)]
-        plan, layout, notes, prep = await run_in_threadpool(_prepared, stack.engine, client, plan, gens)
+        plan, layout, notes, prep = await host(_prepared, stack.engine, client, plan, gens)
         submitted = clock()
         stream = client.submit(plan, gens, timeout_s - (submitted - t0), layout, ticket, prep=prep)
         return cls(spec, passages, plan, stream, _Marks(t0, retrieved, submitted), fallback, notes)

@@ -10,6 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.host_work import HostWork
 from app.metrics import Metrics
 from app.service import NotReady, QueryOutcome
 from app.settings import ServiceSettings
@@ -30,6 +31,7 @@ class AppState:
         self.settings = settings
         self.metrics = metrics
         self.worker: EngineWorker | None = None  # blocking jobs (document ingestion, verify); queries use `client`
+        self.host_work: HostWork | None = None  # queries' retrieval and planning (low-priority threads)
         self.stack: Stack | None = None
         self.client: EngineClient | VllmClient | None = None  # set with the stack: the routes' way to the engine
         self.jobs: JobRunner | None = None  # background ingestion (uploads, the first-start sample corpus)

@@ -202,6 +202,11 @@ class ServiceGroup(Group):
     workers: int | None = Field(None, ge=1, le=256, description="threads for blocking jobs (document "
                                 "ingestion, store verification; queries await the engine loop); unset = 2")
     request_timeout_s: float = Field(120.0, gt=0)
+    query_threads: int = Field(2, ge=1, le=64, description="threads that retrieve, rerank and plan queries "
+                               "before the engine gets them (more wait their turn, counted in retrieval_ms)")
+    query_nice: int = Field(19, ge=0, le=19, description="how much lower those threads' CPU priority is than the "
+                            "engine loop's (a Linux nice increment): streams keep their pace while new questions "
+                            "are retrieved and reranked; 0 = the same priority")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     _empty = field_validator("workers", mode="before")(empty_is_none)

@@ -369,8 +369,9 @@ def test_explain_cap_cuts_and_says_so(tmp_path, tiny_stack_factory):
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_a_chat_request_touches_two_threads_for_any_n(client, monkeypatch, n):
-    """The event loop (retrieval, layout, admission, streaming, the body) and the engine loop (the
-    model), nothing else: no thread per request or per choice."""
+    """The event loop (admission, streaming, the body), the query threads (retrieval, layout: a
+    bounded pool, `app.host_work`) and the engine loop (the model), nothing else: no thread per
+    request or per choice."""
     from blend_engine.client import RequestStream
 
     stack = client.app.state.svc.stack
@@ -396,8 +397,9 @@ def test_a_chat_request_touches_two_threads_for_any_n(client, monkeypatch, n):
     assert r.status_code == 200 and len(r.json()["choices"]) == n
     threads = set().union(*seen.values())
     assert seen.keys() == {"search", "prepare", "finish_layer", "embed", "sink"}
-    assert len(threads) == 2 and "engine-loop" in threads, seen
-    assert seen["search"] == seen["prepare"] != {"engine-loop"}  # the event loop
+    host = seen["search"] | seen["prepare"]
+    assert threads == host | {"engine-loop"} and seen["sink"] <= host | {"engine-loop"}, seen
+    assert all(t.startswith("query-host") for t in host) and len(host) <= svc(client).settings.service.query_threads
     assert seen["finish_layer"] == seen["embed"] == seen["sink"] == {"engine-loop"}
 
 

@@ -1,0 +1,52 @@
+"""Queries' host work on a bounded pool of low-priority threads (`app.host_work`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import sys
+import threading
+
+import pytest
+
+from app.host_work import HostWork
+
+REQUEST = contextvars.ContextVar("request", default=None)
+
+
+def _where() -> tuple[str, int, str | None]:
+    tid = threading.get_native_id()
+    return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid), REQUEST.get()
+
+
+def test_host_work_runs_on_its_own_niced_threads_in_the_callers_context():
+    host = HostWork(threads=2, nice=7)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main():
+        REQUEST.set("r1")
+        return await asyncio.gather(*(host.run(_where) for _ in range(6)))
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        host.close()
+    names = {name for name, _, _ in seen}
+    assert all(n.startswith("query-host") for n in names) and 1 <= len(names) <= 2  # bounded, reused
+    if sys.platform == "linux":
+        assert {prio for _, prio, _ in seen} == {min(base + 7, 19)}  # the engine's threads keep `base`
+    assert {req for _, _, req in seen} == {"r1"}  # log fields and the like follow the request
+
+
+def test_nice_zero_keeps_the_priority_and_bad_sizes_fail_fast():
+    host = HostWork(threads=1, nice=0)
+    try:
+        _, prio, _ = asyncio.run(host.run(_where))
+        assert prio == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        host.close()
+    with pytest.raises(ValueError):
+        HostWork(threads=0, nice=5)
+    with pytest.raises(ValueError):
+        HostWork(threads=1, nice=20)
