@@ -115,6 +115,7 @@ def query_response(outcome: QueryOutcome, explain: Explain | None = None, logpro
             recompute_ratio=r.recompute_ratio,
             cache_hits=r.cache_hits,
             cache_misses=r.cache_misses,
+            prefix_tokens_reused=r.prefix_tokens_reused,
             ratio_source=r.ratio_source,
             completion_tokens=outcome.completion_tokens,
             fallback=outcome.fallback,

@@ -164,6 +164,7 @@ class QueryStats(BaseModel):
     recompute_ratio: float
     cache_hits: int
     cache_misses: int
+    prefix_tokens_reused: int = 0  # prompt tokens taken from the KV pool's prefix cache (an exact repeat's)
     ratio_source: str = ""
     completion_tokens: int = 0
     fallback: str | None = None

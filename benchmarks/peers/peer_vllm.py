@@ -264,10 +264,25 @@ async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: l
     tokens = sum(r.output_tokens for r in replies)
     ttft = [r.ttft_ms for r in replies]
     row = LoadRow(system, clients, len(bodies), len(replies), len(errors), seconds, tokens, tokens / seconds,
-                  percentile(ttft, 50), percentile(ttft, 95), os.getloadavg()[0], server_p50(replies), kind)
-    logger.info("%s %s %2d clients: %.1f tok/s, TTFT p50 %.0f ms, %d errors", system, label, clients,
-                row.tokens_per_s, row.ttft_p50_ms, row.errors)
+                  percentile(ttft, 50), percentile(ttft, 95), os.getloadavg()[0], server_p50(replies), kind,
+                  prefix_hit_share(replies))
+    share = "" if row.prefix_hit_share is None else f", prefix hits {row.prefix_hit_share:.1%} of prompt tokens"
+    logger.info("%s %s %2d clients: %.1f tok/s, TTFT p50 %.0f ms, %d errors%s", system, label, clients,
+                row.tokens_per_s, row.ttft_p50_ms, row.errors, share)
     return row
+
+
+def prefix_hit_share(replies: Sequence[Reply]) -> float | None:
+    """Blendserve's replies: the share of their prompt tokens taken as a cached prefix (the KV pool's,
+    `stats.prefix_tokens_reused`; with vLLM decoding, the tokens vLLM did not compute,
+    `stats.decoder_cached_tokens`); None for vLLM alone (its stream reports none)."""
+    stats = [r.body["stats"] for r in replies if r.body.get("stats")]
+    total = sum(s["context_tokens"] for s in stats)
+    if not total:
+        return None
+    hit = sum((s.get("decoder_cached_tokens") if s.get("decoder") == "vllm" else s.get("prefix_tokens_reused")) or 0
+              for s in stats)
+    return hit / total
 
 
 def server_p50(replies: Sequence[Reply]) -> dict[str, float] | None:

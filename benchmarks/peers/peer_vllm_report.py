@@ -60,6 +60,7 @@ class LoadRow:
     load_avg_1m: float | None = None  # the 1-minute load average when the level ended
     server_p50_ms: dict[str, float] | None = None  # Blendserve: p50 of each `timings` field over the level
     kind: str = NEW_COMBINATION  # known passages in a new order, or each prompt again (REPEATED)
+    prefix_hit_share: float | None = None  # Blendserve: prompt tokens not computed for the prefix (pool or vLLM) / all
 
 
 @dataclass(frozen=True)
@@ -240,11 +241,15 @@ def rag_table(summary: Sequence[Mapping[str, Any]]) -> str:
 
 def load_table(rows: Sequence[LoadRow]) -> str:
     head = ("| prompts | clients | system | answered / requests | output tok/s | TTFT p50 / p95 (ms) | load 1m "
-            "| Blendserve timings p50 (ms) |\n|---|---|---|---|---|---|---|---|\n")
+            "| prefix-hit share | Blendserve timings p50 (ms) |\n|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(f"| {r.kind} | {r.clients} | {r.system} | {r.answered} / {r.requests} | "
                           f"{r.tokens_per_s:.1f} | {_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | "
-                          f"{_num(r.load_avg_1m)} | {_timings(r.server_p50_ms)} |\n"
+                          f"{_num(r.load_avg_1m)} | {_percent(r.prefix_hit_share)} | {_timings(r.server_p50_ms)} |\n"
                           for r in sorted(rows, key=lambda r: (r.kind, r.clients, r.system)))
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _timings(t: Mapping[str, float] | None) -> str:

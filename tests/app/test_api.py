@@ -435,8 +435,8 @@ def test_both_endpoints_give_the_same_body_in_the_same_field_order(client):
                                      "decoder_ttft_ms", "decoder_ms"]
     assert [body["timings"][k] for k in ("blend_ms", "handover_ms", "decoder_ttft_ms", "decoder_ms")] == [None] * 4
     assert list(body["stats"]) == ["context_tokens", "recomputed_tokens", "recompute_ratio", "cache_hits",
-                                   "cache_misses", "ratio_source", "completion_tokens", "fallback", "decoder",
-                                   "decoder_cached_tokens"]
+                                   "cache_misses", "prefix_tokens_reused", "ratio_source", "completion_tokens",
+                                   "fallback", "decoder", "decoder_cached_tokens"]
     assert body["stats"]["decoder"] == "own" and body["stats"]["decoder_cached_tokens"] is None
     ex = body["explain"]
     assert list(ex) == ["check_layer", "metric", "max_tokens", "explained_tokens", "truncated",

@@ -146,6 +146,16 @@ def test_server_timings_skip_the_fields_a_decoder_leaves_null():
     assert peer_vllm.server_p50(both) == {"ttft_ms": pytest.approx(30.0), "blend_ms": 7.0}
 
 
+def test_the_prefix_hit_share_counts_the_pools_prefix_or_what_vllm_did_not_compute():
+    own = [Reply(1, 1, "x", body={"stats": {"context_tokens": 100, "prefix_tokens_reused": p, "decoder": "own"}})
+           for p in (96, 0)]
+    assert peer_vllm.prefix_hit_share(own) == pytest.approx(0.48)
+    pair = [Reply(1, 1, "x", body={"stats": {"context_tokens": 100, "prefix_tokens_reused": 0, "decoder": "vllm",
+                                             "decoder_cached_tokens": 99}})]
+    assert peer_vllm.prefix_hit_share(pair) == pytest.approx(0.99)
+    assert peer_vllm.prefix_hit_share([Reply(1, 1, "x")]) is None  # vLLM alone: no stats
+
+
 def test_a_target_without_its_measurement_is_reported_unmet_as_none():
     got = targets(Report({}, [_rag(VLLM, "reordered", 9000)]))
     assert got[0]["value"] is None and got[0]["met"] is None
