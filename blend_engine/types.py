@@ -202,8 +202,9 @@ class BlendReport:
     load_ms: float
     load_wait_ms: float
     prefill_ms: float
-    layer_load_ms: tuple[float, ...] = ()
+    layer_load_ms: tuple[float, ...] = ()  # per layer: the reader's time on it (loader's LoadTrace.read_s)
     layer_compute_ms: tuple[float, ...] = ()
+    layer_wait_ms: tuple[float, ...] = ()  # per layer: how long compute blocked for its load (LoadTrace.wait_s)
 
     @property
     def load_hidden_ms(self) -> float:

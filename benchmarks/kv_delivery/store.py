@@ -1,4 +1,6 @@
-"""KV store benchmark: time to first token of blend@0.15 with caches in RAM, on local disk, in Redis.
+"""KV store benchmark: time to first token of blend@0.15 with caches in RAM, on local disk, in Redis,
+and per layer (issue #57 item 2): the load, how long compute waited for it, the compute, and the share
+of layers where compute waited.
 
 Contexts of ~4K tokens are built from real MuSiQue passages (paragraph_text, title). Every tier
 is measured on its own (the memory tier above disk/Redis gets a zero budget so every read really
@@ -55,6 +57,13 @@ class TierResult:
     recompute_ms: float
     context_tokens: int
     trials: int
+    layer_load_ms: tuple[float, ...] = ()  # per layer (median over trials): the reader's time on it
+    layer_wait_ms: tuple[float, ...] = ()  # ... how long compute blocked for it
+    layer_compute_ms: tuple[float, ...] = ()  # ... the layer's compute
+    waited_share: float = 0.0  # the share of layers where compute blocked more than WAITED_MS
+
+
+WAITED_MS = 0.1  # a layer whose compute blocked longer than this for its load "waited"
 
 
 def build_contexts(runner: ModelRunner, n: int = 2, target_tokens: int = 4000, data_dir: Path | None = None) -> list[Context]:
@@ -82,6 +91,15 @@ def fill(store: KVStore, engine: BlendEngine, chunks: dict[tuple[int, ...], Chun
         store.put(engine.key_of(list(ids)), kv)
 
 
+def stored_after_answers(engine: BlendEngine, timeout_s: float = 120.0) -> None:
+    """Wait until the engine stored what its answers missed (background work of its loop)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.loop.stats()["store_queued"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine did not store its missed passages in time")
+        time.sleep(0.01)
+
+
 def _no_misses(what: str, reports: list) -> None:
     if any(r.cache_misses or r.repaired_chunks for r in reports):
         raise RuntimeError(f"benchmark runs on {what} missed the cache; the store under test is not serving")
@@ -95,7 +113,17 @@ def _summarize(name: str, depth: int, runs: list) -> TierResult:
         tier=name, prefetch_depth=depth, ttft_ms=med([r.ttft_ms for r in runs]), load_ms=med([r.load_ms for r in reps]),
         load_wait_ms=med([r.load_wait_ms for r in reps]), load_hidden_ms=med([r.load_hidden_ms for r in reps]),
         recompute_ms=med([r.recompute_ms for r in reps]), context_tokens=reps[0].context_tokens, trials=len(runs),
+        layer_load_ms=_per_layer(reps, "layer_load_ms", med), layer_wait_ms=_per_layer(reps, "layer_wait_ms", med),
+        layer_compute_ms=_per_layer(reps, "layer_compute_ms", med),
+        waited_share=statistics.mean(sum(w > WAITED_MS for w in r.layer_wait_ms) / max(1, len(r.layer_wait_ms))
+                                     for r in reps),
     )
+
+
+def _per_layer(rows: list, name: str, agg) -> tuple[float, ...]:
+    """`agg` (median, mean) of each layer's value of field `name` over `rows` (reports or results)."""
+    values = [getattr(r, name) for r in rows]
+    return tuple(agg([v[i] for v in values]) for i in range(min(map(len, values)))) if values else ()
 
 
 def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[tuple[int, ...], ChunkKV], workdir: Path,
@@ -122,6 +150,7 @@ def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[tup
         runs: dict[tuple[str, int], list] = {c: [] for c in configs}
         for c in configs:
             engines[c].run(plan, gen)  # warm-up: allocator, page cache, connections
+            stored_after_answers(engines[c])  # the system prompt's chunk, stored after that answer
         for _ in range(trials):
             for c in configs:
                 runs[c].append(engines[c].run(plan, gen))
@@ -136,8 +165,10 @@ def measure_tiers(runner: ModelRunner, contexts: list[Context], chunks: dict[tup
 def _merge(name: str, depth: int, rs: list[TierResult]) -> TierResult:
     fields = {f: statistics.mean(getattr(r, f) for r in rs) for f in
               ("ttft_ms", "load_ms", "load_wait_ms", "load_hidden_ms", "recompute_ms")}
+    layers = {f: _per_layer(rs, f, statistics.mean) for f in ("layer_load_ms", "layer_wait_ms", "layer_compute_ms")}
     return TierResult(tier=name, prefetch_depth=depth, context_tokens=round(statistics.mean(r.context_tokens for r in rs)),
-                      trials=rs[0].trials * len(rs), **fields)
+                      trials=rs[0].trials * len(rs), waited_share=statistics.mean(r.waited_share for r in rs),
+                      **fields, **layers)
 
 
 def measure_formats(runner: ModelRunner, contexts: list[Context], chunks: dict[tuple[int, ...], ChunkKV]) -> dict:
@@ -157,6 +188,7 @@ def measure_formats(runner: ModelRunner, contexts: list[Context], chunks: dict[t
         fill(store, eng, chunks)
         for c in contexts:  # stores the system prompt's chunk, as a served request does
             eng.run(BlendPlan(passages=c.passages, question=c.question, recompute_ratio=RATIO), GenerationConfig(max_tokens=1))
+        stored_after_answers(eng)
         for mode, ratio in ((Mode.BLEND, RATIO), (Mode.FULL_REUSE, None)):
             results = [eng.prefill(BlendPlan(passages=c.passages, question=c.question, mode=mode, recompute_ratio=ratio))
                        for c in contexts]
@@ -232,6 +264,14 @@ def format_table(result: dict) -> str:
     for r in result["tiers"]:
         lines.append(f"{r['tier']:<6} {r['prefetch_depth']:>5} {r['ttft_ms']:>9.0f} {r['load_ms']:>8.1f} "
                      f"{r['load_wait_ms']:>8.1f} {r['load_hidden_ms']:>8.1f} {r['recompute_ms']:>8.0f}")
+    lines += ["", "per layer (ms, median over trials): load / compute waited / compute, by tier and read-ahead depth",
+              f"{'layer':>5} " + " ".join(f"{r['tier'] + ' d' + str(r['prefetch_depth']):>22}" for r in result["tiers"])]
+    n_layers = min(len(r["layer_compute_ms"]) for r in result["tiers"])
+    for i in range(n_layers):
+        lines.append(f"{i:>5} " + " ".join(f"{r['layer_load_ms'][i]:>6.2f} / {r['layer_wait_ms'][i]:>5.2f} / "
+                                           f"{r['layer_compute_ms'][i]:>5.1f}" for r in result["tiers"]))
+    lines.append(f"layers where compute waited > {WAITED_MS:.1f} ms: "
+                 + ", ".join(f"{r['tier']} d{r['prefetch_depth']} {r['waited_share']:.0%}" for r in result["tiers"]))
     f = result["formats"]
     lines.append(f"disk/RAM TTFT: {result['disk_over_ram']:.3f}x (target <= 1.15x)"
                  + (f", Redis/RAM: {result['redis_over_ram']:.3f}x" if result["redis_over_ram"] else ""))

@@ -195,6 +195,7 @@ def _report(mp: ModePlan, layout: PromptLayout, out: LayerOutput, final: list[in
         prefill_ms=(time.perf_counter() - t_start) * 1e3,
         layer_load_ms=tuple(x * 1e3 for x in trace.read_s),
         layer_compute_ms=tuple(x * 1e3 for x in layer_times),
+        layer_wait_ms=tuple(x * 1e3 for x in trace.wait_s),
     )
 
 
