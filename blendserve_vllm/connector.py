@@ -29,7 +29,8 @@ Per request:
 - worker side: a step's segments are opened at its start (a file mapped, or a Redis value read with
   one GET into a host buffer); at each attention layer (`wait_for_layer_load`) that layer's rows are
   copied from the segment into the request's blocks (`layouts`); after the step the segment is freed
-  (the file unlinked, the key DEL'd; `free_after_load`, default true). A segment gone between
+  (the file handed back to its writer for reuse, `segments.release`, the key DEL'd; `free_after_load`,
+  default true). A segment gone between
   scheduling and loading, or Redis unreachable, reports its blocks as failed, and vLLM recomputes
   them (`kv_load_failure_policy: recompute`).
 """
@@ -50,7 +51,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from blendserve_vllm import layouts, redis_handover
 from blendserve_vllm.redis_handover import RedisClient, RedisError, is_redis_handle, redis_name
-from blendserve_vllm.segments import DEFAULT_DIR, Segment, SegmentError, SegmentMeta, check_name, remove, token_hash
+from blendserve_vllm.segments import DEFAULT_DIR, Segment, SegmentError, SegmentMeta, check_name, release, token_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,11 +151,12 @@ class BlendserveConnector(KVConnectorBase_V1):
         return Segment.open(self._dir, handle)
 
     def _free(self, handles: list[str]) -> None:
-        """Free loaded segments: unlink the files, DEL the Redis keys (one command; failures logged)."""
+        """Free loaded segments: hand the files back to their writer (`release`), DEL the Redis keys
+        (one command; failures logged)."""
         names = [redis_name(h) for h in handles if is_redis_handle(h)]
         for handle in handles:
             if not is_redis_handle(handle):
-                remove(self._dir, check_name(handle))
+                release(self._dir, check_name(handle))
         if names:
             try:
                 redis_handover.free(self._redis_client(), names)

@@ -45,6 +45,8 @@ HEADER_BYTES = 4096
 DEFAULT_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a handle is a bare file name, never a path
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SPARE = ".spare-"  # a loaded segment's file, renamed for its writer to reuse (`release`)
+MAX_SPARES = 4  # spare files a publisher keeps (the newest)
 
 
 class SegmentError(ValueError):
@@ -203,17 +205,23 @@ class Segment:
 
 
 def write_segment(folder: str | Path, name: str, meta: SegmentMeta,
-                  fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Path:
+                  fill: Callable[[int, torch.Tensor, torch.Tensor], None], reuse: Path | None = None) -> Path:
     """Create segment `name`: `fill(layer, k, v)` writes each layer into the views k, v [T, H, D];
-    the file appears under its name only once complete."""
+    the file appears under its name only once complete. `reuse`: a spare file (a loaded segment's,
+    `release`) whose pages are taken instead of a new file's (gone meanwhile: a new file)."""
     folder = Path(folder)
     path = folder / check_name(name)
     tmp = folder / f".{name}.tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = _reuse(reuse, tmp)
+    reused = fd is not None
+    if fd is None:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, meta.nbytes)
         os.pwrite(fd, meta.encode(), 0)
-        mm = mmap.mmap(fd, meta.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # a spare's pages exist: map them all at once (a new file's would be allocated one fault at a time)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if reused else 0)
+        mm = mmap.mmap(fd, meta.nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
@@ -229,6 +237,31 @@ def write_segment(folder: str | Path, name: str, meta: SegmentMeta,
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _reuse(spare: Path | None, tmp: Path) -> int | None:
+    """The spare renamed to `tmp` and opened; None when there is none (or another writer took it)."""
+    if spare is None:
+        return None
+    try:
+        os.replace(spare, tmp)
+        return os.open(tmp, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+
+
+def release(folder: str | Path, name: str) -> bool:
+    """A loaded segment handed back to its writer: renamed to its spare name (`SPARE`), whose pages
+    the writer's next segment reuses (a new file's pages cost 2-4x the copy into them); unlinked when
+    that fails. False when it was already gone."""
+    src = Path(folder) / check_name(name)
+    try:
+        os.replace(src, src.with_name(SPARE + name))
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return remove(folder, name)
 
 
 def fill_buffer(meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> bytearray:
@@ -354,13 +387,43 @@ class SegmentPublisher(_Publisher):
             raise SegmentError(f"segment folder {self.folder} does not exist")
 
     def _write(self, handle: str, meta: SegmentMeta, fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
-        write_segment(self.folder, handle, meta, fill)
+        write_segment(self.folder, handle, meta, fill, reuse=self._spare_for(meta.nbytes))
 
     def _gone(self, handles: Sequence[str]) -> list[bool]:
         return [not (self.folder / h).exists() for h in handles]
 
     def _free(self, handles: Sequence[str]) -> int:
         return sum(remove(self.folder, h) for h in handles)
+
+    def _spares(self) -> list[tuple[Path, int]]:
+        """This publisher's spare files (segments the connector loaded and released), with sizes,
+        newest first."""
+        found = []
+        for path in self.folder.glob(f"{SPARE}blendserve-*-{self._tag}-*"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((st.st_mtime_ns, path, st.st_size))
+        return [(p, n) for _, p, n in sorted(found, reverse=True)]
+
+    def _spare_for(self, nbytes: int) -> Path | None:
+        """The spare to reuse: the smallest that holds `nbytes`, else the largest; the ones past
+        `MAX_SPARES` are unlinked."""
+        spares = self._spares()
+        for path, _ in spares[MAX_SPARES:]:
+            path.unlink(missing_ok=True)
+        spares = spares[:MAX_SPARES]
+        if not spares:
+            return None
+        fits = [s for s in spares if s[1] >= nbytes]
+        return min(fits, key=lambda s: s[1])[0] if fits else max(spares, key=lambda s: s[1])[0]
+
+    def close(self) -> None:
+        """Free every segment this publisher still holds, and its spare files."""
+        super().close()
+        for path, _ in self._spares():
+            path.unlink(missing_ok=True)
 
 
 class RedisPublisher(_Publisher):

@@ -24,6 +24,7 @@ from blendserve_vllm.segments import (
     SegmentPublisher,
     check_name,
     fill_buffer,
+    release,
     token_hash,
     write_segment,
 )
@@ -407,3 +408,60 @@ def test_export_refuses_more_tokens_than_the_cache_holds(tmp_path):
         export(cache, [1, 2, 3, 4, 5], pub)
     assert os.listdir(tmp_path) == [] and pub.stats()["published"] == 0
     assert export(cache, [1, 2, 3, 4], pub).n_tokens == 4
+
+
+# ------------------------------------------------------------------ released segments reused
+def _published(pub: SegmentPublisher, seed: int, **kw):
+    """Publish a segment; (its record, its K and V per layer)."""
+    meta = make_meta(**kw)
+    ks, vs = random_kv(meta, seed)
+
+    def fill(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        k.copy_(ks[layer])
+        v.copy_(vs[layer])
+
+    return pub.publish(meta, fill), ks, vs
+
+
+def _reads_back(folder, name: str, ks, vs) -> bool:
+    seg = Segment.open(folder, name)
+    try:
+        return all(torch.equal(seg.k(i), k) and torch.equal(seg.v(i), v) for i, (k, v) in enumerate(zip(ks, vs)))
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize("T", [64, 40, 200])  # the same size, smaller, larger than the spare
+def test_a_released_segments_file_is_reused_by_the_next_one(tmp_path, T):
+    """The connector hands a loaded segment back (renamed to a spare); the publisher's next segment
+    takes that file's pages (the same inode) instead of a new file's, and reads back exactly."""
+    pub = SegmentPublisher(tmp_path, budget_bytes=1 << 24)
+    first, _, _ = _published(pub, 0, L=3, T=64, H=2, D=8)
+    assert release(tmp_path, first.name) and not (tmp_path / first.name).exists()
+    spare = tmp_path / (".spare-" + first.name)
+    inode = spare.stat().st_ino
+    pub.sweep()  # the first is gone for the publisher too
+    assert pub.stats()["segments"] == 0
+    second, ks, vs = _published(pub, 1, L=3, T=T, H=2, D=8)
+    path = tmp_path / second.name
+    assert path.stat().st_ino == inode and not spare.exists()
+    assert path.stat().st_size == second.nbytes and _reads_back(tmp_path, second.name, ks, vs)
+    assert release(tmp_path, "never-published") is False
+
+
+def test_spares_are_bounded_kept_per_publisher_and_removed_on_close(tmp_path):
+    from blendserve_vllm.segments import MAX_SPARES
+
+    pub, other = SegmentPublisher(tmp_path, budget_bytes=1 << 24), SegmentPublisher(tmp_path, budget_bytes=1 << 24)
+    records = [_published(pub, i)[0] for i in range(MAX_SPARES + 2)]
+    theirs = _published(other, 9)[0]
+    for rec in [*records, theirs]:
+        release(tmp_path, rec.name)
+    spares = lambda: sorted(n for n in os.listdir(tmp_path) if n.startswith(".spare-"))  # noqa: E731
+    assert len(spares()) == MAX_SPARES + 3
+    _published(pub, 20)  # takes one of its own, trims its own to MAX_SPARES
+    assert len(spares()) == MAX_SPARES - 1 + 1  # its own left after the reuse, and the other's
+    pub.close()
+    assert spares() == [".spare-" + theirs.name]  # another publisher's spare is not touched
+    other.close()
+    assert spares() == []
