@@ -43,7 +43,7 @@ class AppState:
     def require_stack(self) -> Stack:
         if self.error is not None:
             raise NotReady(f"start-up failed: {self.error}")
-        if not self.ready or self.stack is None or self.worker is None:
+        if not self.ready or self.stack is None or self.worker is None or self.host_work is None:
             raise NotReady("the model, index and KV store are still loading")
         return self.stack
 

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from app.errors import error_body, error_kind
 from app.presenters import Answered, present
@@ -66,10 +65,9 @@ def answered(stack, spec: QuerySpec, run: QueryRun) -> Answered:
 async def start(svc: AppState, spec: QuerySpec, arrival: float | None = None) -> tuple[object, QueryRun]:
     """(the stack, the query submitted to the engine client): the service's errors raise here.
     `arrival`: when the HTTP server got it (`app.timing`)."""
-    stack = svc.require_stack()
-    host = svc.host_work.run if svc.host_work is not None else run_in_threadpool
+    stack = svc.require_stack()  # the lifespan made the query threads too
     return stack, await QueryRun.start(stack, svc.require_client(), spec, svc.settings.service.request_timeout_s,
-                                       arrival, host)
+                                       arrival, svc.host_work.run)
 
 
 async def run_to_completion(svc: AppState, spec: QuerySpec, endpoint: str, arrival: float | None = None) -> Answered:

@@ -54,10 +54,15 @@ class ChunkCache:
     def precompute(self, token_ids: Sequence[int], should_stop: StopCheck | None = None) -> ChunkKV:
         """Prefill a chunk alone at positions 0..T-1; every layer's K (after RoPE) and V. Raises
         `Cancelled` before a layer once `should_stop()` is true."""
+        job = self._alone(token_ids)
+        out = run_layers(self.runner, job, should_stop, "a precompute")
+        return out.cache.segment(0, len(job.ids))  # k, v: [L, H, T, D]
+
+    def _alone(self, token_ids: Sequence[int]) -> LayerJob:
+        """The pass that prefills a chunk alone (every token computed, positions 0..T-1), checked to fit."""
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)  # [T]
         self.check_fits(len(ids))
-        out = run_layers(self.runner, LayerJob(ids), should_stop, "a precompute")
-        return out.cache.segment(0, len(ids))  # k, v: [L, H, T, D]
+        return LayerJob(ids)
 
     @torch.inference_mode()
     def precompute_many(self, token_lists: Sequence[Sequence[int]], batch_size: int = 16,
@@ -129,13 +134,12 @@ class ChunkCache:
         key = self.key_of(token_ids, salt)
         if self.store.contains(key):
             return False
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)  # [T]
-        self.check_fits(len(ids))
-        loop = LayerLoop(self.runner, LayerJob(ids))
+        job = self._alone(token_ids)
+        loop = LayerLoop(self.runner, job)
         for layer, _ in enumerate(loop.steps()):  # runs a layer
             if layer + 1 < self.runner.shape.n_layers:
                 yield  # between two layers: the last one's unit also writes the entry
-        kv = loop.output().cache.segment(0, len(ids))  # k, v: [L, H, T, D]
+        kv = loop.output().cache.segment(0, len(job.ids))  # k, v: [L, H, T, D]
         return bool(self.store.put(key, kv))
 
     def _ensure(self, token_ids: Sequence[int], salt: str | None,
