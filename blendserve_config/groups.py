@@ -86,10 +86,12 @@ class EngineSettings(Group):
     kv_block_tokens: int = Field(16, ge=1, le=1024, description="token slots per block of the KV pool")
     prefix_caching: bool = Field(True, description="automatic prefix caching: a request first takes the longest "
                                                    "cached prefix of its prompt from the KV pool, in every mode")
-    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, prefills (oldest first) run "
-                                                             "layers until they computed this many tokens (summed "
-                                                             "over layers) per step, sharing each layer's pass with "
-                                                             "the decode rows")
+    prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, a step's prefill work is at most "
+                                                             "this many tokens summed over layers: new requests' "
+                                                             "cached-prefix copies first, then prefills (oldest "
+                                                             "first) run layers, each layer costing its rows plus a "
+                                                             "fixed overhead, sharing each layer's pass with the "
+                                                             "decode rows (lower: steadier streams, slower prefills)")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
 

@@ -263,7 +263,8 @@ class EngineLoop:
         self.scheduler.applied()
         prefilling, decoding = table.pick(plan.prefill), table.pick(plan.decode)
         if prefilling:
-            stepper.fused(decoding, prefilling, PrefillBudget(plan.prefill_tokens))
+            stepper.fused(decoding, prefilling, PrefillBudget(plan.prefill_tokens,
+                                                           self.scheduler.limits.prefill_layer_overhead))
             return STEP_PREFILL
         if decoding:
             stepper.decode(decoding)

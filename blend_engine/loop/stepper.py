@@ -104,7 +104,7 @@ class Stepper:
         if rows is None:
             decoding = []
         for req in prefilling:
-            budget.allot(req.rid, req.run.rows * (n_layers - req.run.next_layer))
+            budget.allot(req.rid, req.run.rows, n_layers - req.run.next_layer)
         advanced: set[int] = set()  # the prefills that ran a layer
         shared = False  # decode rows and prefill rows went through a layer together
         for layer in range(n_layers):

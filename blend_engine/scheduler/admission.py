@@ -31,7 +31,8 @@ from blend_engine.errors import Overloaded
 
 # every reason a request was taken, waited or refused: the labels of one metric family
 DECISIONS = ("admitted", "refused_queue_full", "refused_too_slow", "refused_shutting_down",
-             "dropped_too_late", "waited_batch_full", "waited_kv_blocks")
+             "dropped_too_late", "waited_batch_full", "waited_kv_blocks",
+             "waited_step_budget")
 
 
 # ---------------------------------------------------------------------- the rules

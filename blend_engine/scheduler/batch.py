@@ -10,9 +10,11 @@ Each step of the engine loop:
     admit    waiting requests in order while the batch has room (`max_batch`) and a run of blocks
              for their prompt is free; each first takes the longest cached prefix of its prompt
              (automatic prefix caching), in place or copied, and computes only the rest
-    prefill  partly prefilled requests advance, oldest first, until they computed
-             `prefill_step_tokens` tokens between them (summed over layers; `PrefillBudget`)
-             while others decode; with nothing decoding the oldest runs whole
+    prefill  while others decode, a step's prefill work is bounded by `prefill_step_tokens`
+             (tokens x layers; `PrefillBudget`): the prefix copies of this step's admissions
+             are paid first (admission stops once they spent it), then partly prefilled requests
+             advance, oldest first, each layer they enter costing its rows plus a fixed
+             `prefill_layer_overhead`; with nothing decoding the oldest runs whole
     decode   every request past its prefill decodes one token
 
 The executor runs a step as ONE pass over the layers: at each layer the decode rows and the rows
@@ -40,6 +42,11 @@ class BatchLimits:
     prefill_step_tokens: int = 4096  # prefill work per step while others decode (tokens x layers)
     block_tokens: int = 16  # token slots per KV block
     max_queue: int | None = None  # requests waiting for the batch before `Overloaded`; None: no bound
+    # What a step's prefill work costs beside its rows, in the same unit (fitted to fused steps' times on
+    # 2 CPU cores, SmolLM2-135M: a prefill's own attention call, rotation and KV write per layer it enters
+    # ~ 12 rows; a cached prefix token's K/V copied at admission, over every layer ~ 0.35 rows x layers)
+    prefill_layer_overhead: int = 12
+    prefix_copy_cost: float = 0.35
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -50,6 +57,8 @@ class BatchLimits:
             raise ValueError("kv_budget_bytes must be >= 1")
         if self.prefill_step_tokens < 1:
             raise ValueError("prefill_step_tokens must be >= 1")
+        if self.prefill_layer_overhead < 0 or self.prefix_copy_cost < 0:
+            raise ValueError("prefill_layer_overhead and prefix_copy_cost must be >= 0")
         if self.block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
 
@@ -114,19 +123,22 @@ class PrefillBudget:
     order each prefill is allotted what is left, up to the most it could use this step (`allot`);
     it then runs layer after layer while its allotment lasts (the layer that crosses it included).
     A prefill allotted nothing waits for the next step. So the oldest prefill advances as if alone
-    and the younger ones use what it leaves, while all of them share each layer's pass."""
+    and the younger ones use what it leaves, while all of them share each layer's pass. A layer
+    costs its rows plus `layer_overhead` (what a prefill's layer costs beside its rows: with many
+    short prefills, e.g. exact repeats that compute their last few tokens, that is most of it)."""
 
-    def __init__(self, tokens: int | None) -> None:
+    def __init__(self, tokens: int | None, layer_overhead: int = 0) -> None:
         self.left = tokens
+        self.layer_overhead = layer_overhead
         self._own: dict[int, int | None] = {}
 
-    def allot(self, rid: int, most: int) -> None:
-        """Before the step, oldest first: `rid` could compute at most `most` tokens this step (its
-        rows now x its layers left: rows only shrink along a prefill)."""
+    def allot(self, rid: int, rows: int, layers: int) -> None:
+        """Before the step, oldest first: `rid` could compute at most `layers` more layers of at
+        most `rows` rows this step (rows only shrink along a prefill)."""
         if self.left is None:
             self._own[rid] = None
             return
-        give = max(0, min(self.left, most))
+        give = max(0, min(self.left, (rows + self.layer_overhead) * layers))
         self._own[rid] = give
         self.left -= give
 
@@ -137,7 +149,7 @@ class PrefillBudget:
             return True
         if own <= 0:
             return False
-        self._own[rid] = own - rows
+        self._own[rid] = own - rows - self.layer_overhead
         return True
 
 
@@ -204,11 +216,13 @@ class BatchScheduler:
         decode = tuple(rid for rid, s in self._running.items() if s.decoding)
         for rid in decode:
             self._running[rid].length += 1  # this step's token
-        admit, held = self._admit()
-        prefilling = tuple(rid for rid, s in self._running.items() if not s.decoding)
         budget = self.limits.prefill_step_tokens if decode else None
+        admit, held, left = self._admit(budget)
+        prefilling = tuple(rid for rid, s in self._running.items() if not s.decoding)
+        if left is not None and left <= 0:  # this step's prefix copies spent its prefill work
+            prefilling = ()
         return StepPlan(tuple(preempt), tuple(moves), tuple(admit),
-                        prefilling if decode else prefilling[:1], budget, decode, held)
+                        prefilling if decode else prefilling[:1], left, decode, held)
 
     def _grow(self, preempt: list[int]) -> list[Move]:
         """A block for every decoding sequence whose next token needs one; preempting the youngest
@@ -248,20 +262,28 @@ class BatchScheduler:
         for run in seq.held:
             self.pool.release(run)
 
-    def _admit(self) -> tuple[list[Admission], tuple[int, str] | None]:
-        """Waiting requests in order while the batch has room and their blocks are free; the head
-        left waiting and why (`admission.DECISIONS`)."""
-        out = []
+    def _admit(self, budget: int | None) -> tuple[list[Admission], tuple[int, str] | None, int | None]:
+        """Waiting requests in order while the batch has room, their blocks are free and the step's
+        prefill `budget` (None: unbounded) is not spent on their prefix copies; the head left
+        waiting and why (`admission.DECISIONS`), and the budget left."""
+        out: list[Admission] = []
         while self._waiting:
             head = self._waiting[0].rid
             if not batch_has_room(len(self._running), self.limits.max_batch):
-                return out, (head, "waited_batch_full")
+                return out, (head, "waited_batch_full"), budget
+            if budget is not None and budget <= 0:
+                return out, (head, "waited_step_budget"), budget
             adm = self._place(self._waiting[0])
             if adm is None:  # its blocks are not free yet: requests behind it wait too (no overtaking)
-                return out, (head, "waited_kv_blocks")
+                return out, (head, "waited_kv_blocks"), budget
             self._waiting.popleft()
             out.append(adm)
-        return out, None
+            budget = None if budget is None else budget - self._copy_cost(adm)
+        return out, None, budget
+
+    def _copy_cost(self, adm: Admission) -> int:
+        """The prefill work (tokens x layers) that copying `adm`'s cached prefix into its run costs."""
+        return round(len(adm.copy_from) * self.limits.block_tokens * self.limits.prefix_copy_cost)
 
     def _place(self, spec: SeqSpec) -> Admission | None:
         """The head request's run: the longest usable cached prefix, in place or to be copied."""

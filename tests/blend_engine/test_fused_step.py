@@ -127,15 +127,28 @@ def test_several_prefills_advance_in_one_step_beside_the_decode_rows(runner):
 
 def test_the_prefill_budget_goes_to_the_oldest_first_and_the_rest_to_the_younger():
     unbounded = PrefillBudget(None)
-    unbounded.allot(1, 10)
+    unbounded.allot(1, 10, 1)
     assert all(unbounded.take(1, 10_000) for _ in range(50))
     b = PrefillBudget(100)
-    b.allot(1, 70)  # the oldest could use 70 at most: it gets them
-    b.allot(2, 500)  # the next gets the 30 left
-    b.allot(3, 500)  # nothing left: it waits for the next step
+    b.allot(1, 35, 2)  # the oldest could use 70 at most: it gets them
+    b.allot(2, 100, 5)  # the next gets the 30 left
+    b.allot(3, 100, 5)  # nothing left: it waits for the next step
     assert b.take(1, 30) and b.take(2, 20) and b.take(1, 30) and b.take(2, 20)  # 2 crosses its 30 here
     assert not b.take(2, 20) and not b.take(3, 1)
     assert b.take(1, 30) and not b.take(1, 30)  # 1 crosses its 70 on its third layer
+
+
+def test_each_layer_a_prefill_enters_costs_its_rows_plus_the_overhead():
+    """Short prefills (exact repeats computing their last tokens) cost mostly their per-layer overhead:
+    eight of 10 rows fit a budget of 2,000 over 30 layers when rows alone count, three with 12 more a layer."""
+    def layers_run(overhead: int) -> list[int]:
+        b = PrefillBudget(2000, overhead)
+        for rid in range(8):
+            b.allot(rid, 10, 30)
+        return [sum(b.take(rid, 10) for _ in range(30)) for rid in range(8)]
+
+    assert layers_run(0) == [30] * 6 + [20, 0]  # 300 each: six whole, the seventh 20 layers of the 200 left
+    assert layers_run(12) == [30, 30, 30, 1, 0, 0, 0, 0]  # 660 each: three whole, the fourth crosses its 20 at once
 
 
 def test_the_loop_counts_each_prefill_row_at_every_layer_it_enters(runner):

@@ -80,6 +80,40 @@ def test_cached_prefix_is_adopted_in_place_or_copied_and_lru_is_evicted_first():
     assert s.pool.in_use == 6
 
 
+def test_while_others_decode_prefix_copies_spend_the_step_budget_and_admission_stops_there():
+    """Copying a cached prefix into a new run is prefill work: a burst of exact repeats beside a
+    decoding request is admitted over several steps, not all in one long step."""
+    limits = BatchLimits(max_batch=8, prefill_step_tokens=20, block_tokens=4, prefix_copy_cost=1.0)
+    s = BatchScheduler(limits, 20, 1)
+    chain = _chain(list(range(10)))
+    s.add(SeqSpec(0, 10, lookups=(chain,), own=chain))
+    s.schedule()
+    s.prefilled(0)  # decoding from now on; its 2 full blocks are cached
+    for rid in (1, 2, 3, 4):
+        s.add(SeqSpec(rid, 10, lookups=(chain,), own=chain))
+    step = s.schedule()
+    assert [a.rid for a in step.admit] == [1, 2, 3]  # 8 tokens copied each: 20 -> 12 -> 4 -> -4
+    assert all(a.copy_from == (0, 1) for a in step.admit)
+    assert step.held == (4, "waited_step_budget") and step.prefill == () and step.decode == (0,)
+    s.applied()
+    step = s.schedule()
+    assert [a.rid for a in step.admit] == [4] and step.prefill_tokens == 12 and step.prefill == (1, 2, 3, 4)
+
+
+def test_with_nothing_decoding_admission_ignores_the_step_budget():
+    limits = BatchLimits(max_batch=8, prefill_step_tokens=1, block_tokens=4, prefix_copy_cost=1.0)
+    s = BatchScheduler(limits, 20, 1)
+    chain = _chain(list(range(10)))
+    s.add(SeqSpec(0, 10, lookups=(chain,), own=chain))
+    s.schedule()
+    s.prefilled(0)
+    s.finish(0)  # cached, nothing running
+    for rid in (1, 2, 3):
+        s.add(SeqSpec(rid, 10, lookups=(chain,), own=chain))
+    step = s.schedule()
+    assert [a.rid for a in step.admit] == [1, 2, 3] and step.prefill_tokens is None and step.prefill == (1,)
+
+
 def test_a_prefix_below_min_hit_is_not_taken():
     s = _sched(8)
     chain = _chain(list(range(10)))
