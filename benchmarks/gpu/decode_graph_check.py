@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.gpu_common import Setup, median_ms
+from benchmarks.gpu.gpu_common import Setup, median_ms, profiled
 from benchmarks.kernels.decode_attention import pool_runs
 from blend_engine.executor.decode import decode_batch
 from blend_engine.executor.decode_graphs import DecodeGraphs
@@ -161,20 +161,13 @@ def _time_batch(setup: Setup, runner: ModelRunner, b: int, n_tokens: int, reps: 
 def profile_step(setup: Setup, runner: ModelRunner, b: int, n_tokens: int) -> str:
     """A torch.profiler table (top kernels by device time) of one eager pooled step at batch b: the
     same kernels a graph replays, so where a replayed step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     pool, runs = pool_runs(runner, b, n_tokens)
     tokens, starts = [7 + i for i in range(b)], [n_tokens] * b
 
     def step() -> None:
         decode_batch(runner, [pool.view(run, n_tokens) for run in runs], tokens, starts, "pooled")
 
-    step()
-    setup.sync()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step()
-        setup.sync()
+    prof, _ = profiled(setup, step)
     by = "self_cuda_time_total" if setup.device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=by, row_limit=15, max_name_column_width=50)
 

@@ -15,9 +15,8 @@ import threading
 import time
 
 import numpy as np
-import torch
 
-from benchmarks.gpu.gpu_common import QUESTIONS, HeldStore, Setup, cache_kv, make_passages
+from benchmarks.gpu.gpu_common import QUESTIONS, Setup, cache_kv, kv_format, make_passages, pinned_store
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.model.runner import ModelRunner
 from blend_engine.types import BlendPlan, GenerationConfig
@@ -28,23 +27,32 @@ def time_batched(setup: Setup, runner: ModelRunner, clients: tuple[int, ...], n_
     """`n_contexts` different ~n_tokens contexts (their KV cached in pinned RAM), requests cycling over
     them with different questions, `c` at once for each c in `clients`; `decode_graphs` as
     `EngineConfig.decode_graphs` (auto: decode steps replayed as CUDA graphs on CUDA)."""
-    fmt = "bf16" if runner.dtype == torch.bfloat16 else "fp16"
-    dt = torch.bfloat16 if fmt == "bf16" else torch.float16
-    pin = setup.device.type == "cuda"
-    store = HeldStore("pinned", lambda t: t.to("cpu", dt).pin_memory() if pin else t.to("cpu", dt))
-    engine = BlendEngine(runner, store, _config(fmt, runner, max(clients), n_tokens + max_tokens, decode_graphs))
-    contexts = [make_passages(engine, n_tokens - 64, seed=100 + i) for i in range(n_contexts)]
-    for passages in contexts:
-        cache_kv(engine, passages, [store])
-    gen = GenerationConfig(max_tokens=max_tokens, ignore_eos=True)
-    plans = [BlendPlan(tuple(contexts[i % n_contexts]), QUESTIONS[i % len(QUESTIONS)], recompute_ratio=0.15)
-             for i in range(max(clients))]
-    engine.run(plans[0], GenerationConfig(max_tokens=2))  # warm-up (kernels, allocator)
-    rows = [_level(engine, plans[:c], gen) for c in clients]
+    engine, plans, gen = batched_engine(setup, runner, max(clients), n_tokens, max_tokens, n_contexts, decode_graphs)
+    rows = [run_level(engine, plans[:c], gen) for c in clients]
     captured = engine.loop.stats()["decode_graphs"]
     engine.close()
     return {"tokens": engine.layout(plans[0]).n_tokens, "max_tokens": max_tokens, "decode_graphs": decode_graphs,
             "graphs_captured": captured, "rows": rows}
+
+
+Batch = tuple[BlendEngine, list[BlendPlan], GenerationConfig]
+
+
+def batched_engine(setup: Setup, runner: ModelRunner, clients: int, n_tokens: int, max_tokens: int = 32,
+                   n_contexts: int = 4, decode_graphs: str = "auto") -> Batch:
+    """The batched run's engine (admitting `clients` requests at once, warmed up by one short request),
+    `clients` plans cycling over `n_contexts` contexts of ~n_tokens (KV in pinned RAM) with different
+    questions, and the generation settings (`max_tokens`, end-of-sequence ignored). Close the engine."""
+    fmt, dt = kv_format(runner)
+    store = pinned_store(setup, dt)
+    engine = BlendEngine(runner, store, _config(fmt, runner, clients, n_tokens + max_tokens, decode_graphs))
+    contexts = [make_passages(engine, n_tokens - 64, seed=100 + i) for i in range(n_contexts)]
+    for passages in contexts:
+        cache_kv(engine, passages, [store])
+    plans = [BlendPlan(tuple(contexts[i % n_contexts]), QUESTIONS[i % len(QUESTIONS)], recompute_ratio=0.15)
+             for i in range(clients)]
+    engine.run(plans[0], GenerationConfig(max_tokens=2))  # warm-up (kernels, allocator)
+    return engine, plans, GenerationConfig(max_tokens=max_tokens, ignore_eos=True)
 
 
 KV_SLACK = 1.25  # the batch's KV budget over what its requests need (block rounding, prefill chunks)
@@ -64,7 +72,8 @@ def _config(fmt: str, runner: ModelRunner, clients: int, tokens_per_request: int
                         decode_graphs=decode_graphs)
 
 
-def _level(engine: BlendEngine, plans: list[BlendPlan], gen: GenerationConfig) -> dict:
+def run_level(engine: BlendEngine, plans: list[BlendPlan], gen: GenerationConfig) -> dict:
+    """The plans at once, one client thread each, timed from a common start: throughput, TTFT, ITL."""
     stamps: list[list[float]] = [[] for _ in plans]
     start = threading.Barrier(len(plans) + 1)
 

@@ -18,7 +18,12 @@
 (3) ingestion's KV precompute in 256-token passages per second, one at a time vs batched;
 (4) continuous batching on the 8B shape: 1, 16 and 64 concurrent requests, each blending 8K tokens
     and decoding 32 (`gpu_batch`);
-(5) one JSON and one markdown table.
+(5) the decode step against its bandwidth floor (`gpu_decode`);
+(6) a torch.profiler trace (CPU + CUDA activity) of one blend@0.15 at the headline length from each
+    KV tier of (2) and of one batched run (4 concurrent requests decoding 8), each after a warm-up:
+    top kernels, launch count, device busy time against the wall and the idle gaps between kernels
+    (`gpu_traces`, summarised by `gpu_profile`); the chrome traces gzipped in one tar;
+(7) one JSON and one markdown table.
 
 `--smoke`: tiny shapes, one length, the local SmolLM2 on the CPU: proves the script end to end.
 Only torch, transformers and safetensors are needed (what the H200 image has).
@@ -46,6 +51,7 @@ from benchmarks.gpu.gpu_decode import time_decode_floor
 from benchmarks.gpu.gpu_preflight import truncated
 from benchmarks.gpu.gpu_report import markdown
 from benchmarks.gpu.gpu_timing import random_runner, time_attention, time_ingestion, time_ttft
+from benchmarks.gpu.gpu_traces import profile_runs
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.kv_store import MemoryStore
 from blend_engine.kv_store.disk import DiskStore
@@ -124,8 +130,8 @@ def _correctness_row(engine: BlendEngine, tier: str, passages: list[str], questi
 # Seconds each part needs on an H200 (estimates; a part starts only while its estimate fits in what is
 # left of the budget, so a slow start drops the extras, never the core). Order = priority.
 CORE = ("preflight", "correctness", "timing model", "ttft", "batched", "decode")
-ESTIMATE_S = {"correctness": 40, "timing model": 20, "ttft": 90, "batched": 90, "decode": 20, "attention": 20,
-              "ingestion": 40, "ttft extra": 60}
+ESTIMATE_S = {"correctness": 40, "timing model": 20, "ttft": 90, "batched": 90, "decode": 20, "profile": 45,
+              "attention": 20, "ingestion": 40, "ttft extra": 60}
 BUDGET_S = 420.0  # the check's own limit; gpu_check.sh's `timeout 470` is the hard stop behind it
 _START = time.perf_counter()  # the budget counts the interpreter's imports too (a slow start)
 
@@ -211,6 +217,8 @@ def run(out: Path, smoke: bool, smollm: Path | None, lengths: list[int], reps: i
                                                                      head, 8 if smoke else 32))
         if plan.fits("decode"):
             result["decode"] = part("decode", lambda: time_decode_floor(setup, runner, head, max(reps, 3)))
+        if plan.fits("profile"):
+            result["profile"] = part("profile", lambda: profile_runs(setup, runner, head, tmp, out))
         if plan.fits("attention"):
             result["attention"] = [a for a in [part(f"attention {head}", lambda: time_attention(setup, head, 0.15, reps))] if a]
         if plan.fits("ingestion"):

@@ -1,19 +1,27 @@
 """Shared pieces of the GPU check (`gpu_check`): shapes, the timing setup, a held-tensor store,
-synthetic passages of a fixed token length, and KL between logits."""
+synthetic passages of a fixed token length, KL between logits, and one call under torch.profiler."""
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.kv_store import ChunkKV, KVStore, StoreStats
 
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
+    from blend_engine.model.runner import ModelRunner
+
+logger = logging.getLogger("gpu_check")
 LLAMA_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 hidden_size=4096, intermediate_size=14336, vocab_size=128256, max_position_embeddings=32768,
                 rope_theta=500000.0)
@@ -62,6 +70,49 @@ class HeldStore(KVStore):
 
     def stats(self) -> StoreStats:
         return self._stats
+
+
+def kv_format(runner: ModelRunner) -> tuple[str, torch.dtype]:
+    """The KV format the timing parts store in, and its dtype: bf16 for a bf16 model, else fp16."""
+    return ("bf16", torch.bfloat16) if runner.dtype == torch.bfloat16 else ("fp16", torch.float16)
+
+
+def profiled(setup: Setup, fn: Callable[[], object], all_threads: bool = False) -> tuple[profile, float]:
+    """`fn` once to warm up, then once under torch.profiler (CPU, and CUDA activity on CUDA), the
+    device synchronised before the profiler stops: (the profiler, the profiled call's wall ms).
+    `all_threads`: record the ops of every thread (the engine loop's, the loader's), where this torch
+    can (`_ExperimentalConfig(profile_all_threads=...)`); CUDA kernels are traced from every thread anyway."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    setup.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
+    with profile(activities=acts, experimental_config=_threads_config(all_threads)) as prof:
+        t0 = time.perf_counter()
+        fn()
+        setup.sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    return prof, wall_ms
+
+
+def _threads_config(all_threads: bool):
+    """The profiler's config recording every thread's ops, None (its default) when not asked or when
+    this torch has no such option."""
+    if not all_threads:
+        return None
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: the calling thread's ops only
+        logger.warning("this torch's profiler records the calling thread's ops only")
+        return None
+
+
+def pinned_store(setup: Setup, dtype: torch.dtype) -> HeldStore:
+    """KV held in host memory in `dtype`, pinned on CUDA (the fastest host tier)."""
+    pin = setup.device.type == "cuda"
+    return HeldStore("pinned", lambda t: t.to("cpu", dtype).pin_memory() if pin else t.to("cpu", dtype))
 
 
 def median_ms(fn: Callable[[], object], setup: Setup, reps: int) -> float:

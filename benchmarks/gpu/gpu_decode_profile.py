@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu.gpu_check import _tokenizer
-from benchmarks.gpu.gpu_common import QUESTIONS, HeldStore, Setup, make_passages, median_ms
+from benchmarks.gpu.gpu_common import QUESTIONS, HeldStore, Setup, make_passages, median_ms, profiled
 from benchmarks.gpu.gpu_timing import random_runner
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.decode import decode_batch
@@ -112,17 +112,14 @@ def hf_step(setup: Setup, engine: BlendEngine, n_tokens: int) -> dict:
 
 
 def profile_table(setup: Setup, engine: BlendEngine, n_tokens: int) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
     cache, token = _prefilled(engine, n_tokens, 7, 16)
     start = cache.length
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
-    engine.decode_step(cache, token)
-    setup.sync()
-    with profile(activities=acts) as prof:
+
+    def step() -> None:  # the same position each time: the cache's length is reset
         cache.length = start
         engine.decode_step(cache, token)
-        setup.sync()
+
+    prof, _ = profiled(setup, step)
     avg = prof.key_averages()
     by_dev = "self_cuda_time_total" if setup.device.type == "cuda" else "self_cpu_time_total"
     return (avg.table(sort_by=by_dev, row_limit=20, max_name_column_width=60) + "\n\n"

@@ -12,7 +12,7 @@
 #    no index with the CPU build is reachable the venv falls back to the dev venv's CPU torch
 #    ($REHEARSE_TORCH_FALLBACK) and says so: transformers' drift is rehearsed, torch's is not;
 # 2. the carry (.gpucarry/smollm2, `make gpu-prepare`) read by that transformers;
-# 3. the whole check (preflight, correctness gate, timing, ingestion, batched run) with --smoke in
+# 3. the whole check (preflight, correctness gate, timing, batched run, profile, ingestion) with --smoke in
 #    bf16 on the CPU, --strict: any part that raises (an import, a dtype, an API that moved) fails.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

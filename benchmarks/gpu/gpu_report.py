@@ -58,7 +58,8 @@ def _preflight(p: dict | None) -> list[str]:
 
 
 def _tail(result: dict) -> list[str]:
-    """Ingestion, the batched run, the decode floor, then what failed and what the time plan skipped."""
+    """Ingestion, the batched run, the decode floor, the profile, then what failed and what the time
+    plan skipped."""
     lines: list[str] = []
     i = result.get("ingestion")
     if i is not None:
@@ -79,6 +80,7 @@ def _tail(result: dict) -> list[str]:
         lines += ["", f"## (5) decode step at {d['tokens']} tokens: {d['step_ms']:.2f} ms, floor {d['floor_ms']:.2f} ms "
                   f"(weights + KV over a {d['copy_gb_per_s']:.0f} GB/s copy): {d['over_floor']:.2f}x the floor; "
                   f"the dense synchronous step {d.get('dense_step_ms', float('nan')):.2f} ms"]
+    lines += _profile(result.get("profile"))
     for name, err in result.get("errors", {}).items():
         lines += ["", f"**{name} failed**: `{err.strip().splitlines()[-1]}` (traceback in the JSON)"]
     for name, why in result.get("skipped", {}).items():
@@ -118,3 +120,31 @@ def _flex(a: dict) -> str:
         return "-"
     return (f"{a['flex_ms']:.2f} ms (+ block mask {a['flex_block_mask_ms']:.2f} ms once per selection; first call, "
             f"compile included: {a['flex_first_call_s']:.1f} s)")
+
+
+def _profile(p: dict | None) -> list[str]:
+    """The profile part's table: one row per profiled run (`gpu_traces`, summarised by `gpu_profile`)."""
+    if p is None:
+        return []
+    first = next((r for r in p["runs"].values() if "launches" in r), {})
+    lines = ["", f"## (6) profile: one blend@{p['ratio']} of {p['tokens']} tokens per KV tier, one batched run "
+             f"({p['clients']} requests decoding {p['decode_tokens']}); torch.profiler after a warm-up, "
+             f"{p['seconds']:.0f} s in all", "",
+             f"Timeline: {first.get('timeline', '-')}; launches: {first.get('launch_kind', '-')}; busy: the union of "
+             f"the timeline against the profiled call's wall time; gaps longer than {first.get('gap_us', 10):.0f} us.", "",
+             "| run | wall ms | busy ms (share) | launches | gaps (ms) | largest gap us: after -> before | top, ms |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in p["runs"].items():
+        if "profile_error" in r:
+            lines.append(f"| {name} | failed: `{r['profile_error'].strip().splitlines()[-1]}` | | | | | |")
+            continue
+        gap = r["largest_gaps"][0] if r["largest_gaps"] else None
+        where = f"{gap['us']:.0f}: `{_short(gap['after'])}` -> `{_short(gap['before'])}`" if gap else "-"
+        top = "; ".join(f"`{_short(t['name'])}` {t['ms']:.2f}" for t in r["top"][:3])
+        lines.append(f"| {name} | {r['wall_ms']:.1f} | {r['busy_ms']:.1f} ({100 * r['busy_share']:.0f}%) | "
+                     f"{r['launches']} | {r['gaps']} ({r['gap_ms']:.2f}) | {where} | {top} |")
+    return lines
+
+
+def _short(name: str, n: int = 40) -> str:
+    return (name[:n - 3] + "...") if len(name) > n else name

@@ -19,8 +19,10 @@ from benchmarks.gpu.gpu_common import (
     HeldStore,
     Setup,
     cache_kv,
+    kv_format,
     make_passages,
     median_ms,
+    pinned_store,
 )
 from blend_engine.engine import BlendEngine, EngineConfig
 from blend_engine.executor.attention import compile_failed, flex_attend, selected_block_mask
@@ -49,19 +51,18 @@ def random_runner(setup: Setup, tokenizer) -> ModelRunner:
 DEVICE_TIER_BYTES = 24 << 30  # the device tier row's budget: 16K tokens of the 8B shape are 2 GiB
 
 
-def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, variants: bool = True) -> dict:
-    """Every configuration at a context of about n tokens (the flex and int8 variants if `variants`)."""
-    fmt = "bf16" if runner.dtype == torch.bfloat16 else "fp16"
-    dt = torch.bfloat16 if fmt == "bf16" else torch.float16
-    pin = setup.device.type == "cuda"
+def tier_stores(setup: Setup, runner: ModelRunner, n: int, root: Path) -> tuple[dict[str, KVStore], list[str]]:
+    """The KV tiers the TTFT part blends from, each holding the KV of the same ~n tokens of passages
+    (disk tiers under `root`): (the stores by tier, the passages)."""
+    fmt, dt = kv_format(runner)
     stores: dict[str, KVStore] = {
-        "pinned RAM": HeldStore("pinned", lambda t: t.to("cpu", dt).pin_memory() if pin else t.to("cpu", dt)),
-        "local disk": DiskStore(tmp / f"disk{n}", 64 << 30, kv_format=fmt),
+        "pinned RAM": pinned_store(setup, dt),
+        "local disk": DiskStore(root / f"disk{n}", 64 << 30, kv_format=fmt),
         "GPU": HeldStore("gpu", lambda t: t.to(setup.device, dt)),
         # the service's own stores: its memory tier (pinned on CUDA), and memory over disk with an empty
         # memory tier (budget 0), so every layer comes from the disk tier through the tiered store
         "service RAM": MemoryStore(64 << 30, kv_format=fmt),
-        "service tiered disk": build_store(kv_format=fmt, memory_bytes=0, disk_dir=tmp / f"tiered{n}",
+        "service tiered disk": build_store(kv_format=fmt, memory_bytes=0, disk_dir=root / f"tiered{n}",
                                            disk_bytes=64 << 30),
         # its device tier above the memory tier (issue #27): every chunk written through, so every
         # layer is a device hit and nothing crosses the bus
@@ -71,6 +72,20 @@ def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, v
     base = BlendEngine(runner, stores["GPU"], EngineConfig(kv_format=fmt))
     passages = make_passages(base, n - 64, seed=n)
     cache_kv(base, passages, list(stores.values()))
+    return stores, passages
+
+
+def tier_engine(runner: ModelRunner, store: KVStore, controller: BandwidthController | None = None) -> BlendEngine:
+    """An engine blending from `store` through the layer loader (2 layers ahead), as the TTFT rows run."""
+    return BlendEngine(runner, store, EngineConfig(kv_format=kv_format(runner)[0]), loader=LayerLoader(store, 2),
+                       controller=controller)
+
+
+def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, variants: bool = True) -> dict:
+    """Every configuration at a context of about n tokens (the flex and int8 variants if `variants`)."""
+    fmt = kv_format(runner)[0]
+    stores, passages = tier_stores(setup, runner, n, tmp)
+    base = BlendEngine(runner, stores["GPU"], EngineConfig(kv_format=fmt))
     plan = BlendPlan(tuple(passages), QUESTIONS[0], mode="full_prefill")
     layout = base.layout(plan)
     ids = torch.tensor([layout.token_ids()], device=setup.device)
@@ -79,7 +94,7 @@ def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, v
         row["hf_forward_ms"] = median_ms(lambda: runner.model(ids, logits_to_keep=1), setup, reps)
     row["full_prefill_ms"] = median_ms(lambda: base.prefill(plan), setup, reps)
     for where, store in stores.items():
-        engine = BlendEngine(runner, store, EngineConfig(kv_format=fmt), loader=LayerLoader(store, 2))
+        engine = tier_engine(runner, store)
         for mode, ratio, label in (("full_reuse", None, "full_reuse"), ("blend", 0.15, "blend@0.15")):
             p = BlendPlan(tuple(passages), QUESTIONS[0], mode=mode, recompute_ratio=ratio)
             row[f"{label} {where}_ms"] = median_ms(lambda p=p, e=engine: e.prefill(p), setup, reps)
@@ -87,8 +102,7 @@ def time_ttft(setup: Setup, runner: ModelRunner, n: int, tmp: Path, reps: int, v
         row.update(recorded("variants", lambda: time_variants(setup, runner, passages, stores["pinned RAM"], fmt,
                                                               reps)))
     disk = stores["local disk"]
-    auto = BlendEngine(runner, disk, EngineConfig(kv_format=fmt), loader=LayerLoader(disk, 2),
-                       controller=BandwidthController())
+    auto = tier_engine(runner, disk, BandwidthController())
     auto_plan = BlendPlan(tuple(passages), QUESTIONS[0], mode="blend")
     row["blend@auto local disk_ms"] = median_ms(lambda: auto.prefill(auto_plan), setup, reps)
     last = auto.prefill(auto_plan).report

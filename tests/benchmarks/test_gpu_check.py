@@ -57,8 +57,9 @@ def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatc
     monkeypatch.setattr(gc, "time_batched", lambda *_a: {"tokens": 512, "max_tokens": 8, "rows": [
         {"clients": 2, "answers_per_s": 1.0, "tokens_per_s": 8.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0,
          "itl_p50_ms": 1.0, "itl_p99_ms": 2.0, "max_batch_seen": 2}]})
+    monkeypatch.setattr(gc, "profile_runs", lambda *_a: broken())
     result = gc.run(tmp_path, smoke=True, smollm=None, lengths=[512], reps=1)
-    assert set(result["errors"]) == {"correctness", "ttft 512"} and not result["correctness"]["pass"]
+    assert set(result["errors"]) == {"correctness", "ttft 512", "profile"} and not result["correctness"]["pass"]
     assert result["attention"] and result["ingestion"]["batched_passages_per_s"] == 2.0
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "out of memory" in saved["errors"]["ttft 512"]
@@ -196,7 +197,9 @@ def test_a_failing_preflight_stops_the_check_with_one_line(tmp_path, monkeypatch
     assert "PREFLIGHT FAILED" in (tmp_path / "gpu_check.md").read_text()
 
 
-def test_the_time_plan_skips_the_extras_first_and_says_why(tmp_path, monkeypatch):
+@pytest.mark.parametrize("room", [(), ("profile",)])
+def test_the_time_plan_skips_the_extras_first_and_says_why(tmp_path, monkeypatch, room):
+    """The core always; the profile is the first extra, run when the budget has room for it."""
     import benchmarks.gpu.gpu_check as gc
 
     class Runner:
@@ -218,14 +221,14 @@ def test_the_time_plan_skips_the_extras_first_and_says_why(tmp_path, monkeypatch
     monkeypatch.setattr(gc, "_tokenizer", lambda _p: None)
     monkeypatch.setattr(gc, "random_runner", spends("timing model", Runner()))
     for name, attr in (("ttft", "time_ttft"), ("batched", "time_batched"), ("decode", "time_decode_floor"),
-                       ("attention", "time_attention"), ("ingestion", "time_ingestion")):
+                       ("profile", "profile_runs"), ("attention", "time_attention"), ("ingestion", "time_ingestion")):
         monkeypatch.setattr(gc, attr, spends(name))
-    core = sum(gc.ESTIMATE_S[k] for k in ("correctness", "timing model", "ttft", "batched", "decode"))
+    core = sum(gc.ESTIMATE_S[k] for k in ("correctness", "timing model", "ttft", "batched", "decode") + room)
     elapsed = gc.time.perf_counter() - gc._START
     gc.run(tmp_path, smoke=False, smollm=None, lengths=[8192, 16384], reps=1, budget_s=elapsed + core + 5)
-    assert ran == ["correctness", "timing model", "ttft 8192", "batched", "decode"]  # the core, in order
+    assert ran == ["correctness", "timing model", "ttft 8192", "batched", "decode", *room]  # the core, in order
     saved = __import__("json").loads((tmp_path / "gpu_check.json").read_text())
-    assert set(saved["skipped"]) == {"attention", "ingestion", "ttft 16384"}
+    assert set(saved["skipped"]) == {"profile", "attention", "ingestion", "ttft 16384"} - set(room)
     assert "left of" in saved["skipped"]["ingestion"]
 
 
