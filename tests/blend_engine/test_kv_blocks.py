@@ -114,6 +114,39 @@ def test_with_nothing_decoding_admission_ignores_the_step_budget():
     assert [a.rid for a in step.admit] == [1, 2, 3] and step.prefill_tokens is None and step.prefill == (1,)
 
 
+def test_prompts_sharing_a_first_block_each_repeat_in_place():
+    """Two prompts open with the same block (a system prompt): each keeps a consecutive chain of its
+    own, and the block after it (its tail) is left for its repeat, so both repeats adopt in place."""
+    s = _sched(20)
+    a = list(range(10))
+    b = [0, 1, 2, 3, *range(50, 56)]  # block 0 as a's
+    chain_a, chain_b = _chain(a), _chain(b)
+    assert chain_a[0] == chain_b[0] and chain_a[1] != chain_b[1]
+    for rid, chain in ((0, chain_a), (1, chain_b)):  # blend-like: only a prefix of both blocks is taken
+        s.add(SeqSpec(rid, 10, lookups=(chain,), own=chain, min_hit=8))
+        (adm,) = s.schedule().admit
+        assert adm.prefix_tokens == 0
+        s.prefilled(rid)
+        s.finish(rid)
+    assert s.pool.cached == 4  # a's 2 blocks, b's 2 (its first names the same tokens as a's)
+    for rid, chain, start in ((2, chain_a, 0), (3, chain_b, 3)):  # b was placed after a's tail (block 2)
+        s.add(SeqSpec(rid, 10, lookups=(chain,), own=chain, min_hit=8))
+        (adm,) = s.schedule().admit
+        assert adm.prefix_tokens == 8 and adm.copy_from == () and adm.run == Run(start, 3)
+        s.prefilled(rid)
+        s.finish(rid)
+
+
+def test_a_new_run_takes_a_chain_tail_only_when_no_free_window_is_left():
+    pool = BlockPool(6, 4)
+    a = pool.allocate(3)
+    pool.register(a, ["h0", "h1"])  # block 2 is a's tail
+    pool.release(a)
+    assert pool.allocate(2) == Run(3, 2)  # blocks 3-4: free, not a's tail
+    assert pool.allocate_at(0, 3, keep=2) == Run(0, 3)  # a's repeat: its blocks and its tail, in place
+    assert pool.cached == 0 and pool.evictions == 0  # the tail was overwritten, not counted as an eviction
+
+
 def test_a_prefix_below_min_hit_is_not_taken():
     s = _sched(8)
     chain = _chain(list(range(10)))
@@ -251,5 +284,7 @@ def test_the_cached_and_in_use_counts_follow_every_operation(seed):
             pool.unpin(pinned.pop(rng.randrange(len(pinned))))
         elif runs:
             pool.release(runs.pop(rng.randrange(len(runs))))
-        assert pool.cached == sum(1 for b in range(pool.n_blocks) if pool._hash[b] is not None and pool._ref[b] == 0)
+        assert pool.cached == sum(1 for b in range(pool.n_blocks) if pool._prefix(b) and pool._ref[b] == 0)
+        assert {(h, b) for h, bs in pool._by_hash.items() for b in bs} == {
+            (pool._hash[b], b) for b in range(pool.n_blocks) if pool._prefix(b)}  # the index names each prompt block once
         assert pool.in_use == sum(1 for b in range(pool.n_blocks) if pool._ref[b] > 0)
