@@ -94,7 +94,8 @@ class _BatchCollector(Collector):
                                   "ran; over their wall time, the cores kept busy", value=st["step_cpu_seconds"])
         decisions = CounterMetricFamily("blendserve_admission", "Admission decisions by reason: admitted, refused "
                                         "(queue full, too slow, shutting down), dropped too late, waited (batch "
-                                        "full, KV blocks); `blend_engine.scheduler.admission`", labels=["decision"])
+                                        "full, KV blocks, the step's prefill budget); "
+                                        "`blend_engine.scheduler.admission`", labels=["decision"])
         for decision, count in sorted(loop.admission.decisions.items()):
             decisions.add_metric([decision], count)
         yield decisions
@@ -111,6 +112,9 @@ _LOOP_SERIES = (  # the engine loop's stats() as metric families: (family, name,
     (CounterMetricFamily, "blendserve_engine_prefill_token_layers", "Prefill rows summed over the layers they "
      "entered (the unit of ENGINE_PREFILL_STEP_TOKENS); prefill steps' seconds over it: the prefill work's rate",
      "prefill_token_layers"),
+    (GaugeMetricFamily, "blendserve_engine_prefill_step_budget", "The prefill work (token-layers) a step may "
+     "carry while others decode now: ENGINE_PREFILL_STEP_TOKENS, cut to what ENGINE_PREFILL_STEP_MS buys at the "
+     "measured cost", "prefill_step_budget"),
     (GaugeMetricFamily, "blendserve_kv_pool_blocks", "Blocks of the paged KV pool", "kv_blocks"),
     (GaugeMetricFamily, "blendserve_kv_pool_blocks_in_use", "KV pool blocks held by running requests",
      "kv_blocks_in_use"),

@@ -92,10 +92,16 @@ class EngineSettings(Group):
                                                              "first) run layers, each layer costing its rows plus a "
                                                              "fixed overhead, sharing each layer's pass with the "
                                                              "decode rows (lower: steadier streams, slower prefills)")
+    prefill_step_ms: float | None = Field(30.0, gt=0, description="while others decode, a step's prefill work is "
+                                          "also cut to what this many milliseconds buy at its cost measured on "
+                                          "the engine's own steps, so a stream's next token waits about this much "
+                                          "more for a step that carries prefill work; unset = the token budget "
+                                          "(prefill_step_tokens) alone")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
 
-    _empty = field_validator("recompute_ratio", "kv_pool_gpu_fraction", "batch_kv_mb", mode="before")(empty_is_none)
+    _empty = field_validator("recompute_ratio", "kv_pool_gpu_fraction", "batch_kv_mb", "prefill_step_ms",
+                             mode="before")(empty_is_none)
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> EngineSettings:

@@ -67,6 +67,10 @@ class Stack:
         self.store.close()
 
 
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
 def index_params(settings: Settings) -> IndexParams:
     r = settings.retrieval
     return IndexParams(kind=r.index_type, hnsw_m=r.hnsw_m, hnsw_ef_search=r.hnsw_ef_search, ivf_nlist=r.ivf_nlist,
@@ -138,7 +142,7 @@ def build_engine(settings: Settings, runner: ModelRunner, store: KVStore) -> Ble
                           selected_attention=e.selected_attention, decode_attention=e.decode_attention,
                           decode_graphs=e.decode_graphs,
                           batch=BatchLimits(e.max_batch, e.batch_kv_mb << 20, e.prefill_step_tokens, e.kv_block_tokens,
-                                            max_queue=queue_limit(settings)),
+                                            max_queue=queue_limit(settings), prefill_step_s=_seconds(e.prefill_step_ms)),
                           prefix_caching=e.prefix_caching)
     return BlendEngine(runner, store, config, loader=build_loader(store),
                        controller=build_controller(settings, runner))

@@ -7,8 +7,9 @@
       admission (`scheduler.admission`)      grow runs (or preempt the youngest), admit by free
       then wait for deltas            <-     blocks (taking cached prefixes), then ONE pass over
                                              the layers: every decode row and the prefills'
-                                             rows under a token budget, one projection and one
-                                             MLP call a layer (`layers.layer_pass`)
+                                             rows within a budget (tokens, a time target),
+                                             one projection and one MLP call a layer
+                                             (`layers.layer_pass`)
     run_task(fn) (ingestion precompute) ->   one task between steps
                                              background units (a layer of a missed passage's
                                              alone-KV, of a gate prefill): a bounded share
@@ -157,6 +158,7 @@ class EngineLoop:
                 "decode_steps": st.steps, "max_batch_seen": st.max_batch_seen,
                 "fused_steps": st.fused_steps, "max_prefills_seen": st.max_prefills_seen,
                 "prefill_token_layers": st.prefill_token_layers,
+                "prefill_step_budget": s.step_time.units(s.limits.prefill_step_tokens),
                 "kv_blocks": pool.n_blocks, "kv_blocks_in_use": pool.in_use, "kv_blocks_cached": pool.cached,
                 "kv_block_tokens": pool.block_tokens, "kv_blocks_evicted": pool.evictions, "preemptions": s.preemptions,
                 "prefix_hit_tokens": s.prefix_hit_tokens,
@@ -210,14 +212,14 @@ class EngineLoop:
         then one unit of background work."""
         self._enter_batch(incoming)
         batch, t0, c0 = self.requests.batch_groups(), time.perf_counter(), time.process_time()
-        kind = None
+        kind, units = None, 0
         try:
-            kind = self._step()
+            kind, units = self._step()
         except Exception:  # noqa: BLE001 - a bug here must not kill the loop silently
             logger.exception("engine step failed")
         seconds = time.perf_counter() - t0
         self.requests.share(batch | self.requests.batch_groups(), seconds)
-        self._timed(kind, seconds, time.process_time() - c0)
+        self._timed(kind, seconds, time.process_time() - c0, units)
         # idle: no request queued or in the batch, or none could run a row this step
         idle = kind is None or (not self.scheduler.has_work and not self._incoming)
         self.background.turn(seconds, busy=self.requests.prefill_waits(), idle=idle)
@@ -246,9 +248,9 @@ class EngineLoop:
         req.prep = replanned[id(prep)]
         return req.prep
 
-    def _step(self) -> str | None:
-        """One step; its kind (`STEP_PREFILL`: it carried prefill rows, `STEP_DECODE`: decode rows only), or
-        None when it ran no rows."""
+    def _step(self) -> tuple[str | None, int]:
+        """One step: its kind (`STEP_PREFILL`: it carried prefill rows, `STEP_DECODE`: decode rows only,
+        None: it ran no rows) and the prefill work it carried beside decode rows (`PrefillBudget`'s units)."""
         table, stepper = self.requests, self.stepper
         table.drop_stopped()
         plan = self.scheduler.schedule()
@@ -263,20 +265,26 @@ class EngineLoop:
         self.scheduler.applied()
         prefilling, decoding = table.pick(plan.prefill), table.pick(plan.decode)
         if prefilling:
-            stepper.fused(decoding, prefilling, PrefillBudget(plan.prefill_tokens,
-                                                           self.scheduler.limits.prefill_layer_overhead))
-            return STEP_PREFILL
+            budget = PrefillBudget(plan.prefill_tokens, self.scheduler.limits.prefill_layer_overhead)
+            stepper.fused(decoding, prefilling, budget)
+            return STEP_PREFILL, (plan.copied + budget.spent if decoding else 0)
         if decoding:
             stepper.decode(decoding)
-            return STEP_DECODE
-        return None
+            return STEP_DECODE, 0
+        return None, 0
 
-    def _timed(self, kind: str | None, seconds: float, cpu_seconds: float) -> None:
-        """A step's wall and process CPU time, by kind (`stats`, the service's /metrics)."""
-        if kind is not None:
-            self.step_counts[kind] += 1
-            self.step_seconds[kind] += seconds
-            self.step_cpu_seconds += cpu_seconds
+    def _timed(self, kind: str | None, seconds: float, cpu_seconds: float, units: int) -> None:
+        """A step's wall and process CPU time, by kind (`stats`, the service's /metrics); what the
+        scheduler learns from it about prefill work's cost (`scheduler.step_time`)."""
+        if kind is None:
+            return
+        self.step_counts[kind] += 1
+        self.step_seconds[kind] += seconds
+        self.step_cpu_seconds += cpu_seconds
+        if kind == STEP_DECODE:
+            self.scheduler.step_time.decode_step(seconds)
+        elif units:
+            self.scheduler.step_time.prefill_step(seconds, units)
 
     def _end(self, req: Request, finish: str) -> None:
         """The answer is complete: hand it over now; the passages that missed the store are queued

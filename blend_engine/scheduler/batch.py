@@ -11,10 +11,11 @@ Each step of the engine loop:
              for their prompt is free; each first takes the longest cached prefix of its prompt
              (automatic prefix caching), in place or copied, and computes only the rest
     prefill  while others decode, a step's prefill work is bounded by `prefill_step_tokens`
-             (tokens x layers; `PrefillBudget`): the prefix copies of this step's admissions
-             are paid first (admission stops once they spent it), then partly prefilled requests
-             advance, oldest first, each layer they enter costing its rows plus a fixed
-             `prefill_layer_overhead`; with nothing decoding the oldest runs whole
+             (tokens x layers; `PrefillBudget`), and by what `prefill_step_s` buys at the cost
+             the engine measured on its own steps (`step_time.StepTime`): the prefix copies of
+             this step's admissions are paid first (admission stops once they spent it), then
+             partly prefilled requests advance, oldest first, each layer they enter costing its
+             rows plus a fixed `prefill_layer_overhead`; with nothing decoding the oldest runs whole
     decode   every request past its prefill decodes one token
 
 The executor runs a step as ONE pass over the layers: at each layer the decode rows and the rows
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 from blend_engine.scheduler.admission import batch_has_room
 from blend_engine.scheduler.kv_blocks import NO_PREFIX, BlockPool, Run, blocks_for
+from blend_engine.scheduler.step_time import StepTime
 
 GROWTH_ROOM_TOKENS = 128  # decoded tokens a new run is placed to grow by in place, where the pool has room
 
@@ -47,6 +49,9 @@ class BatchLimits:
     # ~ 12 rows; a cached prefix token's K/V copied at admission, over every layer ~ 0.35 rows x layers)
     prefill_layer_overhead: int = 12
     prefix_copy_cost: float = 0.35
+    # while others decode, the prefill work a step carries is also cut to what this many seconds buy at
+    # the measured cost of a unit (`step_time.StepTime`); None: `prefill_step_tokens` alone
+    prefill_step_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -59,6 +64,8 @@ class BatchLimits:
             raise ValueError("prefill_step_tokens must be >= 1")
         if self.prefill_layer_overhead < 0 or self.prefix_copy_cost < 0:
             raise ValueError("prefill_layer_overhead and prefix_copy_cost must be >= 0")
+        if self.prefill_step_s is not None and self.prefill_step_s <= 0:
+            raise ValueError("prefill_step_s must be > 0 (or None)")
         if self.block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
 
@@ -112,6 +119,7 @@ class StepPlan:
     prefill_tokens: int | None = None  # the prefills' shared budget (None: the first runs whole)
     decode: tuple[int, ...] = ()
     held: tuple[int, str] | None = None  # the head of the queue, not admitted: (rid, why: `admission.DECISIONS`)
+    copied: int = 0  # the prefill work this step's admissions spent on prefix copies (`BatchLimits.prefix_copy_cost`)
 
     @property
     def idle(self) -> bool:
@@ -130,6 +138,7 @@ class PrefillBudget:
     def __init__(self, tokens: int | None, layer_overhead: int = 0) -> None:
         self.left = tokens
         self.layer_overhead = layer_overhead
+        self.spent = 0  # the work the prefills took (`step_time.StepTime` learns its cost)
         self._own: dict[int, int | None] = {}
 
     def allot(self, rid: int, rows: int, layers: int) -> None:
@@ -145,11 +154,11 @@ class PrefillBudget:
     def take(self, rid: int, rows: int) -> bool:
         """May `rid` compute its next layer (`rows` tokens) in this step? If so, they are spent."""
         own = self._own.get(rid, 0)
-        if own is None:
-            return True
-        if own <= 0:
+        if own is not None and own <= 0:
             return False
-        self._own[rid] = own - rows - self.layer_overhead
+        self.spent += rows + self.layer_overhead
+        if own is not None:
+            self._own[rid] = own - rows - self.layer_overhead
         return True
 
 
@@ -178,6 +187,7 @@ class BatchScheduler:
         self._order = 0
         self.preemptions = 0
         self.prefix_hit_tokens = 0
+        self.step_time = StepTime(limits.prefill_step_s)  # told each step's time by the engine loop
 
     # ------------------------------------------------------------------ state changes
     def add(self, spec: SeqSpec) -> None:
@@ -216,13 +226,14 @@ class BatchScheduler:
         decode = tuple(rid for rid, s in self._running.items() if s.decoding)
         for rid in decode:
             self._running[rid].length += 1  # this step's token
-        budget = self.limits.prefill_step_tokens if decode else None
+        budget = self.step_time.units(self.limits.prefill_step_tokens) if decode else None
         admit, held, left = self._admit(budget)
         prefilling = tuple(rid for rid, s in self._running.items() if not s.decoding)
         if left is not None and left <= 0:  # this step's prefix copies spent its prefill work
             prefilling = ()
+        copied = 0 if budget is None or left is None else budget - left
         return StepPlan(tuple(preempt), tuple(moves), tuple(admit),
-                        prefilling if decode else prefilling[:1], left, decode, held)
+                        prefilling if decode else prefilling[:1], left, decode, held, copied)
 
     def _grow(self, preempt: list[int]) -> list[Move]:
         """A block for every decoding sequence whose next token needs one; preempting the youngest

@@ -817,6 +817,7 @@ def test_metrics_time_the_engine_steps_by_kind(client):
         assert values[f'blendserve_engine_step_seconds_total{{kind="{kind}"}}'] > 0, kind
     assert values["blendserve_engine_step_cpu_seconds_total"] > 0
     assert values["blendserve_engine_prefill_token_layers_total"] > 0  # the prefill's rows, layer by layer
+    assert 1 <= values["blendserve_engine_prefill_step_budget"] <= 4096  # ENGINE_PREFILL_STEP_TOKENS at most
 
 
 def test_sample_corpus_is_ingested_on_first_start_only(tmp_path, tiny_stack_factory, caplog):

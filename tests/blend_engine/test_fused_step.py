@@ -170,3 +170,40 @@ def test_the_loop_counts_each_prefill_row_at_every_layer_it_enters(runner):
             assert counted == n * layers
         else:
             assert n * (check + 1) + (layers - check - 1) <= counted < n * layers
+
+
+def test_a_time_target_learned_from_the_steps_splits_a_prefill_and_changes_no_token(runner):
+    """With a target no step can meet, each step beside the decoding request carries one layer of
+    the new prefill (budget 1 unit, learned from the loop's own steps); tokens as alone."""
+    plans = [_plan(0, Mode.FULL_PREFILL), _plan(1)]
+    long_gen = GenerationConfig(max_tokens=400, ignore_eos=True)  # decodes until both others are done
+    eng = _engine(runner)
+    try:
+        for p in plans:
+            _warm(eng, p)
+        alone = [eng.run(plans[0], long_gen).token_ids, eng.run(plans[1], GEN).token_ids]
+    finally:
+        eng.close()
+    limits = BatchLimits(max_batch=8, kv_budget_bytes=64 << 20, prefill_step_s=1e-9, prefill_layer_overhead=100)
+    eng = BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits, prefix_caching=False))
+    out: list = [None, None]
+    try:
+        for p in plans:
+            _warm(eng, p)
+
+        def one(i: int, gen: GenerationConfig) -> None:
+            out[i] = eng.run(plans[i], gen).token_ids
+
+        first = threading.Thread(target=one, args=(0, long_gen))
+        first.start()
+        poll(lambda: eng.loop.stats()["decode_steps"] >= 2)
+        one(1, GEN)  # whole in one step beside the decoding request (nothing learned yet): the cost measured
+        fused = eng.loop.stats()["fused_steps"]
+        again = eng.run(plans[1], GEN).token_ids  # now a layer a step
+        first.join(60)
+        step_time, stats = eng.loop.scheduler.step_time, eng.loop.stats()
+    finally:
+        eng.close()
+    assert out == alone and again == alone[1]
+    assert step_time.decode_s is not None and step_time.unit_s is not None and step_time.units(4096) == 1
+    assert fused == 1 and stats["fused_steps"] == 1 + runner.shape.n_layers
