@@ -7,6 +7,7 @@ request ends with its tokens alone; the step's prefill budget is shared as docum
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -35,6 +36,22 @@ def _plan(i: int, mode: Mode = Mode.BLEND) -> BlendPlan:
 def _warm(engine: BlendEngine, plan: BlendPlan) -> None:
     for seg in engine.layout(plan).segments[:-1]:
         engine.cache_ids(seg.token_ids, plan.cache_salt)
+
+
+def _first_decoding(eng: BlendEngine, plans: list[BlendPlan], out: list, gen: GenerationConfig,
+                    steps: int) -> tuple[Callable[[int, GenerationConfig], None], threading.Thread]:
+    """Plans' passages stored, then plan 0 running on a thread until it decoded `steps` tokens; `one(i,
+    gen)` runs plan i into `out[i]` (its token ids)."""
+    for p in plans:
+        _warm(eng, p)
+
+    def one(i: int, g: GenerationConfig) -> None:
+        out[i] = eng.run(plans[i], g).token_ids
+
+    first = threading.Thread(target=one, args=(0, gen))
+    first.start()
+    poll(lambda: eng.loop.stats()["decode_steps"] >= steps)
+    return one, first
 
 
 def _copy(cache: KVCache) -> KVCache:
@@ -101,15 +118,7 @@ def test_several_prefills_advance_in_one_step_beside_the_decode_rows(runner):
     eng = _engine(runner, prefill_step_tokens=1_000_000)  # both prefills allotted whole steps
     out: list = [None] * 3
     try:
-        for p in plans:
-            _warm(eng, p)
-
-        def one(i: int, gen: GenerationConfig) -> None:
-            out[i] = eng.run(plans[i], gen).token_ids
-
-        first = threading.Thread(target=one, args=(0, long_gen))
-        first.start()
-        poll(lambda: eng.loop.stats()["decode_steps"] >= 1)  # the first request decodes
+        one, first = _first_decoding(eng, plans, out, long_gen, steps=1)
         with held_loop(eng.loop):  # the next two arrive in the same step
             rest = [threading.Thread(target=one, args=(i, GEN)) for i in (1, 2)]
             for t in rest:
@@ -188,15 +197,7 @@ def test_a_time_target_learned_from_the_steps_splits_a_prefill_and_changes_no_to
     eng = BlendEngine(runner, MemoryStore(1 << 28), EngineConfig(batch=limits, prefix_caching=False))
     out: list = [None, None]
     try:
-        for p in plans:
-            _warm(eng, p)
-
-        def one(i: int, gen: GenerationConfig) -> None:
-            out[i] = eng.run(plans[i], gen).token_ids
-
-        first = threading.Thread(target=one, args=(0, long_gen))
-        first.start()
-        poll(lambda: eng.loop.stats()["decode_steps"] >= 2)
+        one, first = _first_decoding(eng, plans, out, long_gen, steps=2)
         one(1, GEN)  # whole in one step beside the decoding request (nothing learned yet): the cost measured
         fused = eng.loop.stats()["fused_steps"]
         again = eng.run(plans[1], GEN).token_ids  # now a layer a step
