@@ -12,11 +12,14 @@ for them. The engine computes with a team of threads that meet at a barrier afte
 took 1,768 ms instead of 19 ms with retrieval on Starlette's thread pool (up to 40 threads at the
 same priority). So host work runs on `threads` threads only (the rest wait in this pool's queue:
 that wait is part of their `retrieval_ms`), each niced by `nice` (Linux: per thread), so the
-scheduler lets the engine's threads preempt them at once; they use what the engine leaves. Same
-benchmark, 2 query threads: decode step 23.7 ms and gap p99 295 ms at nice +10, 20.5 ms and 82.8 ms
-(quiet: 60 ms) at +19 (the default), 75 reranked answers in both runs (docs/results.md). The price:
-a new question waits behind the queued ones while the engine is busy (a stream's TTFT under that
-load 17.8 s, 12.5 s before).
+scheduler lets the engine's threads preempt them; they use what the engine leaves. Same benchmark,
+2 query threads: decode step 23.7 ms and gap p99 295 ms at nice +10, 20.5 ms and 82.8 ms (quiet:
+60 ms) at +19, 75 reranked answers in both runs (docs/results.md). A niced thread is preempted only
+once the waking thread's lead passes the scheduler's wake-up granularity, so now and then a team
+thread waited and a decode step took 100-200 ms (its GEMMs 10x slower); under Linux's SCHED_IDLE
+policy (`idle`, the default) a waking normal thread preempts at once: gap p99 1.42x quiet against
+2.64x niced (docs/results.md). The price: a new question waits behind the queued ones while the
+engine is busy (a stream's TTFT under that load 17.8 s, 12.5 s before).
 """
 
 from __future__ import annotations
@@ -40,16 +43,18 @@ T = TypeVar("T")
 class HostWork:
     """A bounded pool of low-priority threads for queries' host work; `run` awaits one call on it."""
 
-    def __init__(self, threads: int, nice: int) -> None:
+    def __init__(self, threads: int, nice: int, idle: bool = False) -> None:
         if threads < 1 or not 0 <= nice <= 19:
             raise ValueError(f"query threads must be >= 1 and nice within 0..19, not {threads} and {nice}")
-        self.threads, self.nice = threads, nice
+        self.threads, self.nice, self.idle = threads, nice, idle
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="query-host",
                                                            initializer=self._enter)
 
     def _enter(self) -> None:
         """Each pool thread, once: one core for its torch ops, a lower priority than the engine loop."""
         one_core()
+        if self.idle and _sched_idle():
+            return
         if self.nice:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
@@ -63,3 +68,14 @@ class HostWork:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _sched_idle() -> bool:
+    """The calling thread runs only on CPU no other thread wants (Linux SCHED_IDLE: a waking thread of
+    normal policy preempts it at once); False (said once per thread) where that is not available."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (AttributeError, OSError) as exc:
+        logger.warning("query threads are niced instead of SCHED_IDLE (%s)", exc)
+        return False

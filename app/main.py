@@ -53,7 +53,8 @@ def _lifespan(settings: ServiceSettings, factory: StackFactory):
     async def lifespan(app: FastAPI):
         svc: AppState = app.state.svc
         svc.worker = EngineWorker(settings.request_threads, settings.service.max_queue)
-        svc.host_work = HostWork(settings.service.query_threads, settings.service.query_nice)
+        svc.host_work = HostWork(settings.service.query_threads, settings.service.query_nice,
+                                 settings.service.query_idle)
         starter = threading.Thread(target=build_and_warm, args=(svc, factory), name="blendserve-startup", daemon=True)
         starter.start()
         try:

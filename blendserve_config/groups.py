@@ -92,13 +92,13 @@ class EngineSettings(Group):
                                                              "first) run layers, each layer costing its rows plus a "
                                                              "fixed overhead, sharing each layer's pass with the "
                                                              "decode rows (lower: steadier streams, slower prefills)")
-    prefill_step_ms: float | None = Field(None, gt=0, description="while others decode, a step's prefill work is "
+    prefill_step_ms: float | None = Field(30.0, gt=0, description="while others decode, a step's prefill work is "
                                           "also cut to what this many milliseconds buy at its cost measured on "
                                           "the engine's own steps, so a stream's next token waits about this much "
                                           "more for a step that carries prefill work (steadier streams, fewer "
-                                          "prefills finished under load: 30 ms cost new combinations 23-36% of "
-                                          "their tokens/s at 8-16 clients on 2 cores); unset = the token budget "
-                                          "(prefill_step_tokens) alone")
+                                          "prefills finished under load: on 2 cores new combinations of known "
+                                          "passages got 12-36% fewer tokens/s at 8-16 clients); empty = the "
+                                          "token budget (prefill_step_tokens) alone")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
 
@@ -217,6 +217,9 @@ class ServiceGroup(Group):
     query_nice: int = Field(19, ge=0, le=19, description="how much lower those threads' CPU priority is than the "
                             "engine loop's (a Linux nice increment): streams keep their pace while new questions "
                             "are retrieved and reranked; 0 = the same priority")
+    query_idle: bool = Field(True, description="those threads run only on CPU the engine leaves idle (Linux "
+                             "SCHED_IDLE: the engine's threads preempt them at once; elsewhere query_nice "
+                             "applies); false = niced by query_nice")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     _empty = field_validator("workers", mode="before")(empty_is_none)

@@ -50,3 +50,24 @@ def test_nice_zero_keeps_the_priority_and_bad_sizes_fail_fast():
         HostWork(threads=0, nice=5)
     with pytest.raises(ValueError):
         HostWork(threads=1, nice=20)
+
+
+def _policy() -> tuple[int, int]:
+    return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_idle_threads_run_under_sched_idle_and_the_callers_policy_is_untouched():
+    host = HostWork(threads=1, nice=19, idle=True)
+    try:
+        policy, prio = asyncio.run(host.run(_policy))
+    finally:
+        host.close()
+    assert policy == os.SCHED_IDLE and prio == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this thread (the engine's side) keeps the normal policy
+    host = HostWork(threads=1, nice=19)  # not idle: niced
+    try:
+        policy, prio = asyncio.run(host.run(_policy))
+    finally:
+        host.close()
+    assert policy == os.SCHED_OTHER and prio == min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 19, 19)
