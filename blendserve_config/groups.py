@@ -97,8 +97,8 @@ class EngineSettings(Group):
                                           "the engine's own steps, so a stream's next token waits about this much "
                                           "more for a step that carries prefill work (steadier streams, fewer "
                                           "prefills finished under load: on 2 cores new combinations of known "
-                                          "passages got 12-36% fewer tokens/s at 8-16 clients); empty = the "
-                                          "token budget (prefill_step_tokens) alone")
+                                          "passages got 0-18% fewer tokens/s at 8 clients, 5-36% at 16, in two "
+                                          "runs); empty = the token budget (prefill_step_tokens) alone")
     fidelity_gate: Literal["enforce", "warn", "off"] = Field(
         "enforce", description="start-up fidelity check: enforce = blend falls back to full prefill when it fails")
 
