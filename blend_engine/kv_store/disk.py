@@ -88,14 +88,18 @@ class DiskStore(BlobStore):
         logger.info("disk store %s: %d chunks, %.1f MiB", self.root, len(self._lru), self._stats.bytes_used / 2**20)
 
     def _scan_files(self) -> dict[str, tuple[int, float]]:
-        """Chunk files present: key -> (size, mtime). Temporary files older than an hour are removed."""
+        """Chunk files present: key -> (size, mtime). Temporary files older than an hour are removed.
+        A file another process renames or removes between the listing and its stat is skipped."""
         files: dict[str, tuple[int, float]] = {}
         now = time.time()
         for f in self._chunks.glob("*/*"):
-            if f.suffix == ".kv":
+            try:
                 st = f.stat()
+            except FileNotFoundError:  # another writer's temporary file, renamed into place meanwhile
+                continue
+            if f.suffix == ".kv":
                 files[f.stem] = (st.st_size, st.st_mtime)
-            elif ".tmp" in f.name and now - f.stat().st_mtime > _STALE_TMP_S:
+            elif ".tmp" in f.name and now - st.st_mtime > _STALE_TMP_S:
                 f.unlink(missing_ok=True)
         return files
 

@@ -6,6 +6,7 @@ import errno
 import multiprocessing as mp
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,21 @@ def test_index_set_up_gives_up_when_the_database_stays_locked(tmp_path, monkeypa
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         store._index.open(attempts=3)
     assert opened[0].tries == 3
+
+
+def test_opening_skips_a_temporary_file_renamed_between_the_listing_and_its_stat(tmp_path, monkeypatch):
+    """Another process's writer renames its temporary file into place while this one opens the store
+    (seen in CI as a FileNotFoundError from the start-up scan): the scan skips it."""
+    DiskStore(tmp_path, 1 << 26, fingerprint="fp").put("a", make_kv(1, T=20))
+    tmp = next(tmp_path.glob("chunks/*/*")).with_name("b.kv.tmp123-abc")
+    tmp.write_bytes(b"partial")
+    real_stat = Path.stat
+
+    def gone(self, *args, **kwargs):
+        if ".tmp" in self.name:
+            raise FileNotFoundError(self)
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", gone)
+    store = DiskStore(tmp_path, 1 << 26, fingerprint="fp")
+    assert store.keys() == ["a"] and store.get("a") is not None
