@@ -17,9 +17,11 @@ scheduler lets the engine's threads preempt them; they use what the engine leave
 60 ms) at +19, 75 reranked answers in both runs (docs/results.md). A niced thread is preempted only
 once the waking thread's lead passes the scheduler's wake-up granularity, so now and then a team
 thread waited and a decode step took 100-200 ms (its GEMMs 10x slower); under Linux's SCHED_IDLE
-policy (`idle`, the default) a waking normal thread preempts at once: gap p99 1.42x quiet against
-2.64x niced (docs/results.md). The price: a new question waits behind the queued ones while the
-engine is busy (a stream's TTFT under that load 17.8 s, 12.5 s before).
+policy (`idle`, opt-in) a waking normal thread preempts at once: gap p99 1.42x quiet against
+2.64x niced (docs/results.md); but such a thread also waits for the engine loop's background work
+(storing missed passages runs whenever no request does): the same prompt again right after a cold
+one waited 545 ms instead of ~100. The price of both: a new question waits behind the queued ones
+while the engine is busy (a stream's TTFT under that load 17.8 s, 12.5 s before).
 """
 
 from __future__ import annotations
