@@ -77,9 +77,10 @@ def batch_has_room(running: int, max_batch: int) -> bool:
     return free_places(running, max_batch) > 0
 
 
-def moving_average(old: float | None, seconds: float) -> float:
-    """The estimates' update: one more measurement weighs 0.3 (the first is taken as it is)."""
-    return seconds if old is None else 0.7 * old + 0.3 * seconds
+def moving_average(old: float | None, new: float, weight: float = 0.3) -> float:
+    """The estimates' update (the scheduler's every moving average): one more measurement weighs
+    `weight` (the first is taken as it is)."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 # ---------------------------------------------------------------------- the state the rules read

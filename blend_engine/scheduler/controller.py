@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from blend_engine.scheduler.admission import moving_average
 from blend_engine.scheduler.budget import PrefillWork
 
 if TYPE_CHECKING:
@@ -95,10 +96,6 @@ class ControllerState:
     last_ratio: float
     layer_fixed_s: float = 0.0
     full_prefill_choices: int = 0
-
-
-def _ewma(old: float | None, new: float, alpha: float) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new
 
 
 class _LinearFit:
@@ -183,14 +180,14 @@ class BandwidthController:
             if db <= 0:
                 continue
             deltas[name] = db
-            self._tier_read[name] = _ewma(self._tier_read.get(name), max(ds, 0.0) / db, self.alpha)
+            self._tier_read[name] = moving_average(self._tier_read.get(name), max(ds, 0.0) / db, self.alpha)
         for name in self._tier_read:
             cost = self._tier_read[name] + self._upload_cost(self._tier_kind.get(name, "storage"))
             self._tier_bw[name] = 1.0 / cost if cost > 0 else _FAST
         total = sum(deltas.values())
         if total:
             for name in set(self._tier_share) | set(deltas):
-                self._tier_share[name] = _ewma(self._tier_share.get(name), deltas.get(name, 0) / total, self.alpha)
+                self._tier_share[name] = moving_average(self._tier_share.get(name), deltas.get(name, 0) / total, self.alpha)
 
     def _update_upload(self, extra: dict) -> None:
         """The packer's host-to-device time per byte, as the layer streams reported it to the store."""
@@ -198,7 +195,7 @@ class BandwidthController:
         b, sec = extra.get("upload_bytes", 0), extra.get("upload_seconds", 0.0)
         self._upload_seen = (b, sec)
         if b > seen_b:
-            self._upload = _ewma(self._upload, max(sec - seen_s, 0.0) / (b - seen_b), self.alpha)
+            self._upload = moving_average(self._upload, max(sec - seen_s, 0.0) / (b - seen_b), self.alpha)
 
     def _upload_cost(self, kind: str) -> float:
         """Seconds per byte to move a tier's bytes from staging to the device (none from the device tier)."""
@@ -285,7 +282,7 @@ class BandwidthController:
             self._observations += 1
             if n_layers and report.load_ms > 0 and bytes_per_layer > 0:
                 bw = bytes_per_layer * n_layers / (report.load_ms / 1e3)
-                self._bandwidth = _ewma(self._bandwidth, bw, self.alpha)
+                self._bandwidth = moving_average(self._bandwidth, bw, self.alpha)
             pairs = [(n, t / 1e3) for n, t in zip(report.selected_per_layer, report.layer_compute_ms)]
             if len(pairs) > 1:
                 pairs = pairs[:-1]  # the last layer runs attention and the MLP for one position only

@@ -17,6 +17,8 @@ the token budget holds alone.
 
 from __future__ import annotations
 
+from blend_engine.scheduler.admission import moving_average
+
 ALPHA = 0.2  # weight of the newest step in the moving averages
 MIN_UNITS_MEASURED = 16  # a step with less prefill work than this teaches nothing (noise over little work)
 
@@ -34,13 +36,13 @@ class StepTime:
 
     def decode_step(self, seconds: float) -> None:
         """A step that ran decode rows only took `seconds`."""
-        self.decode_s = _average(self.decode_s, seconds)
+        self.decode_s = moving_average(self.decode_s, seconds, ALPHA)
 
     def prefill_step(self, seconds: float, units: int) -> None:
         """A step that ran decode rows and `units` of prefill work took `seconds`."""
         if self.decode_s is None or units < MIN_UNITS_MEASURED:
             return
-        self.unit_s = _average(self.unit_s, max(seconds - self.decode_s, 0.0) / units)
+        self.unit_s = moving_average(self.unit_s, max(seconds - self.decode_s, 0.0) / units, ALPHA)
 
     def units(self, cap: int) -> int:
         """The next step's prefill budget: what `target_s` buys at the measured cost, at most `cap`
@@ -48,7 +50,3 @@ class StepTime:
         if self.target_s is None or not self.unit_s:
             return cap
         return max(1, min(cap, int(self.target_s / self.unit_s)))
-
-
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
