@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from app.vllm_launcher import cpu_list
 from benchmarks.common.data import Example, load_examples, passages_of, select_paragraphs, shuffled
 from benchmarks.common.service import free_port
 from benchmarks.common.vllm_model import ensure_model_folder
@@ -415,17 +416,8 @@ def run_pair(args: argparse.Namespace, model_dir: Path, rag: list[RagPrompt], le
             env = {"BLENDSERVE_DECODER_KIND": "vllm", "BLENDSERVE_DECODER_VLLM_URL": url,
                    "BLENDSERVE_DECODER_SEGMENT_DIR": segments, "BLENDSERVE_DECODER_VLLM_MODEL": SERVED_NAME}
             if ours:
-                env["OMP_NUM_THREADS"] = str(len(_cpu_list(ours)))
+                env["OMP_NUM_THREADS"] = str(len(cpu_list(ours)))
             return run_blendserve(args, rag, levels, log_dir, PAIR, env, ["taskset", "-c", ours] if ours else [])
-
-
-def _cpu_list(spec: str) -> list[int]:
-    """"0-2,5" -> [0, 1, 2, 5]."""
-    out: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 # ----------------------------------------------------------------------------- the report

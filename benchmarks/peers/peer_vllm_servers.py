@@ -26,6 +26,7 @@ import httpx
 
 from app.vllm_launcher import stop
 from app.vllm_launcher import vllm_command as vllm_command_with_connector
+from app.vllm_launcher import vllm_env as pair_env
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +173,10 @@ def blendserve_server(data_dir: Path, log_path: Path, port: int, timeout_s: floa
 
 def pair_vllm_server(model_dir: Path, s: VllmSettings, segments: Path, log_path: Path, port: int,
                      timeout_s: float) -> Iterator[str]:
-    """vLLM as `make run-vllm` starts it (the connector, prefix caching, cached-token counts), served
-    under SERVED_NAME, on the peer's cores and KV space."""
+    """vLLM as `make run-vllm` starts it (the connector, prefix caching, cached-token counts, its
+    environment: `app.vllm_launcher.vllm_env`), served under SERVED_NAME, on the peer's cores and KV space."""
     py = vllm_python()
     cmd = vllm_command_with_connector(py, model_dir, port, s.dtype, segments, s.max_model_len)
     cmd[cmd.index("--served-model-name") + 1] = SERVED_NAME
-    env = vllm_env(dict(os.environ), s) | {"PYTHONPATH": str(REPO)}
+    env = pair_env(dict(os.environ), VLLM_VENV, s.cores, s.kv_space_gb)
     return server(cmd, env, log_path, "the vLLM server (Blendserve's connector)", "/health", port, timeout_s)
