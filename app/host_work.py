@@ -16,12 +16,14 @@ scheduler lets the engine's threads preempt them; they use what the engine leave
 2 query threads: decode step 23.7 ms and gap p99 295 ms at nice +10, 20.5 ms and 82.8 ms (quiet:
 60 ms) at +19, 75 reranked answers in both runs (docs/results.md). A niced thread is preempted only
 once the waking thread's lead passes the scheduler's wake-up granularity, so now and then a team
-thread waited and a decode step took 100-200 ms (its GEMMs 10x slower); under Linux's SCHED_IDLE
-policy (`idle`, opt-in) a waking normal thread preempts at once: gap p99 1.42x quiet against
-2.64x niced (docs/results.md); but such a thread also waits for the engine loop's background work
-(storing missed passages runs whenever no request does): the same prompt again right after a cold
-one waited 545 ms instead of ~100. The price of both: a new question waits behind the queued ones
-while the engine is busy (a stream's TTFT under that load 17.8 s, 12.5 s before).
+thread waited and a decode step took 100-200 ms (its GEMMs 10x slower). So by default (`idle`) they
+run under Linux's SCHED_IDLE policy, where a waking normal thread preempts at once: gap p99 1.42x quiet
+against 2.64x niced (docs/results.md). Such a thread would also wait for the engine loop's background
+work (storing missed passages runs whenever no request does: the same prompt again right after a cold
+one waited 545 ms instead of ~100), so while any call is queued or running here the loop holds its
+background units (`yields_to`, `Background.hold`; after that change the repeat took at most 166 ms).
+The price: a new question waits behind the queued ones while the engine is busy (a stream's TTFT
+under that load 11-17 s, 17.8-18.7 s niced).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from blend_engine.model.cpu_threads import one_core
 
@@ -42,8 +44,19 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class Yields(Protocol):
+    """What makes way while host work runs (the engine loop's background units: `Background.hold`)."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class HostWork:
-    """A bounded pool of low-priority threads for queries' host work; `run` awaits one call on it."""
+    """A bounded pool of low-priority threads for queries' host work; `run` awaits one call on it.
+    Once `yields_to` names the engine loop's background, its units (storing missed passages, the
+    fidelity gate's prefills) wait while any call is queued or running here, so a query's host work
+    never waits behind work that only helps later requests."""
 
     def __init__(self, threads: int, nice: int, idle: bool = False) -> None:
         if threads < 1 or not 0 <= nice <= 19:
@@ -51,6 +64,11 @@ class HostWork:
         self.threads, self.nice, self.idle = threads, nice, idle
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="query-host",
                                                            initializer=self._enter)
+        self._yields: Yields | None = None
+
+    def yields_to(self, background: Yields) -> None:
+        """From now on `background` holds its units while a call is in flight here."""
+        self._yields = background
 
     def _enter(self) -> None:
         """Each pool thread, once: one core for its torch ops, a lower priority than the engine loop."""
@@ -66,7 +84,15 @@ class HostWork:
     async def run(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` on a pool thread, in the caller's context (its log fields)."""
         ctx = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(ctx.run, fn, *args))
+        call = functools.partial(ctx.run, fn, *args)
+        background = self._yields
+        if background is None:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        background.hold()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        finally:
+            background.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

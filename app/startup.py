@@ -113,6 +113,8 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             return
         stack.gate_checking = settings.engine.fidelity_gate != "off"  # blend: full prefill until the gate decides
         stack.engine.loop.start()  # ingestion's precompute runs there too, on every core (`cpu_threads`)
+        if svc.host_work is not None:  # storing and the gate's prefills make way for queries' host work
+            svc.host_work.yields_to(stack.engine.loop.background)
         svc.stack = stack
         stack.start_sync()  # follow other replicas' (and the CLI's) ingestions from now on
         jobs = JobRunner(stack.pipeline, settings.data_dir, svc.closing.is_set, busy=lambda: _serving(stack))

@@ -217,10 +217,10 @@ class ServiceGroup(Group):
     query_nice: int = Field(19, ge=0, le=19, description="how much lower those threads' CPU priority is than the "
                             "engine loop's (a Linux nice increment): streams keep their pace while new questions "
                             "are retrieved and reranked; 0 = the same priority")
-    query_idle: bool = Field(False, description="those threads run only on CPU the engine leaves idle (Linux "
-                             "SCHED_IDLE: the engine's threads preempt them at once, steadier streams; but a "
-                             "question then waits for the engine's background storing, which runs when no "
-                             "request does); false = niced by query_nice")
+    query_idle: bool = Field(True, description="those threads run only on CPU the engine leaves idle (Linux "
+                             "SCHED_IDLE: the engine's threads preempt them at once, steadier streams; the "
+                             "engine's background work, storing missed passages, waits while they run); "
+                             "false = niced by query_nice")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     _empty = field_validator("workers", mode="before")(empty_is_none)

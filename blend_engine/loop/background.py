@@ -18,7 +18,14 @@ waits): each step earns them credit in proportion to its time, each unit spends 
 overrun; a debt is paid by later steps), so a decoding stream slows by about `SHARE`, not by a whole
 passage between two tokens, and the gate still finishes under steady load. With no request they run
 for a slice of at least `IDLE_SLICE_S` (as long as the turn's task, so they share the loop evenly with
-ingestion). Storing and stepped jobs alternate units. Callers on other threads block on a future; on
+ingestion). Storing and stepped jobs alternate units.
+
+Units also make way for the host work of queries (`hold` / `release`: retrieval, rerank, tokenizing on
+the service's query threads, which run on what CPU the loop leaves): while any is held, no unit runs,
+for at most `MAX_HOLD_S` at a time, after which one turn's units run and the hold counts afresh (so
+storing advances under a steady stream of queries). Measured on 2 cores: the same prompt again right
+after a cold one waited 545 ms for the cold one's storing under SCHED_IDLE query threads, ~100 ms with
+nothing to store. Callers on other threads block on a future; on
 the loop's own thread, or before the loop started, the work runs directly on the caller's thread.
 """
 
@@ -43,6 +50,7 @@ IDLE_SLICE_S = 0.05  # background units' least time a turn while no request is i
 SHARE = 0.25  # of the loop's time that background units may take while requests are in the batch
 BUSY_SHARE = 0.05  # ... while a request's prefill waits
 MAX_CREDIT_S = 0.25  # unspent credit, at most (none is earned while there is nothing to run)
+MAX_HOLD_S = 0.5  # units wait for held host work at most this long at a time
 
 
 @dataclass
@@ -73,7 +81,9 @@ class Background:
         self._closed = False
         self._credit = 0.0  # seconds of units earned by steps and not yet spent (`turn`)
         self._storing_next = True  # storing and stepped jobs alternate units
-        self.stepped_units = self.deferred_turns = 0  # counters for stats
+        self._holds = 0  # host work in flight that units make way for (`hold`)
+        self._held_since = 0.0  # when units began to wait for it
+        self.stepped_units = self.deferred_turns = self.held_turns = 0  # counters for stats
 
     # ------------------------------------------------------------------ callers' side (any thread)
     def run_task(self, fn: Callable[[], T], should_stop: StopCheck | None = None) -> T:
@@ -90,6 +100,22 @@ class Background:
             return drain(make())
         return self._queue(self._stepped, _Stepped(make)).result()
 
+    def hold(self) -> None:
+        """Host work of a query starts: units wait until it ends (`release`), up to `MAX_HOLD_S`."""
+        with self._cond:
+            self._holds += 1
+            if self._holds == 1:
+                self._held_since = self._clock()
+
+    def release(self) -> None:
+        """The host work `hold` announced ended; the last one wakes the loop for its units."""
+        with self._cond:
+            if self._holds <= 0:
+                raise RuntimeError("release() without hold()")
+            self._holds -= 1
+            if self._holds == 0:
+                self._cond.notify()
+
     def _here(self) -> bool:
         thread = self._loop_thread()
         return thread is None or threading.current_thread() is thread
@@ -105,12 +131,23 @@ class Background:
     # ------------------------------------------------------------------ the loop's side
     @property
     def has_work(self) -> bool:
-        """Anything for a turn (the loop sleeps when neither this nor the batch has work). Under `cond`."""
-        return bool(self._tasks) or bool(self._stepped) or self.storing.has_work
+        """Anything for a turn now (the loop sleeps when neither this nor the batch has work). Under `cond`."""
+        return bool(self._tasks) or (self._has_units and not self._held())
+
+    def wait_s(self) -> float | None:
+        """How long the loop may sleep with nothing to do: until held units may run, else until woken
+        (None). Under `cond`."""
+        if self._has_units and self._held():
+            return max(self._held_since + MAX_HOLD_S - self._clock(), 1e-3)
+        return None
 
     @property
     def _has_units(self) -> bool:
         return self.storing.has_work or bool(self._stepped)
+
+    def _held(self) -> bool:
+        """Units make way for host work: some is held, and for less than `MAX_HOLD_S` so far."""
+        return self._holds > 0 and self._clock() - self._held_since < MAX_HOLD_S
 
     def turn(self, step_s: float, busy: bool = False, idle: bool = False) -> None:
         """One loop turn's background work, after a step of `step_s` seconds: a task, then units.
@@ -122,10 +159,22 @@ class Background:
             task = self._tasks.popleft() if self._tasks else None
         if task is not None:
             _run_task(task)
+        with self._cond:
+            holding = self._holds > 0
+            forced = holding and not self._held()  # waited MAX_HOLD_S: this turn's units run
+            if forced:
+                self._held_since = self._clock()  # ... and the wait counts afresh
+        if holding and not forced and self._has_units:
+            self.held_turns += 1
+            return  # no credit earned either: no burst of units when the host work ends
+
+        def go() -> bool:  # host work that starts meanwhile waits for one unit at most
+            return forced or self._holds == 0
+
         if idle:
             self._credit = 0.0
             deadline = self._clock() + max(self._clock() - t0, IDLE_SLICE_S)
-            while self._unit() and self._clock() < deadline:
+            while go() and self._unit() and self._clock() < deadline:
                 pass
             return
         if not self._has_units:
@@ -135,7 +184,7 @@ class Background:
         self._credit = min(self._credit + step_s * share / (1 - share), MAX_CREDIT_S)
         if self._credit <= 0:
             self.deferred_turns += 1
-        while self._credit > 0:
+        while self._credit > 0 and go():
             t1 = self._clock()
             if not self._unit():
                 break
@@ -198,7 +247,8 @@ class Background:
 
     def stats(self) -> dict:
         return {**self.storing.stats(), "tasks_queued": len(self._tasks), "stepped_queued": len(self._stepped),
-                "stepped_units": self.stepped_units, "background_deferred_turns": self.deferred_turns}
+                "stepped_units": self.stepped_units, "background_deferred_turns": self.deferred_turns,
+                "background_held_turns": self.held_turns}
 
 
 def _run_task(task: _Task) -> None:

@@ -194,7 +194,7 @@ class EngineLoop:
             with self._cond:
                 while (not self._closed and not self._incoming and not self.background.has_work
                        and not self.scheduler.has_work):
-                    self._cond.wait()
+                    self._cond.wait(self.background.wait_s())  # held units: until they may run
                 if self._closed:
                     break
                 incoming = list(self._incoming)

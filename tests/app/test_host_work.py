@@ -71,3 +71,48 @@ def test_idle_threads_run_under_sched_idle_and_the_callers_policy_is_untouched()
     finally:
         host.close()
     assert policy == os.SCHED_OTHER and prio == min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 19, 19)
+
+
+class _Background:
+    """Counts holds the way `Background.hold/release` would see them."""
+
+    def __init__(self) -> None:
+        self.holds = 0
+
+    def hold(self) -> None:
+        self.holds += 1
+
+    def release(self) -> None:
+        self.holds -= 1
+
+
+def test_background_is_held_while_a_call_is_queued_or_running_and_released_on_error():
+    host = HostWork(threads=1, nice=0)
+    bg = _Background()
+    host.yields_to(bg)
+    release_first = threading.Event()
+
+    def first():
+        release_first.wait(5)
+        return bg.holds
+
+    def boom():
+        raise ValueError("bad query")
+
+    async def main():
+        a = asyncio.ensure_future(host.run(first))
+        b = asyncio.ensure_future(host.run(lambda: bg.holds))  # queued behind `first` on the one thread
+        await asyncio.sleep(0)
+        held_while_queued = bg.holds
+        release_first.set()
+        seen = [*await asyncio.gather(a, b), await host.run(lambda: bg.holds)]
+        with pytest.raises(ValueError, match="bad query"):
+            await host.run(boom)
+        return held_while_queued, seen
+
+    try:
+        held_while_queued, seen = asyncio.run(main())
+    finally:
+        host.close()
+    assert held_while_queued == 2 and seen[0] == 2 and seen[2] == 1  # the first saw the queued one's hold
+    assert bg.holds == 0  # every hold released, the failed call's too

@@ -193,3 +193,64 @@ def test_a_unit_longer_than_the_credit_is_paid_back_by_later_steps():
         bg.turn(0.01)
         ran.append(len(units) - n)
     assert ran[0] == 1 and sum(ran) == 1  # 20 steps of 10 ms earn 67 ms: the 100 ms unit's debt is not paid yet
+
+
+def test_held_units_wait_for_host_work_then_resume():
+    """Issue #56: while a query's host work is in flight (`hold`), no unit runs, idle or busy, and none
+    is owed afterwards; once it is released the loop is woken and units run again."""
+    clock = _FakeClock()
+    bg, units = _background(clock, unit_s=0.01)
+    bg.hold()
+    bg.turn(0.0, idle=True)
+    for _ in range(10):
+        clock.now += 0.02
+        bg.turn(0.02)
+    assert units == [] and bg.held_turns == 11
+    assert not bg.has_work and 0 < bg.wait_s() <= background.MAX_HOLD_S  # the loop sleeps, with a deadline
+    bg.release()
+    assert bg.has_work and bg.wait_s() is None
+    clock.now += 0.02
+    bg.turn(0.02)
+    assert len(units) == 1  # one step's credit (SHARE of 20 ms) buys one 10 ms unit: nothing banked while held
+    with pytest.raises(RuntimeError, match="without hold"):
+        bg.release()
+
+
+def test_a_hold_never_starves_storing():
+    """Host work held without a break: units wait MAX_HOLD_S, then one turn's units run, and so on."""
+    clock = _FakeClock()
+    bg, units = _background(clock, unit_s=0.01, passages=100)
+    bg.hold()
+    ran_at = []
+    while clock.now < 10 * background.MAX_HOLD_S:
+        n = len(units)
+        bg.turn(0.0, idle=True)
+        if len(units) > n:
+            ran_at.append(clock.now)
+        clock.now += 0.01  # the loop slept until woken or timed out
+    assert 9 <= len(ran_at) <= 11
+    gaps = [b - a for a, b in zip(ran_at, ran_at[1:], strict=False)]
+    assert all(background.MAX_HOLD_S - 0.02 <= g <= background.MAX_HOLD_S + 0.08 for g in gaps), gaps
+
+
+def test_host_work_starting_during_a_slice_waits_for_one_unit_at_most():
+    clock = _FakeClock()
+    holds: list[int] = []
+
+    def store_steps(token_ids, salt):
+        for layer in range(10):
+            if layer:
+                yield
+            clock.now += 0.01
+            holds.append(layer)
+            if len(holds) == 2:
+                bg.hold()  # a query arrives while the idle slice runs
+        return True
+
+    class Layout:
+        segments = [type("Seg", (), {"token_ids": (0,)})()]
+
+    bg = Background(threading.Condition(), lambda: None, store_steps, clock=clock)
+    bg.storing.add(Layout(), ["k0"], range(1), None)
+    bg.turn(0.0, idle=True)
+    assert len(holds) == 2  # the unit that was running finished; the slice stopped there

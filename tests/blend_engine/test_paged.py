@@ -384,3 +384,29 @@ def test_evicted_prefix_blocks_are_counted(runner):
         assert evicted > 0 and evicted == engine.loop.scheduler.pool.evictions
     finally:
         engine.close()
+
+
+def test_storing_waits_while_host_work_is_held_and_never_longer_than_the_bound(runner, monkeypatch):
+    """Issue #56: while a query's host work is in flight (`Background.hold`), the loop stores nothing;
+    the release wakes it. Held past MAX_HOLD_S, storing goes on anyway (the loop's wait times out)."""
+    from blend_engine.loop import background
+
+    engine = _engine(runner)
+    try:
+        plan = BlendPlan(tuple(PASSAGES[:3]), "Which bridge is named TIBER?", recompute_ratio=0.3)
+        monkeypatch.setattr(background, "MAX_HOLD_S", 3600.0)
+        engine.loop.background.hold()
+        first = engine.run(plan, GenerationConfig(max_tokens=2, ignore_eos=True))
+        assert first.report.cache_misses >= 3
+        assert engine.loop.stats()["store_queued"] == first.report.cache_misses  # the answer went out; nothing stored
+        engine.loop.background.release()
+        poll(lambda: engine.loop.stats()["store_queued"] == 0)
+
+        monkeypatch.setattr(background, "MAX_HOLD_S", 0.2)
+        other = BlendPlan(tuple(PASSAGES[4:7]), "Which river?", recompute_ratio=0.3)
+        engine.loop.background.hold()  # never released
+        second = engine.run(other, GenerationConfig(max_tokens=2, ignore_eos=True))
+        assert second.report.cache_misses > 0
+        poll(lambda: engine.loop.stats()["store_queued"] == 0)  # stored in bounded waits, no deadlock
+    finally:
+        engine.close()
