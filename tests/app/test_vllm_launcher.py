@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from app.vllm_launcher import REPO, cpu_list, vllm_env
+from app.vllm_launcher import REPO, blendserve_env, cpu_list, vllm_env
 
 
 def test_cpu_list_reads_vllm_bind_syntax():
@@ -35,3 +35,8 @@ def test_without_intel_openmp_no_kmp_variables(tmp_path: Path):
     env = vllm_env({"PATH": "/bin"}, tmp_path, "0-1", 2)
     assert "LD_PRELOAD" not in env and not any(k.startswith("KMP_") for k in env)
     assert env["OMP_NUM_THREADS"] == "2"
+
+
+def test_blendserve_beside_vllm_waits_passively_unless_told_otherwise():
+    assert blendserve_env({"PATH": "/bin"})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert blendserve_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
