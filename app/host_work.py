@@ -86,13 +86,13 @@ class HostWork:
         ctx = contextvars.copy_context()
         call = functools.partial(ctx.run, fn, *args)
         background = self._yields
-        if background is None:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
-        background.hold()
+        if background is not None:
+            background.hold()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, call)
         finally:
-            background.release()
+            if background is not None:
+                background.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

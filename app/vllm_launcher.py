@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_NAME = "blendserve-model"
-BESIDE_VLLM = {"OMP_WAIT_POLICY": "PASSIVE"}  # Blendserve's OpenMP beside vLLM on shared cores (`blendserve_env`)
+BESIDE_VLLM = {"OMP_WAIT_POLICY": "PASSIVE"}  # Blendserve's OpenMP beside vLLM on shared cores (`beside_vllm`)
 logger = logging.getLogger("app.vllm_launcher")
 
 
@@ -86,15 +86,15 @@ def vllm_env(base: dict[str, str], venv: Path, cores: str, kv_gb: int) -> dict[s
     return env
 
 
-def blendserve_env(base: dict[str, str]) -> dict[str, str]:
-    """Blendserve's environment beside vLLM on the same cores: its OpenMP threads sleep as soon as they
-    wait (`OMP_WAIT_POLICY=PASSIVE`, unless the caller set a policy) instead of spinning at each op's
-    barrier on a core vLLM's threads need. Two spinning teams on 2 shared cores slowed each other ~10x:
-    8 clients' blends of new passage combinations took p50 9.4 s (recompute 2.0 s) and the pair gave
-    13.7 tokens/s; passive, 3.7 s (recompute 0.45 s) and 32.6 tokens/s, repeated prompts unchanged
-    (57.3 against 57.9 tokens/s). vLLM keeps its 5 ms block time: at 0 its decode slowed (36.7 tokens/s
-    on repeated prompts)."""
-    return {**BESIDE_VLLM, **base}
+def beside_vllm(base: dict[str, str]) -> dict[str, str]:
+    """What Blendserve's environment gains beside vLLM on the same cores (`BESIDE_VLLM`, where `base`
+    does not set it already): its OpenMP threads sleep as soon as they wait (`OMP_WAIT_POLICY=PASSIVE`)
+    instead of spinning at each op's barrier on a core vLLM's threads need. Two spinning teams on 2
+    shared cores slowed each other ~10x: 8 clients' blends of new passage combinations took p50 9.4 s
+    (recompute 2.0 s) and the pair gave 13.7 tokens/s; passive, 3.7 s (recompute 0.45 s) and 32.6
+    tokens/s, repeated prompts unchanged (57.3 against 57.9 tokens/s). vLLM keeps its 5 ms block time:
+    at 0 its decode slowed (36.7 tokens/s on repeated prompts)."""
+    return {k: v for k, v in BESIDE_VLLM.items() if k not in base}
 
 
 def vllm_dtype(dtype: str) -> str:
@@ -145,7 +145,7 @@ def main() -> int:
     env.update({"BLENDSERVE_DECODER_KIND": "vllm", "BLENDSERVE_DECODER_VLLM_URL": url,
                 "BLENDSERVE_DECODER_VLLM_MODEL": SERVED_NAME})
     try:
-        return subprocess.call([sys.executable, "-m", "app"], cwd=REPO, env=blendserve_env(env))
+        return subprocess.call([sys.executable, "-m", "app"], cwd=REPO, env=env | beside_vllm(env))
     except KeyboardInterrupt:
         return 130
     finally:

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from app.vllm_launcher import BESIDE_VLLM, cpu_list
+from app.vllm_launcher import beside_vllm, cpu_list
 from benchmarks.common.data import Example, load_examples, passages_of, select_paragraphs, shuffled
 from benchmarks.common.service import free_port
 from benchmarks.common.vllm_model import ensure_model_folder
@@ -417,8 +417,8 @@ def run_pair(args: argparse.Namespace, model_dir: Path, rag: list[RagPrompt], le
                    "BLENDSERVE_DECODER_SEGMENT_DIR": segments, "BLENDSERVE_DECODER_VLLM_MODEL": SERVED_NAME}
             if ours:
                 env["OMP_NUM_THREADS"] = str(len(cpu_list(ours)))
-            else:  # the same cores: as `make run-vllm` starts it (`app.vllm_launcher.blendserve_env`)
-                env |= {k: v for k, v in BESIDE_VLLM.items() if k not in os.environ}
+            else:  # the same cores: as `make run-vllm` starts it
+                env |= beside_vllm(dict(os.environ))
             return run_blendserve(args, rag, levels, log_dir, PAIR, env, ["taskset", "-c", ours] if ours else [])
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from app.vllm_launcher import REPO, blendserve_env, cpu_list, vllm_env
+from app.vllm_launcher import REPO, beside_vllm, cpu_list, vllm_env
 
 
 def test_cpu_list_reads_vllm_bind_syntax():
@@ -38,5 +38,7 @@ def test_without_intel_openmp_no_kmp_variables(tmp_path: Path):
 
 
 def test_blendserve_beside_vllm_waits_passively_unless_told_otherwise():
-    assert blendserve_env({"PATH": "/bin"})["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert blendserve_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    base = {"PATH": "/bin"}
+    assert (base | beside_vllm(base))["OMP_WAIT_POLICY"] == "PASSIVE"
+    own = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert (own | beside_vllm(own))["OMP_WAIT_POLICY"] == "ACTIVE"
