@@ -54,6 +54,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks.common.client_gc import no_gc_pauses
 from benchmarks.common.data import Example, load_examples
 from benchmarks.common.service import REPO, app_process, free_port
 from benchmarks.load.serving import _gauges, _grew, _step_series
@@ -67,6 +68,7 @@ TOP_K = 5
 PROBE_INTERVAL_S = 0.05
 STORE_QUEUED = "blendserve_kv_store_queued"
 MAX_RETRIES = 30  # 503s a stream takes before the benchmark gives up
+LONG_GAP_MS = 100.0  # gaps listed with their time (`Row.long_gaps`)
 # cross-encoder/ms-marco-MiniLM-L-6-v2's shape (its config.json), random weights
 CROSS_ENCODER_SHAPE = {"vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
                        "intermediate_size": 1536, "max_position_embeddings": 512, "num_labels": 1}
@@ -101,6 +103,19 @@ def gaps_ms(stamps: list[float]) -> list[float]:
 def pooled_gaps(streams: list[list[float]]) -> list[float]:
     """Every stream's gaps, pooled (a gap never spans two streams)."""
     return [g for stamps in streams for g in gaps_ms(stamps)]
+
+
+def long_gaps(streams: list[list[float]], wall_offset: float, over_ms: float = LONG_GAP_MS) -> list[tuple[str, float]]:
+    """The gaps over `over_ms`: (local wall-clock time of the delta that ended it, to the millisecond;
+    the gap in ms), to find in the service's log. `wall_offset`: time.time() - time.perf_counter()."""
+    out = []
+    for stamps in streams:
+        for a, b in zip(stamps, stamps[1:]):
+            if (b - a) * 1e3 > over_ms:
+                end = b + wall_offset
+                out.append((time.strftime("%H:%M:%S", time.localtime(end)) + f".{int(end * 1e3) % 1000:03d}",
+                            round((b - a) * 1e3, 1)))
+    return out
 
 
 class SseParser:
@@ -159,7 +174,8 @@ def service(data_dir: Path, reranker: Path | None, port: int, settings: dict[str
                 "BLENDSERVE_ENGINE_FIDELITY_GATE": "off", "BLENDSERVE_SERVICE_HOST": "127.0.0.1",
                 "BLENDSERVE_SERVICE_PORT": str(port), "BLENDSERVE_SERVICE_LOG_LEVEL": "warning",
                 "BLENDSERVE_SERVICE_REQUEST_TIMEOUT_S": "3600", "BLENDSERVE_RETRIEVAL_RERANKER": str(reranker or ""),
-                "PYTHONPATH": str(REPO), **settings})
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+                **settings})
     with app_process(env, data_dir / "server.log", 600) as url:
         yield url
 
@@ -302,6 +318,7 @@ class Row:
     load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)  # at the phase's end
     load_average_start: tuple[float, float, float] = (0.0, 0.0, 0.0)
     started: str = ""  # local time of the first stream's start
+    long_gaps: tuple[tuple[str, float], ...] = ()  # gaps over LONG_GAP_MS: (local time of their end, ms)
 
 
 def _engine(first: dict[str, float], last: dict[str, float]) -> dict:
@@ -334,6 +351,7 @@ async def phase(url: str, name: str, reranker: bool, stream_bodies: list[dict], 
         before = await asyncio.to_thread(_metrics, url)
         prober = asyncio.create_task(probe(http, url, stop_probe, probes))
         t0, started, load_start = time.perf_counter(), time.strftime("%H:%M:%S"), os.getloadavg()
+        wall_offset = time.time() - t0
         streams = [await stream_once(http, url, b) for b in stream_bodies]
         t1 = time.perf_counter()
         stop_probe.set()
@@ -347,11 +365,13 @@ async def phase(url: str, name: str, reranker: bool, stream_bodies: list[dict], 
               [round(s.ttft_ms, 1) for s in streams], [s.tokens for s in streams], t1 - t0, GapStats.of(probes),
               **_engine(before, after), loaded_answered=during, loaded_answered_all=len(load.latencies_ms),
               loaded_latency_p50_ms=lat, loaded_errors=len(load.errors), loaded_refused=load.refused,
-              load_average=os.getloadavg(), load_average_start=load_start, started=started)
+              load_average=os.getloadavg(), load_average_start=load_start, started=started,
+              long_gaps=tuple(long_gaps([s.stamps for s in streams], wall_offset)))
     logger.info("%s: gaps p50 %.1f p99 %.1f max %.1f ms (%d), /healthz p99 %.1f ms, decode step %.1f ms, "
-                "%d prefill steps, loaded answered %d (median %.0f ms), load %.2f", name, row.gaps.p50_ms,
-                row.gaps.p99_ms, row.gaps.max_ms, row.gaps.n, row.probe.p99_ms, row.decode_step_ms,
-                row.prefill_steps, during, lat, row.load_average[0])
+                "%d prefill steps, loaded answered %d (median %.0f ms), load %.2f; gaps over %.0f ms: %s", name,
+                row.gaps.p50_ms, row.gaps.p99_ms, row.gaps.max_ms, row.gaps.n, row.probe.p99_ms, row.decode_step_ms,
+                row.prefill_steps, during, lat, row.load_average[0], LONG_GAP_MS,
+                ", ".join(f"{ms:.0f} ms at {at}" for at, ms in row.long_gaps) or "none")
     return row
 
 
@@ -359,8 +379,10 @@ def measure(url: str, reranker: bool, stream_bodies: list[dict], load_bodies: li
             suffix: str = "") -> list[Row]:
     """Every prompt once (`warm`), then the quiet and the loaded row."""
     warm(url, [*stream_bodies, *load_bodies])
-    quiet = asyncio.run(phase(url, f"quiet{suffix}", reranker, stream_bodies, load_bodies, 0))
-    loaded = asyncio.run(phase(url, f"loaded{suffix}", reranker, stream_bodies, load_bodies, clients))
+    with no_gc_pauses():  # the client's own collector must not stall the stamps it takes
+        quiet = asyncio.run(phase(url, f"quiet{suffix}", reranker, stream_bodies, load_bodies, 0))
+    with no_gc_pauses():
+        loaded = asyncio.run(phase(url, f"loaded{suffix}", reranker, stream_bodies, load_bodies, clients))
     return [quiet, loaded]
 
 

@@ -266,11 +266,18 @@ async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: l
     ttft = [r.ttft_ms for r in replies]
     row = LoadRow(system, clients, len(bodies), len(replies), len(errors), seconds, tokens, tokens / seconds,
                   percentile(ttft, 50), percentile(ttft, 95), os.getloadavg()[0], server_p50(replies), kind,
-                  prefix_hit_share(replies))
+                  prefix_hit_share(replies), longest(replies))
     share = "" if row.prefix_hit_share is None else f", prefix hits {row.prefix_hit_share:.1%} of prompt tokens"
     logger.info("%s %s %2d clients: %.1f tok/s, TTFT p50 %.0f ms, %d errors%s", system, label, clients,
                 row.tokens_per_s, row.ttft_p50_ms, row.errors, share)
     return row
+
+
+def longest(replies: Sequence[Reply]) -> tuple[int, float, float] | None:
+    """The longest answer of a level (output tokens, client ms to its first and to its last token): a
+    level ends no sooner than that answer's decode, whoever prefilled it."""
+    r = max(replies, key=lambda r: r.output_tokens, default=None)
+    return None if r is None or r.total_ms is None else (r.output_tokens, r.ttft_ms, r.total_ms)
 
 
 def prefix_hit_share(replies: Sequence[Reply]) -> float | None:

@@ -32,6 +32,7 @@ class Reply:
     text: str
     top: dict[str, float] = field(default_factory=dict)  # first token: text -> logprob (when asked)
     body: dict[str, Any] = field(default_factory=dict)  # Blendserve's final response (timings, stats, mode)
+    total_ms: float | None = None  # sent until the stream's end, client side
 
 
 class ReplyError(RuntimeError):
@@ -103,7 +104,7 @@ async def vllm_call(http: httpx.AsyncClient, url: str, body: dict[str, Any],
                 tokens = int(chunk["usage"]["completion_tokens"])
     if first is None:
         raise ReplyError("vLLM streamed no token")
-    return Reply((first - t0) * 1e3, tokens, "".join(text), top)
+    return Reply((first - t0) * 1e3, tokens, "".join(text), top, total_ms=(time.perf_counter() - t0) * 1e3)
 
 
 async def blend_call(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Reply:
@@ -123,7 +124,7 @@ async def blend_call(http: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
     if first is None or not final:
         raise ReplyError("Blendserve's stream ended without an answer")
     return Reply((first - t0) * 1e3, int(final["stats"]["completion_tokens"]), final["answer"],
-                 _blend_top(final), final)
+                 _blend_top(final), final, (time.perf_counter() - t0) * 1e3)
 
 
 def _blend_top(final: dict[str, Any]) -> dict[str, float]:

@@ -61,6 +61,7 @@ class LoadRow:
     server_p50_ms: dict[str, float] | None = None  # Blendserve: p50 of each `timings` field over the level
     kind: str = NEW_COMBINATION  # known passages in a new order, or each prompt again (REPEATED)
     prefix_hit_share: float | None = None  # Blendserve: prompt tokens not computed for the prefix (pool or vLLM) / all
+    longest: tuple[int, float, float] | None = None  # the longest answer: tokens, client ms to its first and last token
 
 
 @dataclass(frozen=True)
@@ -241,11 +242,16 @@ def rag_table(summary: Sequence[Mapping[str, Any]]) -> str:
 
 def load_table(rows: Sequence[LoadRow]) -> str:
     head = ("| prompts | clients | system | answered / requests | output tok/s | TTFT p50 / p95 (ms) | load 1m "
-            "| prefix-hit share | Blendserve timings p50 (ms) |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| longest answer: tokens, first / last token (ms) | prefix-hit share | Blendserve timings p50 (ms) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(f"| {r.kind} | {r.clients} | {r.system} | {r.answered} / {r.requests} | "
-                          f"{r.tokens_per_s:.1f} | {_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | "
+                          f"{r.tokens_per_s:.1f} | {_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | {_longest(r.longest)} | "
                           f"{_num(r.load_avg_1m)} | {_percent(r.prefix_hit_share)} | {_timings(r.server_p50_ms)} |\n"
                           for r in sorted(rows, key=lambda r: (r.kind, r.clients, r.system)))
+
+
+def _longest(x: tuple[int, float, float] | None) -> str:
+    return "-" if x is None else f"{x[0]}, {_ms(x[1])} / {_ms(x[2])}"
 
 
 def _percent(x: float | None) -> str:

@@ -25,6 +25,7 @@ from benchmarks.peers.peer_vllm_report import (
     RagSample,
     Report,
     kl_top,
+    load_table,
     merge_top,
     targets,
     ttft_summary,
@@ -154,6 +155,14 @@ def test_the_prefix_hit_share_counts_the_pools_prefix_or_what_vllm_did_not_compu
                                              "decoder_cached_tokens": 99}})]
     assert peer_vllm.prefix_hit_share(pair) == pytest.approx(0.99)
     assert peer_vllm.prefix_hit_share([Reply(1, 1, "x")]) is None  # vLLM alone: no stats
+
+
+def test_a_levels_longest_answer_is_reported_with_its_first_and_last_token():
+    replies = [Reply(100.0, 12, "a", total_ms=400.0), Reply(50.0, 128, "b", total_ms=5000.0), Reply(70.0, 3, "c")]
+    assert peer_vllm.longest(replies) == (128, 50.0, 5000.0)
+    assert peer_vllm.longest([]) is None
+    assert "| 128, 50 / 5,000 |" in load_table([LoadRow(VLLM, 8, 3, 3, 0, 5.0, 143, 28.6, 70, 100,
+                                                        longest=peer_vllm.longest(replies))])
 
 
 def test_a_target_without_its_measurement_is_reported_unmet_as_none():

@@ -3,11 +3,24 @@ percentiles, the verdict against the 1.2x target (no server)."""
 
 from __future__ import annotations
 
+import gc
 import math
+import time
 
 import pytest
 
-from benchmarks.load.stream_gap import TARGET, GapStats, Row, SseParser, gaps_ms, pooled_gaps, ratio, verdicts
+from benchmarks.common.client_gc import no_gc_pauses
+from benchmarks.load.stream_gap import (
+    TARGET,
+    GapStats,
+    Row,
+    SseParser,
+    gaps_ms,
+    long_gaps,
+    pooled_gaps,
+    ratio,
+    verdicts,
+)
 
 
 def events(lines: list[str]) -> list[tuple[str, str]]:
@@ -31,6 +44,27 @@ def test_gaps_are_between_consecutive_stamps_and_never_span_streams():
     assert gaps_ms([1.0, 1.02, 1.05]) == pytest.approx([20.0, 30.0])
     assert gaps_ms([1.0]) == [] and gaps_ms([]) == []
     assert pooled_gaps([[0.0, 0.01], [5.0, 5.1, 5.3]]) == pytest.approx([10.0, 100.0, 200.0])
+
+
+def test_long_gaps_carry_the_wall_clock_time_of_their_end():
+    offset = time.mktime((2026, 12, 6, 17, 33, 12, 0, 0, -1)) - 5.0  # perf_counter 5.0 = 17:33:12.000 local
+    got = long_gaps([[4.0, 4.05, 5.0], [5.1, 5.3521]], offset)
+    assert got == [("17:33:12.000", pytest.approx(950.0)), ("17:33:12.352", pytest.approx(252.1))]
+    assert long_gaps([[1.0, 1.05]], offset) == []  # 50 ms: not long
+
+
+def test_the_client_runs_its_timed_block_without_collections_and_restores_the_collector():
+    assert gc.isenabled()
+    with no_gc_pauses():
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        with no_gc_pauses():
+            pass
+        assert not gc.isenabled()  # off before: off after
+    finally:
+        gc.enable()
 
 
 def test_gap_stats_are_percentiles_of_the_pooled_gaps():
