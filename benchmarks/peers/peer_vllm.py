@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from app.vllm_launcher import beside_vllm, cpu_list
+from benchmarks.common.client_gc import no_gc_pauses
 from benchmarks.common.data import Example, load_examples, passages_of, select_paragraphs, shuffled
 from benchmarks.common.service import free_port
 from benchmarks.common.vllm_model import ensure_model_folder
@@ -257,9 +258,10 @@ async def load_level(http: httpx.AsyncClient, call: Call, system: str, bodies: l
             except Exception as exc:  # noqa: BLE001 - counted in the row, the level goes on
                 errors.append(repr(exc))
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    seconds = time.perf_counter() - t0
+    with no_gc_pauses():
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        seconds = time.perf_counter() - t0
     for e in errors[:3]:
         logger.warning("%s, %d clients: %s", system, clients, e)
     tokens = sum(r.output_tokens for r in replies)
@@ -365,7 +367,8 @@ async def run_system(url: str, call: Call, system: str, rag: list[RagPrompt],
         load_avg: dict[tuple[int, str], float] = {}
         for i, prompt in enumerate(rag):
             for case, body in cases(prompt):
-                replies[i, case] = await call(http, body)
+                with no_gc_pauses():  # the client's collector must not land in the TTFT it times
+                    replies[i, case] = await call(http, body)
                 load_avg[i, case] = os.getloadavg()[0]
                 await settle(http)
                 logger.info("%s %s ~%d (%s): TTFT %.0f ms (load %.1f)", system, case, prompt.size, prompt.dataset,
