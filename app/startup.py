@@ -9,6 +9,7 @@ meanwhile from what is indexed so far, and /readyz reports the job's progress (`
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -100,6 +101,19 @@ def submit_sample(stack, runner: JobRunner) -> str | None:
     return job.id
 
 
+def freeze_startup_objects() -> int:
+    """Move every object alive now (start-up's: the model's modules, the tokenizer, the index's maps;
+    ~480K for the default model) out of the garbage collector's reach, once, before the first request:
+    a full collection holds the GIL while it walks them (163-181 ms on the start-up thread here), and
+    one while serving would stall every stream and the engine loop's Python for as long. Later
+    collections walk only what serving makes. Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("%d start-up objects frozen out of garbage collection", frozen)
+    return frozen
+
+
 def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
     """Runs on the start-up thread. Never raises: failures are logged and shown by /readyz."""
     settings = svc.settings
@@ -122,6 +136,7 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         jobs.start()  # jobs a previous process left unfinished resume (the thread ends at once when closing)
         if svc.closing.is_set():
             return
+        freeze_startup_objects()
         svc.ready = True  # answers from now on, from what is indexed so far
         logger.info("ready in %.1f s", time.perf_counter() - t0)
         sample = submit_sample(stack, svc.jobs)
