@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from blend_engine.cancel import Cancelled
 from blend_engine.model.cpu_threads import use_cores
 from blend_engine.selfcheck import GateDecision, decide
 from blendserve_config.stack import sample_to_ingest
@@ -102,25 +101,6 @@ def submit_sample(stack, runner: JobRunner) -> str | None:
     return job.id
 
 
-def start_pool_prefault(stack) -> threading.Thread | None:
-    """With ENGINE_KV_POOL_PREFAULT (the default), fault the KV pool's memory in as the engine loop's
-    background work, on a thread that waits for it (`EngineLoop.prefault_pool`); None when off."""
-    if not stack.settings.engine.kv_pool_prefault:
-        return None
-
-    def run() -> None:
-        t0 = time.perf_counter()
-        try:
-            done = stack.engine.loop.prefault_pool()
-        except Cancelled:  # shutting down
-            return
-        logger.info("KV pool: %d MiB faulted in ahead of use in %.1f s", done >> 20, time.perf_counter() - t0)
-
-    thread = threading.Thread(target=run, name="blendserve-pool-prefault", daemon=True)
-    thread.start()
-    return thread
-
-
 def freeze_startup_objects() -> int:
     """Move every object alive now (start-up's: the model's modules, the tokenizer, the index's maps;
     ~480K for the default model) out of the garbage collector's reach, once, before the first request:
@@ -161,7 +141,6 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
         logger.info("ready in %.1f s", time.perf_counter() - t0)
         sample = submit_sample(stack, svc.jobs)
         start_fidelity_gate(stack, svc.metrics, svc.closing, first_start=sample is not None)
-        start_pool_prefault(stack)  # queued after the gate's prefills: background work, in turn
     except Exception as exc:  # noqa: BLE001 - reported by /readyz, the process stays up for /healthz
         svc.error = f"{type(exc).__name__}: {exc}"
         logger.exception("start-up failed")

@@ -83,11 +83,6 @@ class EngineSettings(Group):
     kv_pool_gpu_fraction: float | None = Field(None, gt=0, lt=1, description="on CUDA: size the KV pool as this "
                                                "share of the device memory free after the model (overrides "
                                                "batch_kv_mb there); unset = batch_kv_mb")
-    kv_pool_prefault: bool = Field(True, description="on the CPU, fault the KV pool's memory in after start-up "
-                                   "as the engine loop's background work (without writing it), so that no request "
-                                   "pays for the first touch of its pages (on a VM that backs memory lazily a 6K-token "
-                                   "blend on fresh pool pages spent ~1.9 s more); false = pages are faulted in by the "
-                                   "requests that first use them")
     kv_block_tokens: int = Field(16, ge=1, le=1024, description="token slots per block of the KV pool")
     prefix_caching: bool = Field(True, description="automatic prefix caching: a request first takes the longest "
                                                    "cached prefix of its prompt from the KV pool, in every mode")

@@ -14,24 +14,15 @@ replayed at a padded batch size write their K/V there (`decode_graphs`).
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import mmap
 import os
 from collections.abc import Sequence
-from functools import cache
 
 import torch
 
 from blend_engine.model.runner import ModelRunner
 from blend_engine.scheduler.kv_blocks import Run
-from blend_engine.steps import Steps
 
 from .layers import KVCache
-
-logger = logging.getLogger(__name__)
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without changing what they hold
-PREFAULT_UNIT_BYTES = 8 << 20  # pool memory faulted in per background unit
 
 
 def block_bytes(runner: ModelRunner, block_tokens: int) -> int:
@@ -56,36 +47,6 @@ class KVPool:
             v = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(s.n_layers)]  # L x [H, slots, D]
             self._kv = (k, v)
         return self._kv
-
-    def prefault_steps(self, unit_bytes: int = PREFAULT_UNIT_BYTES) -> Steps[int]:
-        """Fault the pool's memory in ahead of use, `unit_bytes` a unit (a stepped job: the engine loop
-        runs it as background work); returns the bytes faulted in (0: not on the CPU, or the kernel
-        cannot). `torch.empty` only reserves the pool; each page is faulted in at its first write, by
-        the request that first uses its slots: on this 2-core VM a fresh page came at 100-250 MB/s (a
-        reused one at 5.9 GB/s), so a 5,839-token blend on a fresh part of the pool spent ~1.9 s of
-        its 4.8 s recompute faulting in its 270 MB. vLLM zeroes its KV space at start-up for the same
-        reason; this does it in the background instead, without writing (`MADV_POPULATE_WRITE`, so
-        slots already in use keep their KV), slot windows in ascending order (where runs are taken
-        first), every layer's K and V and every head of a window in the same unit:
-
-            K[l] [H, slots, D]:  head 0 | w0 | w1 | ... |   head 1 | w0 | w1 | ... |   (window w: one unit)
-        """
-        if self.runner.device.type != "cpu":
-            return 0
-        k, v = self._tensors()
-        tensors = [*k, *v]  # 2L x [H, slots, D]
-        heads, head_bytes = tensors[0].shape[0], tensors[0].stride(0) * tensors[0].element_size()
-        window = max(mmap.PAGESIZE, unit_bytes // (len(tensors) * heads))
-        done = 0
-        for off in range(0, head_bytes, window):
-            n = min(window, head_bytes - off)
-            for t in tensors:
-                for h in range(heads):
-                    if not populate(t.data_ptr() + h * head_bytes + off, n):
-                        return done
-                    done += n
-            yield
-        return done
 
     @property
     def kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -137,35 +98,6 @@ class KVPool:
             for layer in range(len(k)):
                 k[layer][:, b:b + count * bt] = k[layer][:, a:a + count * bt]  # [H, count*bt, D]
                 v[layer][:, b:b + count * bt] = v[layer][:, a:a + count * bt]  # [H, count*bt, D]
-
-
-def populate(address: int, nbytes: int) -> bool:
-    """Fault in the pages of [address, address + nbytes) writable, their contents unchanged
-    (`madvise(MADV_POPULATE_WRITE)`). False, logged once, where the kernel lacks it (before 5.14)."""
-    page = mmap.PAGESIZE
-    start = address - address % page
-    end = -(-(address + nbytes) // page) * page
-    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_WRITE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err == 4:  # EINTR: the kernel was interrupted; the next unit goes on
-        return True
-    _warn_once(f"the KV pool's pages are faulted in on first use: madvise(MADV_POPULATE_WRITE) failed "
-               f"({os.strerror(err)})")
-    return False
-
-
-@cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise.restype = ctypes.c_int
-    return libc
-
-
-@cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 def _stretches(blocks: Sequence[int]) -> list[tuple[int, int, int]]:

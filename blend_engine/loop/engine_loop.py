@@ -146,11 +146,6 @@ class EngineLoop:
         prefills, a layer at a time: `background.Background.run_stepped`); its return value."""
         return self.background.run_stepped(make)
 
-    def prefault_pool(self) -> int:
-        """Fault the KV pool's memory in ahead of use as background work, a unit a loop turn
-        (`KVPool.prefault_steps`); blocks until done; the bytes faulted in."""
-        return self.background.run_stepped(self.pool.prefault_steps)
-
     def wake(self) -> None:
         """Wake the loop to look for work again (after a seam such as `storing.paused` changed)."""
         with self._cond:

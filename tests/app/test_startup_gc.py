@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.startup import freeze_startup_objects
-from tests.helpers import FIXED_RATIO, make_settings, poll, wait_ready
+from tests.helpers import make_settings, wait_ready
 
 
 class Node:
@@ -42,20 +42,3 @@ def test_the_service_freezes_before_it_is_ready(tmp_path, tiny_stack_factory, ca
         assert frozen < ready
     finally:
         gc.unfreeze()
-
-
-def test_the_service_faults_its_kv_pool_in_after_start_up_unless_told_not_to(tmp_path, tiny_stack_factory, caplog):
-    """ENGINE_KV_POOL_PREFAULT (on by default): the pool's memory faulted in as background work."""
-    caplog.set_level("INFO", logger="app.startup")
-    with TestClient(create_app(make_settings(tmp_path / "on"), tiny_stack_factory)) as c:
-        wait_ready(c)
-        poll(lambda: "faulted in ahead of use" in caplog.text, timeout=60)
-        assert c.post("/v1/query", json={"question": "Anything?", "documents": [{"text": "A fact."}],
-                                         "max_tokens": 2}).status_code == 200
-    caplog.clear()
-    off = make_settings(tmp_path / "off", engine={"recompute_ratio": FIXED_RATIO, "kv_pool_prefault": False})
-    with TestClient(create_app(off, tiny_stack_factory)) as c:
-        wait_ready(c)
-        assert c.post("/v1/query", json={"question": "Anything?", "documents": [{"text": "A fact."}],
-                                         "max_tokens": 2}).status_code == 200
-    assert "faulted in ahead of use" not in caplog.text
