@@ -118,11 +118,12 @@ def wait_ready(client: TestClient, timeout: float = 60.0) -> dict:
     raise AssertionError(f"not ready after {timeout}s: {r.json()}")
 
 
-def svc(client: TestClient):
+def svc(client):
+    """The service state behind a TestClient or a `local_services.ThreadedServer` (both have `.app`)."""
     return client.app.state.svc
 
 
-def stored_after_answers(client: TestClient) -> None:
+def stored_after_answers(client) -> None:
     """Wait until the engine stored every missed passage it queued after its answers (background
     work: an exact repeat before then is a prefix hit of the pool, not a hit of the store)."""
     loop = svc(client).stack.engine.loop

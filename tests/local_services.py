@@ -172,6 +172,7 @@ class ThreadedServer:
     def __init__(self, app, port: int) -> None:
         import uvicorn
 
+        self.app = app  # as a TestClient's, for the helpers that look inside (`tests.helpers.svc`)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{port}"

@@ -9,7 +9,7 @@ import pytest
 
 from app.main import create_app
 from blendserve_config.stack import build_stack
-from tests.helpers import make_settings, poll
+from tests.helpers import make_settings, stored_after_answers
 from tests.local_services import ThreadedServer
 
 pytestmark = pytest.mark.slow
@@ -39,14 +39,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)
 
 
-def _store_queued(client) -> float:
-    """The service's /metrics `blendserve_kv_store_queued`: passages waiting to be stored."""
-    text = httpx.get(str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics", timeout=30).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("blendserve_kv_store_queued "))
-    return float(line.rpartition(" ")[2])
-
-
-def test_openai_client_a_conversation_and_its_stream(client):
+def test_openai_client_a_conversation_and_its_stream(client, server):
     system = {"role": "system", "content": "Answer with the city only."}
     question = {"role": "user", "content": "And the capital of Japan?"}
     messages = [system, {"role": "user", "content": "What is the capital of France?"},
@@ -72,7 +65,7 @@ def test_openai_client_a_conversation_and_its_stream(client):
 
     # the first answer queued the turns' KV for storing in the background; once stored, the same request
     # reads it from the cache (an exact repeat does not wait for it: its prefix is in the pool already)
-    poll(lambda: _store_queued(client) == 0)
+    stored_after_answers(server)
     again = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, extra_body=FIXED)
     assert again.model_extra["blend"]["stats"]["cache_misses"] == 0
     chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
