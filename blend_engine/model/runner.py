@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,8 @@ from blend_engine.model.families import check_blendable, layer_windows, rope_fre
 from blend_engine.model.files import DEFAULT_MODEL, _load_hf, pick_device, pick_dtype, pick_linear_dtype
 from blend_engine.model.packed import ROWS as PACKED_ROWS
 from blend_engine.model.packed import PackedWeight, pack_linears
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KV_LAYOUT_VERSION", "ModelRunner", "ModelShape"]
 
@@ -84,14 +88,16 @@ class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
 
     def __init__(self, model, tokenizer, name: str = "custom", linear_dtype: torch.dtype | None = None,
-                 packed: bool = True) -> None:
+                 packed: bool = True, packed_rows: range | None = None) -> None:
         """`linear_dtype` (`files.pick_linear_dtype`): the projections and lm_head run on copies of
         their weights in this dtype (inputs cast to it, outputs back); norms, RoPE, K/V and attention
         keep the model's dtype. The model's own weights stay: transformers' forward runs them to precompute
         every stored passage, so stored K/V and the fingerprint do not depend on this setting.
         `packed`: a float32 model on the CPU keeps each projection weight that was de-quantized from a
         block code (a GGUF's Q4_1 / Q8_0) in that code too, for steps of `packed.ROWS` rows (`linear`):
-        the same outputs bit for bit from a fifth of the bytes."""
+        the same outputs bit for bit from a fifth of the bytes. `packed_rows`: the row counts that
+        run on those codes; None = measured here once (`packed_rows`), as the crossover with MKL's
+        sgemm differs between machines several fold."""
         check_blendable(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -108,6 +114,8 @@ class ModelRunner:
         self.linear_dtype = linear_dtype
         pack = packed and linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
         self._weights, self._packed = _linear_weights([*inner.layers.modules(), self._lm_head], linear_dtype, pack)
+        self.packed_rows = PACKED_ROWS if not self._packed else \
+            packed_rows if packed_rows is not None else measured_packed_rows(list(inner.layers.modules()), self._packed)
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
@@ -302,7 +310,7 @@ class ModelRunner:
         `rows_linear`."""
         w = self._weights.get(id(layer))
         if w is None:
-            return rows_linear(layer, x, self._packed.get(id(layer)))
+            return rows_linear(layer, x, self._packed.get(id(layer)), self.packed_rows)
         out = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)  # [T, out]
         return out if layer.bias is None else out + layer.bias  # [T, out]
 
@@ -316,6 +324,61 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(self._lm_head, self.norm(self._norm, hidden)).float()  # [S, V]
+
+
+PROBE_ROWS = (16, 24, 32, 40, 48, 64, 96, 128, 160, 192, 224)  # row counts `packed_rows_limit` tries
+
+
+def best_time(fn: Callable[[], object], reps: int = 5) -> float:
+    """fn's fastest of `reps` timed calls (after one untimed), in seconds."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def first_faster(probes: tuple[int, ...], faster: list[bool]) -> int:
+    """The first probe from which the other op was faster there and at the next probe too (one noisy
+    probe moves nothing); past the last probe when none is."""
+    for i, n in enumerate(probes):
+        if faster[i] and (i + 1 == len(faster) or faster[i + 1]):
+            return n
+    return probes[-1] + 1
+
+
+def packed_rows_limit(layer: torch.nn.Linear, code: PackedWeight,
+                      timer: Callable[[Callable[[], object]], float] = best_time) -> int:
+    """The fewest rows (of `PROBE_ROWS`, `first_faster`) from which MKL's sgemm over `layer`'s float32
+    weight beats `cpu_kernels.packed_linear` over its block code on this machine.
+
+    The kernel reads a fifth of the bytes, which wins while a product is bound by reading the weight
+    (decode steps); with more rows it is bound by arithmetic, where MKL's tiles are faster: from ~256
+    rows on the machine `packed.ROWS` was measured on, from 24-48 on an AVX-512 Xeon (SmolLM2's MLP
+    projection at 96 rows: 807 us on the codes against 515 on MKL)."""
+    faster = []
+    for n in PROBE_ROWS:
+        x = torch.randn(n, layer.in_features)  # [T, in]
+        kernel = timer(lambda x=x: cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias))
+        mkl = timer(lambda x=x: torch.nn.functional.linear(x, layer.weight, layer.bias))
+        faster.append(mkl < kernel)
+    return first_faster(PROBE_ROWS, faster)
+
+
+def measured_packed_rows(modules: list[torch.nn.Module], packed: dict[int, PackedWeight]) -> range:
+    """The row counts that run on the block codes here: below `packed_rows_limit` of the layers' largest
+    packed projection (an MLP's, most of a step's arithmetic), at most `packed.ROWS`; all of
+    `packed.ROWS` where the kernels cannot run. Measured once per model load (~0.1 s)."""
+    coded = [m for m in modules if id(m) in packed and type(m) is torch.nn.Linear]
+    if not coded or not cpu_kernels.ensure():
+        return PACKED_ROWS
+    layer = max(coded, key=lambda m: m.weight.numel())
+    with torch.no_grad():
+        limit = min(packed_rows_limit(layer, packed[id(layer)]), PACKED_ROWS.stop)
+    logger.info("projections of 1-%d rows run on their block codes, more on MKL (measured here)", limit - 1)
+    return range(1, limit)
 
 
 def _linear_weights(projections: list[torch.nn.Module], linear_dtype: torch.dtype | None,
@@ -349,9 +412,10 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | None = None) -> torch.Tensor:
+def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | None = None,
+                packed_rows: range = PACKED_ROWS) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows runs on
-    `cpu_kernels.packed_linear` over the weight's block `code` when it has one (`packed.ROWS`), else on
+    `cpu_kernels.packed_linear` over the weight's block `code` when it has one (`packed_rows`), else on
     `cpu_kernels.rows_linear` (`cpu_kernels.ROWS`; both where the kernels are built), else for
     `SMALL_ROWS` as (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
     `padded_rows(T)` rows (zeros after x's)."""
@@ -359,7 +423,7 @@ def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | No
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
             or layer.weight.dtype != torch.float32:
         return layer(x)
-    packed = code is not None and n in PACKED_ROWS
+    packed = code is not None and n in packed_rows
     if (packed or n in cpu_kernels.ROWS) and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
         if packed:  # (neither kernel has a backward)
             return cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias)  # [T, out]

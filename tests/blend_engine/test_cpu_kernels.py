@@ -396,3 +396,51 @@ def test_the_runner_rotates_through_the_kernel_with_the_same_q_and_k(kernel):
         runner.uses_cpu_kernels = False
         plain = runner.qkv(1, hidden, cos, sin)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(fused, plain))  # norms: rounding
+
+
+def test_the_crossover_is_where_mkl_stays_faster_not_one_noisy_probe():
+    from blend_engine.model.runner import first_faster
+
+    probes = (16, 24, 32, 48)
+    assert first_faster(probes, [False, False, True, True]) == 32
+    assert first_faster(probes, [False, True, False, False]) == 49  # one noisy probe: never
+    assert first_faster(probes, [False, True, False, True]) == 48  # faster at the last probe counts
+    assert first_faster(probes, [True, True, True, True]) == 16
+    assert first_faster(probes, [False] * 4) == 49
+
+
+def test_packed_rows_limit_times_both_ops_at_every_probe(kernel):
+    """The measurement times the kernel on the codes and MKL on the float32 weight, each on the probe's
+    rows, and takes its limit from those times (a scripted timer: the kernel costs its rows, MKL 40)."""
+    from blend_engine.model.runner import PROBE_ROWS, packed_rows_limit
+
+    layer = torch.nn.Linear(64, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(_coded_weight(96, 64, "a4"))
+    code = packed.pack(layer.weight.detach())
+    calls: list[int] = []
+
+    def timer(fn):
+        out = fn()  # [T, out]
+        calls.append(out.shape[0])
+        return out.shape[0] if len(calls) % 2 else 40.0
+
+    assert packed_rows_limit(layer, code, timer) == min(n for n in PROBE_ROWS if n > 40)
+    assert calls == [n for n in PROBE_ROWS for _ in range(2)]
+
+
+def test_the_runner_sends_its_packed_rows_to_the_codes_and_more_to_mkl(kernel, real_runner, monkeypatch):
+    """A measured range starts at 1 and stays within `packed.ROWS`; a runner given its range uses the
+    codes for those row counts alone."""
+    from blend_engine.model.runner import ModelRunner
+
+    assert real_runner.packed_rows.start == 1 and 1 < real_runner.packed_rows.stop <= packed.ROWS.stop
+    runner = ModelRunner(real_runner.model, real_runner.tokenizer, packed_rows=range(1, 5))
+    proj = real_runner.model.model.layers[0].mlp.gate_proj
+    calls = []
+    real = cpu_kernels.packed_linear
+    monkeypatch.setattr(cpu_kernels, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.no_grad():  # as the engine runs
+        for rows in (1, 4, 5, 40):
+            runner.linear(proj, torch.randn(rows, proj.in_features))
+    assert calls == [1, 4]
