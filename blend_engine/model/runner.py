@@ -415,7 +415,8 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | None = None,
                 packed_rows: range = PACKED_ROWS) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows runs on
-    `cpu_kernels.packed_linear` over the weight's block `code` when it has one (`packed_rows`), else on
+    `cpu_kernels.packed_linear` over the weight's block `code` when it has one (`packed_rows`; more rows
+    on MKL, what `packed_rows_limit` measured against), else on
     `cpu_kernels.rows_linear` (`cpu_kernels.ROWS`; both where the kernels are built), else for
     `SMALL_ROWS` as (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
     `padded_rows(T)` rows (zeros after x's)."""
@@ -424,6 +425,8 @@ def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | No
             or layer.weight.dtype != torch.float32:
         return layer(x)
     packed = code is not None and n in packed_rows
+    if code is not None and not packed:
+        return layer(x)  # [T, out]: MKL, faster here than the codes at this many rows
     if (packed or n in cpu_kernels.ROWS) and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
         if packed:  # (neither kernel has a backward)
             return cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias)  # [T, out]

@@ -266,7 +266,8 @@ def test_packed_linear_refuses_what_it_cannot_take(kernel):
 
 def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, real_runner):
     """SmolLM2's GGUF is Q4_1 (every projection) and Q8_0 (the tied lm_head): all of them are kept in
-    their code, and few-row projections read it, equal bit for bit to the float32 kernel's."""
+    their code, and few-row projections (the measured `packed_rows`) read it, equal bit for bit to the
+    float32 kernel's."""
     from blend_engine.model.runner import ModelRunner
 
     n_proj = sum(type(m) is torch.nn.Linear for m in real_runner._layers.modules())
@@ -277,11 +278,13 @@ def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, 
     torch.manual_seed(0)
     blk = real_runner._layers[3]
     with torch.inference_mode():
-        for rows in (3, 8, 40):
+        top = real_runner.packed_rows[-1]  # the most rows on the codes
+        for rows in sorted({min(3, top), min(8, top), top}):
             x = torch.randn(rows, real_runner.shape.hidden)
             for mod in (blk.self_attn.q_proj, blk.mlp.up_proj, real_runner._lm_head):
                 assert torch.equal(real_runner.linear(mod, x), plain.linear(mod, x))
-        for rows in (1, 200):  # MKL's products on float32, the codes' on packed: another order of the sums
+        # MKL's products on float32, the codes' on packed: another order of the sums
+        for rows in (1, top + 1, 200):
             x = torch.randn(rows, real_runner.shape.hidden)
             torch.testing.assert_close(real_runner.linear(blk.mlp.up_proj, x), plain.linear(blk.mlp.up_proj, x),
                                        rtol=1e-5, atol=1e-5)
@@ -431,7 +434,8 @@ def test_packed_rows_limit_times_both_ops_at_every_probe(kernel):
 
 def test_the_runner_sends_its_packed_rows_to_the_codes_and_more_to_mkl(kernel, real_runner, monkeypatch):
     """A measured range starts at 1 and stays within `packed.ROWS`; a runner given its range uses the
-    codes for those row counts alone."""
+    codes for those row counts alone, and MKL (what the range was measured against) for more, not the
+    float32 kernel."""
     from blend_engine.model.runner import ModelRunner
 
     assert real_runner.packed_rows.start == 1 and 1 < real_runner.packed_rows.stop <= packed.ROWS.stop
@@ -440,7 +444,11 @@ def test_the_runner_sends_its_packed_rows_to_the_codes_and_more_to_mkl(kernel, r
     calls = []
     real = cpu_kernels.packed_linear
     monkeypatch.setattr(cpu_kernels, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    floats = []
+    real_rows = cpu_kernels.rows_linear
+    monkeypatch.setattr(cpu_kernels, "rows_linear", lambda x, *a: floats.append(x.shape[0]) or real_rows(x, *a))
     with torch.no_grad():  # as the engine runs
         for rows in (1, 4, 5, 40):
-            runner.linear(proj, torch.randn(rows, proj.in_features))
-    assert calls == [1, 4]
+            x = torch.randn(rows, proj.in_features)  # [T, in]
+            torch.testing.assert_close(runner.linear(proj, x), torch.nn.functional.linear(x, proj.weight))
+    assert calls == [1, 4] and floats == []
