@@ -15,7 +15,7 @@ from app.settings import ServiceSettings
 from blend_engine import selfcheck
 from blend_engine.engine import EngineConfig
 from blend_engine.selfcheck import GateDecision, GateResult, cache_path, decide, gate_key, run_gate
-from tests.helpers import wait_ready
+from tests.helpers import poll, wait_ready
 
 
 def make_settings(data_dir, **overrides) -> ServiceSettings:
@@ -115,11 +115,16 @@ QUERY = {"question": "Which river flows through Cairo?", "mode": "blend", "max_t
                        {"title": "Seine", "text": "The Seine flows through Paris."}]}
 
 
+def gate_decided(client) -> dict:
+    """/readyz once the start-up gate has published its decision (the service is ready before it)."""
+    return poll(lambda: (ready := wait_ready(client))["fidelity"] is not None and ready)
+
+
 def test_failed_gate_makes_blend_answer_with_full_prefill_and_says_so(tmp_path, tiny_stack_factory, monkeypatch):
     monkeypatch.setattr(selfcheck, "measure_steps", _bad_result)
     data_dir = tmp_path / "data"
     with TestClient(create_app(make_settings(data_dir, fidelity_gate="enforce"), tiny_stack_factory)) as client:
-        ready = wait_ready(client)
+        ready = gate_decided(client)
         assert ready["fidelity"]["fallback"] is True and ready["fidelity"]["result"]["kl_blend"] == 0.4
         body = client.post("/v1/query", json=QUERY).json()
         assert body["mode"] == "full_prefill"
@@ -135,7 +140,7 @@ def test_failed_gate_makes_blend_answer_with_full_prefill_and_says_so(tmp_path, 
     # a restart reads the cached (bad) result instead of measuring; warn serves blend anyway
     monkeypatch.setattr(selfcheck, "measure_steps", _no_measure)
     with TestClient(create_app(make_settings(data_dir, fidelity_gate="warn"), tiny_stack_factory)) as client:
-        ready = wait_ready(client)
+        ready = gate_decided(client)
         assert ready["fidelity"]["result"]["cached"] is True and ready["fidelity"]["fallback"] is False
         body = client.post("/v1/query", json=QUERY).json()
         assert body["mode"] == "blend" and body["stats"]["fallback"] is None
