@@ -245,8 +245,8 @@ def load_table(rows: Sequence[LoadRow]) -> str:
             "| longest answer: tokens, first / last token (ms) | prefix-hit share | Blendserve timings p50 (ms) |\n"
             "|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(f"| {r.kind} | {r.clients} | {r.system} | {r.answered} / {r.requests} | "
-                          f"{r.tokens_per_s:.1f} | {_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | {_longest(r.longest)} | "
-                          f"{_num(r.load_avg_1m)} | {_percent(r.prefix_hit_share)} | {_timings(r.server_p50_ms)} |\n"
+                          f"{r.tokens_per_s:.1f} | {_ms(r.ttft_p50_ms)} / {_ms(r.ttft_p95_ms)} | {_num(r.load_avg_1m)} | "
+                          f"{_longest(r.longest)} | {_percent(r.prefix_hit_share)} | {_timings(r.server_p50_ms)} |\n"
                           for r in sorted(rows, key=lambda r: (r.kind, r.clients, r.system)))
 
 

@@ -96,7 +96,7 @@ class ModelRunner:
         `packed`: a float32 model on the CPU keeps each projection weight that was de-quantized from a
         block code (a GGUF's Q4_1 / Q8_0) in that code too, for steps of `packed.ROWS` rows (`linear`):
         the same outputs bit for bit from a fifth of the bytes. `packed_rows`: the row counts that
-        run on those codes; None = measured here once (`packed_rows`), as the crossover with MKL's
+        run on those codes; None = measured here once (`measured_packed_rows`), as the crossover with MKL's
         sgemm differs between machines several fold."""
         check_blendable(model.config)
         self.model = model.eval()

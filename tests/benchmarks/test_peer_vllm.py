@@ -161,8 +161,11 @@ def test_a_levels_longest_answer_is_reported_with_its_first_and_last_token():
     replies = [Reply(100.0, 12, "a", total_ms=400.0), Reply(50.0, 128, "b", total_ms=5000.0), Reply(70.0, 3, "c")]
     assert peer_vllm.longest(replies) == (128, 50.0, 5000.0)
     assert peer_vllm.longest([]) is None
-    assert "| 128, 50 / 5,000 |" in load_table([LoadRow(VLLM, 8, 3, 3, 0, 5.0, 143, 28.6, 70, 100,
-                                                        longest=peer_vllm.longest(replies))])
+    table = load_table([LoadRow(VLLM, 8, 3, 3, 0, 5.0, 143, 28.6, 70, 100, load_avg_1m=1.5,
+                                longest=peer_vllm.longest(replies))])
+    head, _, row = (line.split(" | ") for line in table.splitlines())
+    assert row[head.index("longest answer: tokens, first / last token (ms)")] == "128, 50 / 5,000"
+    assert row[head.index("load 1m")] == "1.5"  # each value under its own header
 
 
 def test_a_target_without_its_measurement_is_reported_unmet_as_none():
