@@ -114,6 +114,15 @@ def freeze_startup_objects() -> int:
     return frozen
 
 
+def prefault_pool(pool) -> None:
+    """Write the KV pool's pages once before the engine loop starts (BLENDSERVE_ENGINE_KV_POOL_PREFAULT)."""
+    t0 = time.perf_counter()
+    written = pool.prefault()
+    if written:
+        logger.info("KV pool: %d MiB written once in %.1f s (resident from now on)", written >> 20,
+                    time.perf_counter() - t0)
+
+
 def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
     """Runs on the start-up thread. Never raises: failures are logged and shown by /readyz."""
     settings = svc.settings
@@ -126,6 +135,8 @@ def build_and_warm(svc, factory: Callable[[Any], Any]) -> None:
             stack.close()
             return
         stack.gate_checking = settings.engine.fidelity_gate != "off"  # blend: full prefill until the gate decides
+        if settings.engine.kv_pool_prefault:
+            prefault_pool(stack.engine.loop.pool)
         stack.engine.loop.start()  # ingestion's precompute runs there too, on every core (`cpu_threads`)
         if svc.host_work is not None:  # storing and the gate's prefills make way for queries' host work
             svc.host_work.yields_to(stack.engine.loop.background)
