@@ -85,12 +85,14 @@ class EngineSettings(Group):
                                                "share of the device memory free after the model (overrides "
                                                "batch_kv_mb there); unset = batch_kv_mb")
     kv_block_tokens: int = Field(16, ge=1, le=1024, description="token slots per block of the KV pool")
-    kv_pool_prefault: bool = Field(True, description="on the CPU: write every page of the KV pool at start-up, "
+    kv_pool_prefault: bool = Field(False, description="on the CPU: write every page of the KV pool at start-up, "
                                    "before /readyz turns ready, so that its memory is resident from the start (a "
-                                   "machine without it fails then, not mid-request) and no request pays the first "
-                                   "write of a page (measured: 9% of a burst's blends alone, their kernel time 3x "
-                                   "beside vLLM); costs start-up ~0.2 s a GiB, far more where a VM backs its "
-                                   "memory lazily; off = pages are taken as the pool is first used")
+                                   "machine short of it fails then, not mid-request) and no request pays a page's "
+                                   "first write. Matters where a VM backs guest memory lazily: there a burst of 8 "
+                                   "blends beside vLLM spent 4.3 s of 5.1 s in the kernel, 0.2 s with it; on warm "
+                                   "memory no difference was measured. Costs start-up (5.7 GiB: 1.1 s warm, 4.4 GiB "
+                                   "25 s on such a VM) and holds the pool's memory from the start; `make run-vllm` "
+                                   "sets it (vLLM holds its KV space the same way)")
     prefix_caching: bool = Field(True, description="automatic prefix caching: a request first takes the longest "
                                                    "cached prefix of its prompt from the KV pool, in every mode")
     prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, a step's prefill work is at most "

@@ -11,9 +11,9 @@ import torch
 # The start-up fidelity gate measures the model at every service start; tests of other features run
 # with it off (their tiny random models are not meant to blend well). tests/blend_engine/test_selfcheck.py turns it on.
 os.environ.setdefault("BLENDSERVE_ENGINE_FIDELITY_GATE", "off")
-# Each service start would write its whole KV pool (30% of the memory available, up to 6 GB for the
-# default model: ~1 s here, tens of seconds in a VM that backs its memory lazily); the prefault's
-# own tests (tests/app/test_startup_prefault.py) turn it on.
+# Services started beside vLLM (`app.vllm_launcher.beside_vllm`) write their whole KV pool at start-up (30% of
+# the memory available, up to 6 GB for the default model: ~1 s here, tens of seconds in a VM that backs its
+# memory lazily); tests keep it off, and tests/app/test_startup_prefault.py tests it.
 os.environ.setdefault("BLENDSERVE_ENGINE_KV_POOL_PREFAULT", "false")
 # Without CUDA, Triton kernels (the pooled decode kernel) run under Triton's interpreter; it is read
 # when a kernel is defined, so before anything imports blend_engine.

@@ -1,4 +1,4 @@
-"""The KV pool's pages are written once at start-up (BLENDSERVE_ENGINE_KV_POOL_PREFAULT), so that no
+"""The KV pool's pages are written once at start-up when BLENDSERVE_ENGINE_KV_POOL_PREFAULT is on, so that no
 request pays the kernel for a page's first write (`KVPool.prefault`, `app.startup.prefault_pool`)."""
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ def test_with_prefault_off_the_pool_waits_for_its_first_use(tmp_path, tiny_stack
     assert "written once" not in caplog.text
 
 
-def test_prefault_is_on_by_default_and_read_from_its_env_name(monkeypatch, tmp_path):
+def test_prefault_is_off_by_default_and_read_from_its_env_name(monkeypatch, tmp_path):
     from blendserve_config.groups import EngineSettings
 
-    assert EngineSettings().kv_pool_prefault is True
+    assert EngineSettings().kv_pool_prefault is False
     monkeypatch.setenv("BLENDSERVE_ENGINE_KV_POOL_PREFAULT", "true")
     assert make_settings(tmp_path).engine.kv_pool_prefault is True
     monkeypatch.setenv("BLENDSERVE_ENGINE_KV_POOL_PREFAULT", "false")

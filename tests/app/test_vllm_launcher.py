@@ -42,3 +42,10 @@ def test_blendserve_beside_vllm_waits_passively_unless_told_otherwise():
     assert (base | beside_vllm(base))["OMP_WAIT_POLICY"] == "PASSIVE"
     own = {"OMP_WAIT_POLICY": "ACTIVE"}
     assert (own | beside_vllm(own))["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_blendserve_beside_vllm_holds_its_kv_pool_from_the_start_unless_told_otherwise():
+    base = {"PATH": "/bin"}
+    assert (base | beside_vllm(base))["BLENDSERVE_ENGINE_KV_POOL_PREFAULT"] == "true"
+    own = {"BLENDSERVE_ENGINE_KV_POOL_PREFAULT": "false"}
+    assert (own | beside_vllm(own))["BLENDSERVE_ENGINE_KV_POOL_PREFAULT"] == "false"
