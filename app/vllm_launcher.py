@@ -96,7 +96,8 @@ def beside_vllm(base: dict[str, str]) -> dict[str, str]:
     tokens/s, repeated prompts unchanged (57.3 against 57.9 tokens/s). vLLM keeps its 5 ms block time:
     at 0 its decode slowed (36.7 tokens/s on repeated prompts). And its KV pool is written once at
     start-up (`BLENDSERVE_ENGINE_KV_POOL_PREFAULT`), as vLLM's KV space is: beside vLLM's resident memory,
-    on a VM that backs memory lazily, a burst of 8 blends spent 4.3 s of 5.1 s faulting pool pages in."""
+    on a VM that backs memory lazily, a burst of 8 blends took 4.0-5.5 s faulting pool pages in, 3.2-3.6 s
+    written at start-up (on warm memory the same either way)."""
     return {k: v for k, v in BESIDE_VLLM.items() if k not in base}
 
 

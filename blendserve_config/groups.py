@@ -89,10 +89,10 @@ class EngineSettings(Group):
                                    "before /readyz turns ready, so that its memory is resident from the start (a "
                                    "machine short of it fails then, not mid-request) and no request pays a page's "
                                    "first write. Matters where a VM backs guest memory lazily: there a burst of 8 "
-                                   "blends beside vLLM spent 4.3 s of 5.1 s in the kernel, 0.2 s with it; on warm "
-                                   "memory no difference was measured. Costs start-up (5.7 GiB: 1.1 s warm, 4.4 GiB "
-                                   "25 s on such a VM) and holds the pool's memory from the start; `make run-vllm` "
-                                   "sets it (vLLM holds its KV space the same way)")
+                                   "blends beside vLLM took 4.0-5.5 s (0.9-2.4 s of it in the kernel) and 3.2-3.6 s "
+                                   "(0.2 s) with it; on warm memory no difference was measured. Costs start-up "
+                                   "(5.7 GiB: 1.1 s warm, 4.4 GiB 25 s on such a VM) and holds the pool's memory "
+                                   "from the start; `make run-vllm` sets it (vLLM holds its KV space the same way)")
     prefix_caching: bool = Field(True, description="automatic prefix caching: a request first takes the longest "
                                                    "cached prefix of its prompt from the KV pool, in every mode")
     prefill_step_tokens: int = Field(4096, ge=1, description="while others decode, a step's prefill work is at most "
