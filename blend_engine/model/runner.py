@@ -88,7 +88,7 @@ class ModelRunner:
     """A causal LM exposed layer by layer. Holds no per-request state."""
 
     def __init__(self, model, tokenizer, name: str = "custom", linear_dtype: torch.dtype | None = None,
-                 packed: bool = True, packed_rows: range | None = None) -> None:
+                 packed: bool = True, packed_rows: range | None = None, float_rows: range | None = None) -> None:
         """`linear_dtype` (`files.pick_linear_dtype`): the projections and lm_head run on copies of
         their weights in this dtype (inputs cast to it, outputs back); norms, RoPE, K/V and attention
         keep the model's dtype. The model's own weights stay: transformers' forward runs them to precompute
@@ -97,7 +97,9 @@ class ModelRunner:
         block code (a GGUF's Q4_1 / Q8_0) in that code too, for steps of `packed.ROWS` rows (`linear`):
         the same outputs bit for bit from a fifth of the bytes. `packed_rows`: the row counts that
         run on those codes; None = measured here once (`measured_packed_rows`), as the crossover with MKL's
-        sgemm differs between machines several fold."""
+        sgemm differs between machines several fold. `float_rows`: the same for the float32 kernel over the
+        projections kept as float32 weights only (a checkpoint folder's); None = measured here once where
+        they are large enough to time (`measured_float_rows`), else `cpu_kernels.ROWS`."""
         check_blendable(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -116,6 +118,9 @@ class ModelRunner:
         self._weights, self._packed = _linear_weights([*inner.layers.modules(), self._lm_head], linear_dtype, pack)
         self.packed_rows = PACKED_ROWS if not self._packed else \
             packed_rows if packed_rows is not None else measured_packed_rows(list(inner.layers.modules()), self._packed)
+        plain_f32 = linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
+        self.float_rows = float_rows if float_rows is not None or not plain_f32 else \
+            measured_float_rows(list(inner.layers.modules()), self._packed)
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
@@ -310,7 +315,7 @@ class ModelRunner:
         `rows_linear`."""
         w = self._weights.get(id(layer))
         if w is None:
-            return rows_linear(layer, x, self._packed.get(id(layer)), self.packed_rows)
+            return rows_linear(layer, x, self._packed.get(id(layer)), self.packed_rows, self.float_rows)
         out = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)  # [T, out]
         return out if layer.bias is None else out + layer.bias  # [T, out]
 
@@ -367,6 +372,42 @@ def packed_rows_limit(layer: torch.nn.Linear, code: PackedWeight,
     return first_faster(PROBE_ROWS, faster)
 
 
+FLOAT_PROBES = tuple(n for n in PROBE_ROWS if n < cpu_kernels.ROWS.stop)  # `float_rows_limit`'s row counts
+FLOAT_PROBE_MIN = 1 << 16  # weights with fewer elements (tiny test models) keep `cpu_kernels.ROWS`, untimed
+
+
+def float_rows_limit(layer: torch.nn.Linear, timer: Callable[[Callable[[], object]], float] = best_time) -> int:
+    """The fewest rows (of `FLOAT_PROBES`, `first_faster`) from which MKL's sgemm (`F.linear`) beats
+    `cpu_kernels.rows_linear` over `layer`'s float32 weight here: past `cpu_kernels.ROWS` where it never
+    does (the host the kernel was measured on); from ~32 rows on an AVX-512 Xeon (SmolLM2's MLP projection
+    at 96 rows: 707-746 us on the kernel, 463-500 on MKL, 605-680 as `mkl_rows`' transposed product)."""
+    faster = []
+    for n in FLOAT_PROBES:
+        x = torch.randn(n, layer.in_features)  # [T, in]
+        kernel = timer(lambda x=x: cpu_kernels.rows_linear(x, layer.weight, layer.bias))
+        mkl = timer(lambda x=x: torch.nn.functional.linear(x, layer.weight, layer.bias))
+        faster.append(mkl < kernel)
+    return first_faster(FLOAT_PROBES, faster)
+
+
+def measured_float_rows(modules: list[torch.nn.Module], packed: dict[int, PackedWeight]) -> range | None:
+    """The row counts the float32 kernel runs for projections without a block code: `cpu_kernels.ROWS`
+    below `float_rows_limit` of the largest such projection. None (`cpu_kernels.ROWS` as it is at each
+    call) where there is none, it is too small to time (`FLOAT_PROBE_MIN`) or the kernels cannot run."""
+    plain = [m for m in modules if type(m) is torch.nn.Linear and id(m) not in packed
+             and m.weight.dtype == torch.float32]
+    if not plain or not cpu_kernels.ensure():
+        return None
+    layer = max(plain, key=lambda m: m.weight.numel())
+    if layer.weight.numel() < FLOAT_PROBE_MIN:
+        return None
+    with torch.no_grad():
+        limit = min(float_rows_limit(layer), cpu_kernels.ROWS.stop)
+    logger.info("float32 projections of %d-%d rows run on the CPU kernel, more on MKL (measured here)",
+                cpu_kernels.ROWS.start, limit - 1)
+    return range(cpu_kernels.ROWS.start, limit)
+
+
 def measured_packed_rows(modules: list[torch.nn.Module], packed: dict[int, PackedWeight]) -> range:
     """The row counts that run on the block codes here: below `packed_rows_limit` of the layers' largest
     packed projection (an MLP's, most of a step's arithmetic), at most `packed.ROWS`; all of
@@ -413,13 +454,12 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 
 def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | None = None,
-                packed_rows: range = PACKED_ROWS) -> torch.Tensor:
+                packed_rows: range = PACKED_ROWS, float_rows: range | None = None) -> torch.Tensor:
     """layer(x) for x [T, in]: [T, out]. An fp32 nn.Linear on the CPU with a few rows runs on
     `cpu_kernels.packed_linear` over the weight's block `code` when it has one (`packed_rows`; more rows
     on MKL, what `packed_rows_limit` measured against), else on
-    `cpu_kernels.rows_linear` (`cpu_kernels.ROWS`; both where the kernels are built), else for
-    `SMALL_ROWS` as (W @ x^T)^T, the same product through an sgemm that does not repack the weight, on
-    `padded_rows(T)` rows (zeros after x's)."""
+    `cpu_kernels.rows_linear` (`float_rows`, more rows on MKL, what `float_rows_limit` measured against;
+    None: `cpu_kernels.ROWS`; both where the kernels are built), else `mkl_rows`."""
     n = x.shape[0] if x.dim() == 2 else 0
     if type(layer) is not torch.nn.Linear or x.device.type != "cpu" or x.dtype != torch.float32 \
             or layer.weight.dtype != torch.float32:
@@ -427,10 +467,20 @@ def rows_linear(layer: torch.nn.Module, x: torch.Tensor, code: PackedWeight | No
     packed = code is not None and n in packed_rows
     if code is not None and not packed:
         return layer(x)  # [T, out]: MKL, faster here than the codes at this many rows
-    if (packed or n in cpu_kernels.ROWS) and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
+    if code is None and float_rows is not None and n >= float_rows.stop:
+        return layer(x)  # [T, out]: MKL, faster here than the float32 kernel at this many rows
+    kernel_rows = cpu_kernels.ROWS if float_rows is None else float_rows
+    if (packed or n in kernel_rows) and not _needs_grad(x, layer.weight) and cpu_kernels.ensure():
         if packed:  # (neither kernel has a backward)
             return cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias)  # [T, out]
         return cpu_kernels.rows_linear(x, layer.weight, layer.bias)  # [T, out]
+    return mkl_rows(layer, x)
+
+
+def mkl_rows(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for x [T, in] on torch's sgemm: for `SMALL_ROWS` as (W @ x^T)^T, the same product
+    through an sgemm that does not repack the weight, on `padded_rows(T)` rows (zeros after x's)."""
+    n = x.shape[0] if x.dim() == 2 else 0
     if n not in SMALL_ROWS:
         return layer(x)
     m = padded_rows(n)

@@ -273,7 +273,7 @@ def test_the_default_model_decodes_from_its_codes_with_the_same_outputs(kernel, 
     n_proj = sum(type(m) is torch.nn.Linear for m in real_runner._layers.modules())
     assert len(real_runner._packed) == n_proj + 1
     assert real_runner._packed[id(real_runner._lm_head)].m is None  # s8
-    plain = ModelRunner(real_runner.model, real_runner.tokenizer, packed=False)
+    plain = ModelRunner(real_runner.model, real_runner.tokenizer, packed=False, float_rows=cpu_kernels.ROWS)
     assert plain._packed == {}
     torch.manual_seed(0)
     blk = real_runner._layers[3]
@@ -430,6 +430,65 @@ def test_packed_rows_limit_times_both_ops_at_every_probe(kernel):
 
     assert packed_rows_limit(layer, code, timer) == min(n for n in PROBE_ROWS if n > 40)
     assert calls == [n for n in PROBE_ROWS for _ in range(2)]
+
+
+def test_float_rows_limit_times_the_kernel_against_mkl_at_every_probe(kernel):
+    """The float32 kernel's measurement times `cpu_kernels.rows_linear` and MKL (`F.linear`) on each
+    probe's rows, within `cpu_kernels.ROWS` (a scripted timer: the kernel costs its rows, MKL 40), and
+    a layer where MKL never wins keeps the whole range."""
+    from blend_engine.model.runner import FLOAT_PROBES, float_rows_limit
+
+    assert FLOAT_PROBES and max(FLOAT_PROBES) < cpu_kernels.ROWS.stop
+    layer = torch.nn.Linear(64, 96, bias=False)
+    calls: list[int] = []
+
+    def timer(fn):
+        out = fn()  # [T, out]
+        calls.append(out.shape[0])
+        return out.shape[0] if len(calls) % 2 else 40.0
+
+    with torch.no_grad():
+        assert float_rows_limit(layer, timer) == min(n for n in FLOAT_PROBES if n > 40)
+        assert calls == [n for n in FLOAT_PROBES for _ in range(2)]
+        calls.clear()
+
+        def kernel_always_faster(fn):
+            fn()
+            calls.append(0)
+            return 0.5 if len(calls) % 2 else 1.0  # the kernel's call first, then MKL's
+
+        assert float_rows_limit(layer, kernel_always_faster) == max(FLOAT_PROBES) + 1
+
+
+def test_float_runners_measure_their_kernel_range_and_tiny_ones_keep_the_default(kernel, real_runner):
+    """A float32 model with projections large enough to time (SmolLM2's, kept as float32) gets a measured
+    range within `cpu_kernels.ROWS`; the tiny test models are not timed (None: `cpu_kernels.ROWS`); the
+    default GGUF model has no float32 projection to time."""
+    from blend_engine.model.runner import ModelRunner
+
+    plain = ModelRunner(real_runner.model, real_runner.tokenizer, packed=False)
+    assert plain.float_rows.start == cpu_kernels.ROWS.start
+    assert cpu_kernels.ROWS.start < plain.float_rows.stop <= cpu_kernels.ROWS.stop
+    assert tiny_runner(real_runner.tokenizer).float_rows is None
+    assert real_runner.float_rows is None
+
+
+def test_the_runner_sends_its_float_rows_to_the_kernel_and_more_to_mkl(kernel, real_runner, monkeypatch):
+    """A float32 projection runs on `cpu_kernels.rows_linear` for its runner's `float_rows` alone, on
+    F.linear (what the range was measured against) past it, with the same products."""
+    from blend_engine.model.runner import ModelRunner
+
+    runner = ModelRunner(real_runner.model, real_runner.tokenizer, packed=False, float_rows=range(3, 5))
+    proj = real_runner.model.model.layers[0].mlp.gate_proj
+    floats = []
+    real_rows = cpu_kernels.rows_linear
+    monkeypatch.setattr(cpu_kernels, "rows_linear", lambda x, *a: floats.append(x.shape[0]) or real_rows(x, *a))
+    with torch.no_grad():  # as the engine runs
+        for rows in (1, 3, 4, 5, 40, 100):
+            x = torch.randn(rows, proj.in_features)  # [T, in]
+            torch.testing.assert_close(runner.linear(proj, x), torch.nn.functional.linear(x, proj.weight),
+                                       rtol=1e-5, atol=1e-5)
+    assert floats == [3, 4]
 
 
 def test_the_runner_sends_its_packed_rows_to_the_codes_and_more_to_mkl(kernel, real_runner, monkeypatch):
