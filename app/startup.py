@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from blend_engine.executor.kv_pool import KVPool
 from blend_engine.model.cpu_threads import use_cores
 from blend_engine.selfcheck import GateDecision, decide
 from blendserve_config.stack import sample_to_ingest
@@ -114,7 +115,7 @@ def freeze_startup_objects() -> int:
     return frozen
 
 
-def prefault_pool(pool) -> None:
+def prefault_pool(pool: KVPool) -> None:
     """Write the KV pool's pages once before the engine loop starts (BLENDSERVE_ENGINE_KV_POOL_PREFAULT)."""
     t0 = time.perf_counter()
     written = pool.prefault()

@@ -50,8 +50,8 @@ class KVPool:
 
     def prefault(self) -> int:
         """Allocate the pool now and write every page of it (zeros), so that its memory is resident
-        before the first request and no step pays the kernel for a page's first write (a step's
-        placement and a hand-over's export otherwise fault in ~23 MB a 500-token prompt here). Only on
+        before the first request and no step pays the kernel for a page's first write (a blend's
+        placement into pool pages never written before faults in ~23 MB a 500-token prompt here). Only on
         the CPU: device memory is resident once allocated. Call it before the engine loop starts (it
         allocates the pool outside the loop's thread). Returns the bytes written."""
         k, v = self._tensors()
