@@ -114,12 +114,12 @@ class ModelRunner:
         self.windows = layer_windows(model.config)  # per layer: sliding window or None
         self.dtype = next(model.parameters()).dtype
         self.linear_dtype = linear_dtype
-        pack = packed and linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
-        self._weights, self._packed = _linear_weights([*inner.layers.modules(), self._lm_head], linear_dtype, pack)
+        cpu_f32 = linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
+        self._weights, self._packed = _linear_weights([*inner.layers.modules(), self._lm_head], linear_dtype,
+                                                      packed and cpu_f32)
         self.packed_rows = PACKED_ROWS if not self._packed else \
             packed_rows if packed_rows is not None else measured_packed_rows(list(inner.layers.modules()), self._packed)
-        plain_f32 = linear_dtype is None and self.device.type == "cpu" and self.dtype == torch.float32
-        self.float_rows = float_rows if float_rows is not None or not plain_f32 else \
+        self.float_rows = float_rows if float_rows is not None or not cpu_f32 else \
             measured_float_rows(list(inner.layers.modules()), self._packed)
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
@@ -363,13 +363,21 @@ def packed_rows_limit(layer: torch.nn.Linear, code: PackedWeight,
     (decode steps); with more rows it is bound by arithmetic, where MKL's tiles are faster: from ~256
     rows on the machine `packed.ROWS` was measured on, from 24-48 on an AVX-512 Xeon (SmolLM2's MLP
     projection at 96 rows: 807 us on the codes against 515 on MKL)."""
+    return mkl_takes_over(layer, lambda x: cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias),
+                          PROBE_ROWS, timer)
+
+
+def mkl_takes_over(layer: torch.nn.Linear, kernel: Callable[[torch.Tensor], torch.Tensor], probes: tuple[int, ...],
+                   timer: Callable[[Callable[[], object]], float]) -> int:
+    """The fewest of `probes` rows (`first_faster`) from which MKL's sgemm over `layer`'s float32 weight
+    (`F.linear`) beats `kernel(x)` for x [rows, in], timing the kernel then MKL at each probe."""
     faster = []
-    for n in PROBE_ROWS:
+    for n in probes:
         x = torch.randn(n, layer.in_features)  # [T, in]
-        kernel = timer(lambda x=x: cpu_kernels.packed_linear(x, code.codes, code.d, code.m, layer.bias))
+        own = timer(lambda x=x: kernel(x))
         mkl = timer(lambda x=x: torch.nn.functional.linear(x, layer.weight, layer.bias))
-        faster.append(mkl < kernel)
-    return first_faster(PROBE_ROWS, faster)
+        faster.append(mkl < own)
+    return first_faster(probes, faster)
 
 
 FLOAT_PROBES = tuple(n for n in PROBE_ROWS if n < cpu_kernels.ROWS.stop)  # `float_rows_limit`'s row counts
@@ -381,13 +389,7 @@ def float_rows_limit(layer: torch.nn.Linear, timer: Callable[[Callable[[], objec
     `cpu_kernels.rows_linear` over `layer`'s float32 weight here: past `cpu_kernels.ROWS` where it never
     does (the host the kernel was measured on); from ~32 rows on an AVX-512 Xeon (SmolLM2's MLP projection
     at 96 rows: 707-746 us on the kernel, 463-500 on MKL, 605-680 as `mkl_rows`' transposed product)."""
-    faster = []
-    for n in FLOAT_PROBES:
-        x = torch.randn(n, layer.in_features)  # [T, in]
-        kernel = timer(lambda x=x: cpu_kernels.rows_linear(x, layer.weight, layer.bias))
-        mkl = timer(lambda x=x: torch.nn.functional.linear(x, layer.weight, layer.bias))
-        faster.append(mkl < kernel)
-    return first_faster(FLOAT_PROBES, faster)
+    return mkl_takes_over(layer, lambda x: cpu_kernels.rows_linear(x, layer.weight, layer.bias), FLOAT_PROBES, timer)
 
 
 def measured_float_rows(modules: list[torch.nn.Module], packed: dict[int, PackedWeight]) -> range | None:
