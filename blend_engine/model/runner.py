@@ -58,6 +58,17 @@ SMALL_ROWS = range(1, 97)
 # The families' RMSNorm classes (`families.SUPPORTED_MODEL_TYPES`): w * (x / sqrt(mean(x^2) + eps)), as
 # `cpu_kernels.rms_norm` computes it.
 RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+# The most bytes one MLP intermediate [rows, I] takes on the CPU (`finish_layer` splits longer runs of rows).
+# glibc maps every block past its mmap ceiling (32 MB on 64-bit) afresh and unmaps it when freed, so each
+# layer over all of a 6K prompt (SmolLM2: 5,839 x 1,536 floats, 36 MB an intermediate) faulted its four
+# intermediates in page by page again: a 6K full prefill took ~1.1M minor faults, a 6K blend (whose first
+# layers take every row) ~40K more than needed; each fault dearer still beside a resident vLLM, whose memory
+# takes the warm pages (benchmarks/results/peer_vllm/2026-12-06_pool_prefault). A quarter of the ceiling:
+# glibc also trims a freed heap top past twice the largest block freed, and 12 MB parts still faulted 77K
+# pages in one of two runs, 6-8 MB parts < 1K. Measured here (2 cores, AVX-512; benchmarks/results/cpu_kernels/mlp_rows_2026-12-07.txt): the 6K full
+# prefill 10.95-11.09 s -> 9.99-10.35 s, 1-17K faults; the pair's reordered 6K blend, recompute 3.30-3.79 s
+# -> 3.00-3.33 s.
+MLP_PART_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,8 @@ class ModelRunner:
             packed_rows if packed_rows is not None else measured_packed_rows(list(inner.layers.modules()), self._packed)
         self.float_rows = float_rows if float_rows is not None or not cpu_f32 else \
             measured_float_rows(list(inner.layers.modules()), self._packed)
+        self.mlp_rows = mlp_part_rows(inner.layers[0].mlp, self.dtype, linear_dtype) if self.device.type == "cpu" \
+            else None  # a device's caching allocator keeps freed blocks: one call
         self.fingerprint = self._fingerprint()
         self.eos_token_ids = self._eos_ids()
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
@@ -290,10 +303,24 @@ class ModelRunner:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]."""
+        """Residual + o_proj, then the MLP block. hidden, result: [S, E]; attn_out: [S, Hq*D]. On the CPU
+        more than `mlp_rows` rows go through in equal parts of at most that many (`MLP_PART_BYTES`), each
+        row's values as in one call (a row of a product does not depend on the others; bit for bit on MKL here)."""
+        S = hidden.shape[0]
+        if self.mlp_rows is None or S <= self.mlp_rows or torch.is_grad_enabled():  # (out= has no backward)
+            return self._finish_rows(layer, hidden, attn_out)  # [S, E]
+        out = torch.empty_like(hidden)  # [S, E]
+        part = -(-S // -(-S // self.mlp_rows))  # equal parts, each <= mlp_rows
+        for s in range(0, S, part):
+            self._finish_rows(layer, hidden[s:s + part], attn_out[s:s + part], out[s:s + part])  # [part, E]
+        return out
+
+    def _finish_rows(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """`finish_layer` of rows hidden [S, E], attn_out [S, Hq*D], into `out` [S, E] when given."""
         blk = self._layers[layer]
         h = hidden + self.linear(blk.self_attn.o_proj, attn_out)  # [S, E]
-        return h + self._mlp(blk.mlp, self.norm(blk.post_attention_layernorm, h))  # [S, E]
+        return torch.add(h, self._mlp(blk.mlp, self.norm(blk.post_attention_layernorm, h)), out=out)  # [S, E]
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of every supported family, down(act(gate(x)) * up(x)): x, result [S, E]."""
@@ -442,6 +469,12 @@ def _sdpa_kernels(backends: list | None):
     """A context that restricts SDPA to `backends` (torch's own order among them), or a no-op for None.
     Not `set_priority`: its exit left the priority order changed for later calls (torch 2.11)."""
     return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
+
+
+def mlp_part_rows(mlp: torch.nn.Module, dtype: torch.dtype, linear_dtype: torch.dtype | None) -> int:
+    """The most rows whose MLP intermediate [rows, I] stays within `MLP_PART_BYTES` (at least 64)."""
+    size = max(dtype.itemsize, linear_dtype.itemsize if linear_dtype is not None else 0)
+    return max(64, MLP_PART_BYTES // (mlp.gate_proj.out_features * size))
 
 
 def padded_rows(n: int) -> int:
