@@ -65,9 +65,9 @@ RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3R
 # layers take every row) ~40K more than needed; each fault dearer still beside a resident vLLM, whose memory
 # takes the warm pages (benchmarks/results/peer_vllm/2026-12-06_pool_prefault). A quarter of the ceiling:
 # glibc also trims a freed heap top past twice the largest block freed, and 12 MB parts still faulted 77K
-# pages in one of two runs, 6-8 MB parts < 1K. Measured here (2 cores, AVX-512; benchmarks/results/cpu_kernels/mlp_rows_2026-12-07.txt): the 6K full
-# prefill 10.95-11.09 s -> 9.99-10.35 s, 1-17K faults; the pair's reordered 6K blend, recompute 3.30-3.79 s
-# -> 3.00-3.33 s.
+# pages in one of two runs, 6-8 MB parts < 1K. Measured here (2 cores, AVX-512;
+# benchmarks/results/cpu_kernels/mlp_rows_2026-12-07.txt): the 6K full prefill 10.95-11.09 s -> 9.99-10.35 s,
+# 1-17K faults; the pair's reordered 6K blend, recompute 3.30-3.79 s -> 3.00-3.33 s.
 MLP_PART_BYTES = 8 << 20
 
 
