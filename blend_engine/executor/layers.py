@@ -284,7 +284,7 @@ class LayerLoop:
         if last:  # only the last position's output is used: it alone attends, to every key
             q, self.hidden = q[:, -1:], self.hidden[-1:]  # [Hq, 1, D], [1, E]
             out = r.attend(q, K[:, :N], V[:, :N], r.window_mask(layer, self.pos[-1:], N))  # [1, Hq*D]
-        elif self.sel is None and self.kernel:
+        elif self.sel is None and self.kernel and not r.causal_on_sdpa(layer, N):
             out = cpu_kernels.selected_attention(q, K[:, :N], V[:, :N], self.pos, r.windows[layer], r.scaling)  # [N, Hq*D]
         elif self.sel is None:
             out = r.attend(q, K[:, :N], V[:, :N], self.windows(layer), causal=True)  # [N, Hq*D]

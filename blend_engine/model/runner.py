@@ -14,6 +14,7 @@ Hq query heads, H kv heads, D head dim, E hidden size, V vocab.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -139,6 +140,10 @@ class ModelRunner:
         self.sdpa_backends = _sdpa_backends(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else None
         # norms, RoPE and placement through `cpu_kernels` (float32 on the CPU): `norm`, `rotate`, `placement.Placer`
         self.uses_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.ensure()
+        # every row of a long prompt attends on SDPA's causal kernel from this many rows (None: on the C++ kernel)
+        self.sdpa_causal_rows = measured_causal_rows(self) if self.device.type == "cpu" and \
+            cpu_kernels.selected_usable(self.dtype, self.shape.head_dim) and \
+            inner.layers[0].mlp.gate_proj.weight.numel() >= FLOAT_PROBE_MIN else None
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -296,6 +301,12 @@ class ModelRunner:
             )  # [1, Hq, S, D]
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [S, Hq*D]
 
+    def causal_on_sdpa(self, layer: int, n: int) -> bool:
+        """Whether all n rows of a prompt attend at `layer` through `attend(causal=True)` rather than
+        `cpu_kernels.selected_attention`: from `sdpa_causal_rows` rows, never on a sliding-window layer
+        (SDPA would take a mask there, and its slow path)."""
+        return self.sdpa_causal_rows is not None and n >= self.sdpa_causal_rows and self.windows[layer] is None
+
     def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Batched attention, one call: q [B, H, G, D] (each KV head's G query rows) over k, v
         [B, H, N, D], mask [B, 1, 1, N] bool (True = may attend). Returns [B, H, G, D]."""
@@ -408,7 +419,8 @@ def mkl_takes_over(layer: torch.nn.Linear, kernel: Callable[[torch.Tensor], torc
 
 
 FLOAT_PROBES = tuple(n for n in PROBE_ROWS if n < cpu_kernels.ROWS.stop)  # `float_rows_limit`'s row counts
-FLOAT_PROBE_MIN = 1 << 16  # weights with fewer elements (tiny test models) keep `cpu_kernels.ROWS`, untimed
+FLOAT_PROBE_MIN = 1 << 16  # weights with fewer elements (tiny test models) keep `cpu_kernels.ROWS`, untimed,
+# and models whose MLP weights are that small keep the C++ kernel for causal attention (`measured_causal_rows`)
 
 
 def float_rows_limit(layer: torch.nn.Linear, timer: Callable[[Callable[[], object]], float] = best_time) -> int:
@@ -435,6 +447,38 @@ def measured_float_rows(modules: list[torch.nn.Module], packed: dict[int, Packed
     logger.info("float32 projections of %d-%d rows run on the CPU kernel, more on MKL (measured here)",
                 cpu_kernels.ROWS.start, limit - 1)
     return range(cpu_kernels.ROWS.start, limit)
+
+
+CAUSAL_PROBE = 3072  # the prompt length `sdpa_causal_faster` times both kernels at
+
+
+def sdpa_causal_faster(runner: ModelRunner, rows: int = CAUSAL_PROBE,
+                       timer: Callable[[Callable[[], object]], float] | None = None) -> bool:
+    """Whether SDPA's causal kernel (`ModelRunner.attend`) attends every row of a `rows`-token prompt at the
+    runner's heads faster than `cpu_kernels.selected_attention` on this machine. Which one is differs by
+    host: on an AMD EPYC (AVX-512) the C++ kernel was 1.16-1.20x faster; on an Intel Xeon (AVX-512, AMX)
+    SDPA is from ~2K rows, 1.20-1.22x at 4-8K (SmolLM2's heads at 5,839 rows: 216 against 176 ms a layer),
+    while the kernel stays faster below ~1.5K rows and for a blend's selected rows at any length."""
+    timer = timer or functools.partial(best_time, reps=2)  # ~0.3 s at SmolLM2's heads
+    s = runner.shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s.n_heads, rows, s.head_dim, generator=g)  # [Hq, T, D]
+    k = torch.randn(s.n_kv_heads, rows, s.head_dim, generator=g)  # [H, T, D]
+    v = torch.randn(s.n_kv_heads, rows, s.head_dim, generator=g)  # [H, T, D]
+    pos = torch.arange(rows)  # [T]
+    own = timer(lambda: cpu_kernels.selected_attention(q, k, v, pos, None, runner.scaling))
+    sdpa = timer(lambda: runner.attend(q, k, v, None, causal=True))
+    return sdpa < own
+
+
+def measured_causal_rows(runner: ModelRunner) -> int | None:
+    """`ModelRunner.sdpa_causal_rows`: `CAUSAL_PROBE` where `sdpa_causal_faster` says so here, else None.
+    Measured once per model load (~0.3 s at SmolLM2's heads)."""
+    with torch.no_grad():
+        faster = sdpa_causal_faster(runner)
+    logger.info("every row of a prompt of %s attends on %s (measured here)",
+                f">= {CAUSAL_PROBE} tokens" if faster else "any length", "SDPA's causal kernel" if faster else "the C++ kernel")
+    return CAUSAL_PROBE if faster else None
 
 
 def measured_packed_rows(modules: list[torch.nn.Module], packed: dict[int, PackedWeight]) -> range:
