@@ -141,9 +141,7 @@ class ModelRunner:
         # norms, RoPE and placement through `cpu_kernels` (float32 on the CPU): `norm`, `rotate`, `placement.Placer`
         self.uses_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.ensure()
         # every row of a long prompt attends on SDPA's causal kernel from this many rows (None: on the C++ kernel)
-        self.sdpa_causal_rows = measured_causal_rows(self) if self.device.type == "cpu" and \
-            cpu_kernels.selected_usable(self.dtype, self.shape.head_dim) and \
-            inner.layers[0].mlp.gate_proj.weight.numel() >= FLOAT_PROBE_MIN else None
+        self.sdpa_causal_rows = measured_causal_rows(self)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -419,8 +417,7 @@ def mkl_takes_over(layer: torch.nn.Linear, kernel: Callable[[torch.Tensor], torc
 
 
 FLOAT_PROBES = tuple(n for n in PROBE_ROWS if n < cpu_kernels.ROWS.stop)  # `float_rows_limit`'s row counts
-FLOAT_PROBE_MIN = 1 << 16  # weights with fewer elements (tiny test models) keep `cpu_kernels.ROWS`, untimed,
-# and models whose MLP weights are that small keep the C++ kernel for causal attention (`measured_causal_rows`)
+FLOAT_PROBE_MIN = 1 << 16  # weights with fewer elements (tiny test models) are not timed (`measured_causal_rows` too)
 
 
 def float_rows_limit(layer: torch.nn.Linear, timer: Callable[[Callable[[], object]], float] = best_time) -> int:
@@ -472,8 +469,13 @@ def sdpa_causal_faster(runner: ModelRunner, rows: int = CAUSAL_PROBE,
 
 
 def measured_causal_rows(runner: ModelRunner) -> int | None:
-    """`ModelRunner.sdpa_causal_rows`: `CAUSAL_PROBE` where `sdpa_causal_faster` says so here, else None.
-    Measured once per model load (~0.3 s at SmolLM2's heads)."""
+    """`ModelRunner.sdpa_causal_rows`: `CAUSAL_PROBE` where `sdpa_causal_faster` says so here, else None;
+    None untimed off the CPU, where the C++ kernel cannot take the model's cache, and for models whose MLP
+    weights are under `FLOAT_PROBE_MIN` elements (tiny test models). Measured once per model load (~0.3 s
+    at SmolLM2's heads)."""
+    if runner.device.type != "cpu" or not cpu_kernels.selected_usable(runner.dtype, runner.shape.head_dim) \
+            or runner._layers[0].mlp.gate_proj.weight.numel() < FLOAT_PROBE_MIN:
+        return None
     with torch.no_grad():
         faster = sdpa_causal_faster(runner)
     logger.info("every row of a prompt of %s attends on %s (measured here)",
