@@ -75,13 +75,15 @@ def _faults_of_third_call(fn) -> int:
 
 def test_a_6k_prompts_layer_reuses_its_memory_instead_of_faulting_it_in_again(real_runner, monkeypatch):
     """The measured point of the parts: SmolLM2's MLP over 6,000 rows whole makes 37 MB intermediates,
-    each mapped and faulted in afresh (~9K pages apiece); in parts the same memory is used again."""
+    mapped and faulted in afresh (~9K pages apiece); in parts the same memory is used again."""
     hidden, attn = _rows(real_runner, 6000)
     with torch.inference_mode():
         in_parts = _faults_of_third_call(lambda: real_runner.finish_layer(0, hidden, attn))
         monkeypatch.setattr(real_runner, "mlp_rows", None)
         whole = _faults_of_third_call(lambda: real_runner.finish_layer(0, hidden, attn))
-    assert whole > 4 * 9000  # four intermediates of 6,000 x 1,536 floats, each faulted in
+    # the control: intermediates of 6,000 x 1,536 floats (~9K pages each) mapped afresh at every call (three of
+    # the four in the full suite, where one block was reused, all four alone)
+    assert whole > 2 * 9000, whole
     assert in_parts < whole / 4, (in_parts, whole)
 
 
