@@ -70,7 +70,10 @@ constexpr int64_t PART = 512;  // keys per work item: 256, 512 and 1,024 measure
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-inline v16 splat(float x) { return v16{} + x; }
+// x in every lane: one broadcast (from memory where x is). `v16{} + x` compiled to a scalar 0 + x and a
+// register broadcast, two more uops on the FMA ports for every splat of an inner loop (0 + x is not x
+// for x = -0, so the compiler may not drop it): selected_attention ran 1.1x slower with it.
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 const vi16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -91,6 +94,22 @@ inline v16 fold16(v16* x) {
   for (int t = 0; t < 4; ++t) b[t] = __builtin_shuffle(a[2 * t], a[2 * t + 1], lo4) + __builtin_shuffle(a[2 * t], a[2 * t + 1], hi4);
   for (int t = 0; t < 2; ++t) c[t] = __builtin_shuffle(b[2 * t], b[2 * t + 1], lo2) + __builtin_shuffle(b[2 * t], b[2 * t + 1], hi2);
   return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+}
+
+inline float lanes_max(v16 v) {  // the largest of the 16 lanes, by halving four times
+  const vi16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vi16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi16 h2 = {2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi16 h1 = {1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  v16 t = __builtin_shuffle(v, h8);
+  v = v > t ? v : t;
+  t = __builtin_shuffle(v, h4);
+  v = v > t ? v : t;
+  t = __builtin_shuffle(v, h2);
+  v = v > t ? v : t;
+  t = __builtin_shuffle(v, h1);
+  v = v > t ? v : t;
+  return v[0];
 }
 
 // exp(x) for x <= 0 (softmax numerators once the maximum is out): x = n ln2 + r, |r| <= ln2 / 2,
@@ -146,8 +165,7 @@ void attend_part(const float* q, int64_t G, const float* kb, int64_t kss, const 
       const v16 s = load16(sg + j);
       top = lanes_below(m - j) & (s > top) ? s : top;
     }
-    float t = top[0];
-    for (int l = 1; l < 16; ++l) t = std::max(t, top[l]);
+    const float t = lanes_max(top);
     v16 sum = v16{};
     for (int64_t j = 0; j < m; j += 16) {
       v16 e = exp16(load16(sg + j) - t);
@@ -325,28 +343,32 @@ inline void sel_tile(const SelBlock& blk, int i0, int64_t k0, int64_t n_keys, co
   }
   alignas(64) float pr[NT][SEL_KEYS];  // the numerators, read back one key at a time
   float alpha[NT];
+  // every vector of the tile sees every key of the block (most blocks): no masks. A maximum that did not
+  // move rescales by 1 without an exp. Both as the general path computes them, bit for bit.
+  const bool whole = n_keys == SEL_KEYS && blk.p[i0] >= k0 + SEL_KEYS - 1 && blk.lo[i0 + NT - 1] <= k0;
   for (int r = 0; r < NT; ++r) {
     const int64_t hi = std::min(blk.p[i0 + r], k0 + n_keys - 1), lo = blk.lo[i0 + r];  // keys lo .. hi visible
     v16 top = splat(-INFINITY);
     vi16 ok[C];
     for (int c = 0; c < C; ++c) {
-      const vi16 key = LANES + static_cast<int32_t>(k0 + c * 16);
-      ok[c] = (key <= vi16{} + static_cast<int32_t>(hi)) & (key >= vi16{} + static_cast<int32_t>(lo));
-      s[r][c] = ok[c] ? s[r][c] : splat(-INFINITY);
+      if (!whole) {
+        const vi16 key = LANES + static_cast<int32_t>(k0 + c * 16);
+        ok[c] = (key <= vi16{} + static_cast<int32_t>(hi)) & (key >= vi16{} + static_cast<int32_t>(lo));
+        s[r][c] = ok[c] ? s[r][c] : splat(-INFINITY);
+      }
       top = s[r][c] > top ? s[r][c] : top;
     }
-    float bm = top[0];
-    for (int t = 1; t < 16; ++t) bm = std::max(bm, top[t]);
+    const float bm = lanes_max(top);
     const float mn = std::max(m[i0 + r], bm);
     if (mn == -INFINITY) {  // nothing visible yet to this vector
       alpha[r] = 1.f;
       std::memset(pr[r], 0, sizeof(pr[r]));
       continue;
     }
-    alpha[r] = m[i0 + r] == -INFINITY ? 0.f : std::exp(m[i0 + r] - mn);
+    alpha[r] = m[i0 + r] == mn ? 1.f : m[i0 + r] == -INFINITY ? 0.f : std::exp(m[i0 + r] - mn);
     v16 sum = v16{};
     for (int c = 0; c < C; ++c) {
-      const v16 e = ok[c] ? exp16(s[r][c] - mn) : v16{};
+      const v16 e = whole ? exp16(s[r][c] - mn) : ok[c] ? exp16(s[r][c] - mn) : v16{};
       std::memcpy(pr[r] + c * 16, &e, sizeof(e));
       sum += e;
     }
