@@ -32,11 +32,14 @@ from blend_engine.types import BlendPlan, Mode
 
 logger = logging.getLogger(__name__)
 OUT = Path(__file__).resolve().parents[1] / "results" / "peer_vllm"
-GROUPS: dict[str, tuple[str, ...]] = {  # op name fragments, first match wins
-    "attention": ("scaled_dot_product", "flash_attention", "_softmax", "bmm", "baddbmm"),
+GROUPS: dict[str, tuple[str, ...]] = {  # op name fragments, first match wins (the C++ kernels' ops too)
+    "attention": ("scaled_dot_product", "flash_attention", "_softmax", "bmm", "baddbmm", "selected_attention",
+                  "paged_decode"),
     "matmul (linear layers)": ("addmm", "aten::mm", "linear", "matmul"),
-    "copies and indexing": ("copy_", "index", "cat", "stack", "clone", "contiguous", "gather", "scatter"),
-    "elementwise and norms": ("mul", "add", "sub", "div", "silu", "rsqrt", "pow", "mean", "neg", "exp"),
+    "copies and indexing": ("copy_", "index", "cat", "stack", "clone", "contiguous", "gather", "scatter",
+                            "place_rotated"),
+    "elementwise and norms": ("mul", "add", "sub", "div", "silu", "rsqrt", "pow", "mean", "neg", "exp", "rms_norm",
+                              "rope"),
 }
 
 
