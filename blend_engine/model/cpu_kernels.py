@@ -15,8 +15,9 @@ benchmarks/results/cpu_kernels/):
   blend's selected rows; every row of a causal prefill): register tiles of query vectors over key
   blocks of 64, an online softmax, no [S, N] mask; ~70M (row, key) cells/s at SmolLM2's heads, 1.4-1.8x
   SDPA in position-ordered blocks, 1.16-1.20x one causal SDPA (`python -m benchmarks.kernels.prefill_attention`)
-  on the AMD EPYC host; on an AMX Xeon causal SDPA is faster from ~2K rows, so the runner measures which
-  is at load (`runner.sdpa_causal_faster`).
+  on the AMD EPYC host; on an AMX Xeon ~120M cells/s, 1.44-1.58x the blocks and 1.18x causal SDPA (2026-12-07;
+  before 738c7c7 causal SDPA was faster there from ~2K rows), so the runner measures which is at load
+  (`runner.sdpa_causal_faster`).
 
       keys:   | 0 .............................. N-1 |
       row s:  | 0 ...... pos[s] |   (on a sliding-window layer only the last `window` of them)

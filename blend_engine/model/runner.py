@@ -453,9 +453,10 @@ def sdpa_causal_faster(runner: ModelRunner, rows: int = CAUSAL_PROBE,
                        timer: Callable[[Callable[[], object]], float] | None = None) -> bool:
     """Whether SDPA's causal kernel (`ModelRunner.attend`) attends every row of a `rows`-token prompt at the
     runner's heads faster than `cpu_kernels.selected_attention` on this machine. Which one is differs by
-    host: on an AMD EPYC (AVX-512) the C++ kernel was 1.16-1.20x faster; on an Intel Xeon (AVX-512, AMX)
-    SDPA is from ~2K rows, 1.20-1.22x at 4-8K (SmolLM2's heads at 5,839 rows: 216 against 176 ms a layer),
-    while the kernel stays faster below ~1.5K rows and for a blend's selected rows at any length."""
+    host and kernel: on an AMD EPYC (AVX-512) the C++ kernel was 1.16-1.20x faster; on an Intel Xeon
+    (AVX-512, AMX) SDPA was, from ~2K rows, 1.20-1.22x at 4-8K (SmolLM2's heads at 5,839 rows: 216 against
+    176 ms a layer), until the kernel's inner loops lost two uops a broadcast (738c7c7): now 142 against
+    167 ms there, the kernel 1.18x."""
     timer = timer or functools.partial(best_time, reps=2)  # ~0.3 s at SmolLM2's heads
     s = runner.shape
     g = torch.Generator().manual_seed(0)
